@@ -1,0 +1,64 @@
+"""Hand-built rollout trees shared by the tests (values worked out by hand in the docstrings)."""
+
+import math
+
+from trl_tree import RolloutTree, Turn
+
+LOG = math.log
+PROMPT = [1, 2]
+
+
+def t(action, logps, obs=()):
+    return Turn(action_ids=list(action), action_logps=[LOG(p) for p in logps], observation_ids=list(obs))
+
+
+# Unique turns (letters) with their tokens and per-token behaviour probabilities.
+A = t([10], [0.5], [90, 91])
+B = t([11, 12], [0.6, 0.5], [92])
+C = t([13], [0.6])
+L = t([14], [0.2])
+G = t([15], [0.1])
+H = t([16], [0.2])
+M_ = t([17], [0.1])
+N_ = t([18], [0.3], [93])
+P = t([19], [0.7])
+D = t([20], [0.4], [90, 91])
+E = t([21], [0.5])
+I_ = t([22], [0.25])
+J = t([23], [0.25])
+F_ = t([24], [0.3])
+K_ = t([25], [0.3])
+
+
+def hotpot_like_tree() -> RolloutTree:
+    """A (M, N) = (4, 2) tree: 4 initial trajectories, 2 branches each, K = 12.
+
+    initial:  τ1 a→b→c (R=1)   τ2 d→e (0)   τ3 f (0)   τ4 a→g (1)
+    branches: τ5 a→h (0), τ6 a→b→c (1, duplicate of τ1)      [from τ1 at anchors 1 and 2]
+              τ7 d→i (1), τ8 d→j (0)                          [from τ2, anchor 1 twice]
+              τ9 k (0), τ10 a→b→l (0)                         [from τ3, T = 1: resampled from the prompt]
+              τ11 a→m (0), τ12 a→n→p (1)                      [from τ4]
+    Unique turns: a d f k | b g h m n | c l | e i j | p = 15 (26 trajectory turns); c has multiplicity 2.
+    """
+    trajectories = [
+        [A, B, C], [D, E], [F_], [A, G],
+        [A, H], [A, B, C], [D, I_], [D, J], [K_], [A, B, L], [A, M_], [A, N_, P],
+    ]
+    rewards = [1, 0, 0, 1, 0, 1, 1, 0, 0, 0, 0, 1]
+    return RolloutTree.from_trajectories(PROMPT, trajectories, rewards)
+
+
+def deep_tree() -> RolloutTree:
+    """Depth 4, branching at the prompt and at depths 1, 2 and 3, with observations of different lengths."""
+    a = t([30, 31, 32], [0.5, 0.4, 0.9], [80, 81])
+    b = t([33], [0.5], [82, 83, 84])
+    b2 = t([34, 35], [0.3, 0.3], [85])
+    c = t([36, 37], [0.2, 0.9], [86])
+    c2 = t([38], [0.6], [87, 88])
+    d = t([39, 40, 41], [0.5, 0.5, 0.5])
+    d2 = t([42], [0.1])
+    e = t([43, 44], [0.5, 0.5])
+    f = t([45], [0.8], [89])
+    g = t([46, 47], [0.5, 0.5])
+    trajectories = [[a, b, c, d], [a, b, c, d2], [a, b, c2, e], [a, b2, e], [f, g], [a, b, c, d]]
+    return RolloutTree.from_trajectories([1, 2, 3, 4, 5], trajectories, [1.0, 0.0, 0.5, 0.0, 1.0, 1.0])

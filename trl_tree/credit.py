@@ -1,0 +1,205 @@
+"""Turn-level credit on a rollout tree: pure functions, one per equation (DESIGN §3).
+
+Every function takes plain tensors (and a `RolloutTree` for its shape) and returns tensors; nothing here touches a
+model. Values are indexed like `tree.turns` (unique turns in DFS order) unless said otherwise.
+
+TreeOPSD (summary eqs; paper §2.3, §3):
+    A_k  = (R_k − mean R) / std_sample(R)                             T1  `standardize`
+    V_i  = Σ_c ω_ic V_c,  ω_ic = softmax_c log π_old(a_c | h_c)       T3  `likelihood_backup`
+    τ    = (K − 1) / (ρ √K),  q_i = 1/2 + V_i / τ                     T4  `treeopsd_teacher`
+A merged leaf's value is the mean of its occurrences' A_k (T2, `leaf_values`).
+
+Every backup here is a softmax-weighted average over a turn's unique children, `V_i = Σ_c softmax_c(z_c) V_c`;
+the methods differ only in the child logits z_c: the summed behaviour log-likelihood (TreeOPSD), log of the
+child's multiplicity (AT2PO child-mean), the child's entropy (AT2PO child-softmax) or log of the leaf occurrences
+below it (leaf-mean, TreeAdv's segment advantage). `softmax_backup` is that one mechanism.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .tree import RolloutTree
+
+# ---------------------------------------------------------------------------------------------------------------
+# Leaf statistics
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def standardize(rewards: Tensor, *, ddof: int = 1, eps: float = 0.0, min_leaves: int = 2) -> Tensor:
+    """T1: A_k = (R_k − mean R) / std(R) over the K terminal trajectories of one tree, duplicates included.
+
+    TreeOPSD uses the sample std (ddof=1) and no epsilon; if every reward is exactly equal, every A_k is 0 (not NaN).
+    AT2PO (A3) is `standardize(R, ddof=0, eps=1e-6)`.
+
+    Raises:
+        ValueError: fewer than `min_leaves` rewards (the sample std needs K ≥ 2), or a non-finite reward.
+    """
+    rewards = torch.as_tensor(rewards, dtype=torch.float64)
+    if rewards.dim() != 1:
+        raise ValueError(f"standardize expects a 1-D tensor of K rewards, got shape {tuple(rewards.shape)}.")
+    if rewards.numel() < min_leaves:
+        raise ValueError(
+            f"A tree needs K ≥ {min_leaves} terminal trajectories to standardise rewards, got K = {rewards.numel()}: "
+            "increase num_initial_rollouts (M) or num_branches (N)."
+        )
+    if not torch.isfinite(rewards).all():
+        bad = int((~torch.isfinite(rewards)).nonzero()[0])
+        raise ValueError(f"Reward of trajectory {bad} is {rewards[bad].item()}: rewards must be finite.")
+    centered = rewards - rewards.mean()
+    if bool((rewards == rewards[0]).all()):
+        return torch.zeros_like(rewards)
+    return centered / (rewards.std(correction=ddof) + eps)
+
+
+def group_normalize(scores: Tensor) -> Tensor:
+    """TreeFlex F1: (R − mean) / std over the group's terminal scores, with divisor 1 when all scores are equal."""
+    scores = torch.as_tensor(scores, dtype=torch.float64)
+    centered = scores - scores.mean()
+    if scores.numel() < 2 or bool((scores == scores[0]).all()):
+        return centered
+    return centered / scores.std(correction=1)
+
+
+def samuelson_bound(num_leaves: int) -> float:
+    """|A_k| ≤ (K − 1)/√K for sample-standardised values (Samuelson's inequality); equality for one dissenter."""
+    return (num_leaves - 1) / math.sqrt(num_leaves)
+
+
+def leaf_values(tree: RolloutTree, leaf_advantages: Tensor) -> Tensor:
+    """T2: each terminal turn's value is the mean of the A_k of the trajectories that end in it.
+
+    Returns a tensor over `tree.turns` with the leaf values at terminal turns and 0 elsewhere.
+    """
+    leaf_advantages = torch.as_tensor(leaf_advantages, dtype=torch.float64)
+    if leaf_advantages.numel() != tree.num_leaves:
+        raise ValueError(
+            f"Got {leaf_advantages.numel()} leaf advantages for a tree with K = {tree.num_leaves} trajectories."
+        )
+    leaf_of = torch.tensor(tree.leaf_of)
+    sums = torch.zeros(tree.num_turns, dtype=torch.float64).index_add_(0, leaf_of, leaf_advantages)
+    counts = multiplicities(tree)
+    return torch.where(counts > 0, sums / counts.clamp(min=1), torch.zeros_like(sums))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tree shape as tensors
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def parents(tree: RolloutTree) -> Tensor:
+    """Parent index of every unique turn (-1 for first turns)."""
+    return torch.tensor([t.parent for t in tree.turns], dtype=torch.long)
+
+
+def multiplicities(tree: RolloutTree) -> Tensor:
+    """How many trajectories end in each unique turn (0 for non-terminal turns)."""
+    return torch.tensor([t.multiplicity for t in tree.turns], dtype=torch.float64)
+
+
+def is_leaf(tree: RolloutTree) -> Tensor:
+    return torch.tensor([t.is_leaf for t in tree.turns], dtype=torch.bool)
+
+
+def action_logp_sums(tree: RolloutTree) -> Tensor:
+    """log π_old(a_i | h_i) summed over each turn's whole actor span (T3's child logits)."""
+    return torch.tensor([t.action_logp_sum for t in tree.turns], dtype=torch.float64)
+
+
+def leaf_counts_below(tree: RolloutTree) -> Tensor:
+    """Number of leaf occurrences (trajectories, duplicates counted) in each turn's subtree."""
+    counts = multiplicities(tree).clone()
+    par = parents(tree)
+    for i in range(tree.num_turns - 1, -1, -1):  # DFS order: children after parents, so reverse is bottom-up
+        if par[i] >= 0:
+            counts[par[i]] += counts[i]
+    return counts
+
+
+def _depths(tree: RolloutTree) -> Tensor:
+    return torch.tensor([t.depth for t in tree.turns], dtype=torch.long)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Backups
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def softmax_backup(tree: RolloutTree, leaf_value: Tensor, child_logits: Tensor) -> Tensor:
+    """V_i = Σ_{c ∈ children(i)} softmax_c(z_c) · V_c, bottom-up; leaves keep `leaf_value`.
+
+    The softmax runs over the *unique* children of each turn, vectorised one depth level at a time (a scatter
+    log-sum-exp per level), so the cost is O(turns) tensor work, not a Python loop per child.
+
+    Args:
+        tree: the tree whose shape is used.
+        leaf_value: values over `tree.turns`, read at terminal turns.
+        child_logits: z_c over `tree.turns`: the logit each turn gets as a child of its parent.
+    """
+    leaf_value = torch.as_tensor(leaf_value, dtype=torch.float64)
+    child_logits = torch.as_tensor(child_logits, dtype=torch.float64)
+    n = tree.num_turns
+    if leaf_value.numel() != n or child_logits.numel() != n:
+        raise ValueError(f"Expected tensors over the tree's {n} unique turns.")
+    par, depth, leaf = parents(tree), _depths(tree), is_leaf(tree)
+    values = torch.where(leaf, leaf_value, torch.zeros_like(leaf_value))
+    for d in range(int(depth.max()), 0, -1):
+        child = (depth == d).nonzero().squeeze(1)
+        p = par[child]
+        z = child_logits[child]
+        zmax = torch.full((n,), -math.inf, dtype=torch.float64).scatter_reduce(0, p, z, reduce="amax")
+        w = torch.exp(z - zmax[p])
+        norm = torch.zeros(n, dtype=torch.float64).index_add_(0, p, w)
+        contrib = torch.zeros(n, dtype=torch.float64).index_add_(0, p, w * values[child])
+        has_child = norm > 0
+        values = torch.where(has_child & ~leaf, contrib / norm.clamp(min=1e-300), values)
+    return values
+
+
+def likelihood_backup(tree: RolloutTree, leaf_advantages: Tensor) -> Tensor:
+    """T2–T3: TreeOPSD's likelihood-weighted backup.
+
+    V_leaf = mean A_k of the trajectories ending there; V_i = Σ_c ω_ic V_c with ω_ic = softmax over the unique children
+    c of i of log π_old(a_c | h_c), the log-likelihood summed over the child's whole actor span (not the per-token
+    mean: a long, likely continuation should outweigh a short, unlikely one exactly as the behaviour policy does).
+    """
+    return softmax_backup(tree, leaf_values(tree, leaf_advantages), action_logp_sums(tree))
+
+
+def child_mean_backup(tree: RolloutTree, leaf_advantages: Tensor) -> Tensor:
+    """AT2PO A4 child-mean: V_i = mean over children; a leaf child with multiplicity m counts m times."""
+    weights = torch.where(is_leaf(tree), multiplicities(tree), torch.ones(tree.num_turns, dtype=torch.float64))
+    return softmax_backup(tree, leaf_values(tree, leaf_advantages), weights.log())
+
+
+def leaf_mean_backup(tree: RolloutTree, leaf_advantages: Tensor) -> Tensor:
+    """Leaf-mean: V_i = mean of the A_k of every trajectory through i (AT2PO A4; TreeAdv D2 segment advantage)."""
+    return softmax_backup(tree, leaf_values(tree, leaf_advantages), leaf_counts_below(tree).log())
+
+
+def entropy_softmax_backup(tree: RolloutTree, leaf_advantages: Tensor, turn_entropies: Tensor) -> Tensor:
+    """AT2PO A4 child-softmax (default): V_i = Σ_c softmax_c(H_c) V_c over the children's turn entropies."""
+    return softmax_backup(tree, leaf_values(tree, leaf_advantages), torch.as_tensor(turn_entropies))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Teachers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def treeopsd_temperature(num_leaves: int, rho: float) -> float:
+    """T4: τ = (K − 1)/(ρ √K). With |V| ≤ (K−1)/√K (Samuelson), |V/τ| ≤ ρ, so q stays in [1/2 − ρ, 1/2 + ρ]."""
+    if not 0.0 < rho < 0.5:
+        raise ValueError(f"target_radius ρ must satisfy 0 < ρ < 1/2 (so that q stays in (0, 1)); got ρ = {rho}.")
+    if num_leaves < 2:
+        raise ValueError(f"TreeOPSD needs K ≥ 2 terminal trajectories per tree; got K = {num_leaves}.")
+    return (num_leaves - 1) / (rho * math.sqrt(num_leaves))
+
+
+def treeopsd_teacher(V: Tensor, num_leaves: int, rho: float) -> tuple[Tensor, float]:
+    """T4: the frozen bounded Bernoulli teacher q_i = 1/2 + V_i/τ, τ = (K − 1)/(ρ √K). Returns (q, τ)."""
+    tau = treeopsd_temperature(num_leaves, rho)
+    return 0.5 + torch.as_tensor(V, dtype=torch.float64) / tau, tau
