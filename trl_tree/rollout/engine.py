@@ -1,0 +1,137 @@
+"""Generation backends: "continue these token-id prefixes until the turn ends" (DESIGN §5).
+
+A sampler round is one batched call. Token-in, token-out: prefixes are lists of token ids that only grow; nothing is
+decoded and re-tokenised. Every backend returns, per prefix, the generated ids, their sampling log-probs and (when
+the backend can) per-token entropies, and whether the turn ended on an end-of-turn token or ran out of budget.
+
+On multi-process runs each rank must issue the same number of calls (ZeRO-3, FSDP and vLLM's collectives); a rank
+with nothing to do calls `generate([])`, which the backends turn into a one-token dummy call.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class Continuation:
+    """What a backend generated for one prefix."""
+
+    ids: list[int]
+    logps: list[float]
+    entropies: list[float] | None
+    finished: bool  # ended on an end-of-turn token (False: cut by the token budget)
+
+
+class GenerationEngine(Protocol):
+    def generate(self, prefixes: list[list[int]], max_new_tokens: list[int]) -> list[Continuation]: ...
+
+
+def _cut_at_eos(ids: list[int], eos_ids: set[int], budget: int) -> tuple[int, bool]:
+    """Length of the turn (the end-of-turn token included) and whether it finished within `budget`."""
+    for j, tok in enumerate(ids[:budget]):
+        if tok in eos_ids:
+            return j + 1, True
+    return min(len(ids), budget), False
+
+
+class HFEngine:
+    """`model.generate` on the training model (through TRL's `unwrap_model_for_generation`, so DeepSpeed ZeRO-3 and
+    FSDP parameters are gathered the way GRPOTrainer gathers them).
+
+    With `with_scores=True`, entropies are exact (from the raw logits of every step) and log-probs are those of the
+    sampling distribution (after temperature / top-p / top-k). Keeping every step's logits costs steps × batch × vocab
+    floats, so it is off unless a sampler needs entropies (AT2PO, TreeAdv); π_old is recomputed by the training model
+    in the packed forward anyway (DESIGN T6), so the placeholders (0.0) are never used as log-probs.
+    """
+
+    def __init__(self, trainer, with_scores: bool = False):
+        self.trainer = trainer
+        self.with_scores = with_scores
+        self.eos_ids = set(trainer.eos_token_ids)
+        self.pad_id = trainer._tokenizer.pad_token_id
+
+    def _generation_config(self, max_new_tokens: int):
+        config = copy.deepcopy(self.trainer.generation_config)
+        config.max_new_tokens = max_new_tokens
+        config.output_scores = config.output_logits = self.with_scores
+        config.return_dict_in_generate = True
+        return config
+
+    @torch.no_grad()
+    def generate(self, prefixes: list[list[int]], max_new_tokens: list[int]) -> list[Continuation]:
+        from trl.models import unwrap_model_for_generation
+
+        trainer = self.trainer
+        dummy = not prefixes
+        if dummy:  # keep collectives balanced across ranks
+            prefixes, max_new_tokens = [[self.pad_id]], [1]
+        device = trainer.accelerator.device
+        width = max(len(p) for p in prefixes)
+        input_ids = torch.full((len(prefixes), width), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for row, prefix in enumerate(prefixes):  # left padding
+            input_ids[row, width - len(prefix) :] = torch.tensor(prefix)
+            attention_mask[row, width - len(prefix) :] = 1
+        budget = max(max_new_tokens)
+        with (
+            unwrap_model_for_generation(
+                trainer.model_wrapped,
+                trainer.accelerator,
+                gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
+                generation_kwargs=trainer.generation_kwargs,
+                gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
+            ) as unwrapped,
+            trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False),
+        ):
+            out = unwrapped.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                generation_config=self._generation_config(budget),
+            )
+        if dummy:
+            return []
+        new = out.sequences[:, width:].cpu()
+        if self.with_scores:
+            scores = torch.stack(out.scores, dim=1).float().log_softmax(-1).cpu()  # processed: what was sampled from
+            raw = torch.stack(out.logits, dim=1).float().log_softmax(-1).cpu()
+            logps = scores.gather(-1, new.unsqueeze(-1)).squeeze(-1)
+            entropies = -(raw.exp() * raw).sum(-1)
+        results = []
+        for row in range(len(prefixes)):
+            n, finished = _cut_at_eos(new[row].tolist(), self.eos_ids, max_new_tokens[row])
+            results.append(
+                Continuation(
+                    ids=new[row, :n].tolist(),
+                    logps=logps[row, :n].tolist() if self.with_scores else [0.0] * n,
+                    entropies=entropies[row, :n].tolist() if self.with_scores else None,
+                    finished=finished,
+                )
+            )
+        return results
+
+
+class ScriptedEngine:
+    """Replays fixed turns: `script(prefix) -> list[int]` decides what the "model" says after a prefix.
+
+    For tests and demos, the way TRL tests its tool loop with patched generation: the tree that comes out is known
+    in advance. Log-probs are uniform placeholders (the trainer recomputes π_old with the training model anyway).
+    """
+
+    def __init__(self, script, eos_ids):
+        self.script = script
+        self.eos_ids = set(eos_ids)
+        self.calls = 0
+
+    def generate(self, prefixes: list[list[int]], max_new_tokens: list[int]) -> list[Continuation]:
+        self.calls += 1
+        results = []
+        for prefix, budget in zip(prefixes, max_new_tokens):
+            ids = list(self.script(list(prefix)))
+            n, finished = _cut_at_eos(ids, self.eos_ids, budget)
+            results.append(Continuation(ids[:n], [0.0] * n, [0.0] * n, finished))
+        return results

@@ -1,0 +1,233 @@
+"""Growing rollout trees with a multi-turn tool-calling policy (DESIGN §3 "Anchors", §5).
+
+A `Branch` is one trajectory being grown: its token history (which only ever grows by appending the model's tokens
+and the observation's tokens), its turns, its conversation messages (what reward functions see) and, for stateful
+environments, the environment and a snapshot of it before every turn (so a branch can restart from any turn with the
+world as it was then).
+
+A sampler round is one batched engine call that continues every active branch by one turn. On multi-process runs,
+`any_active` is a collective: every rank keeps calling the engine (with nothing, if it has nothing left) until no
+rank has work, so all ranks issue the same number of generate calls.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..tree import Turn
+from .engine import GenerationEngine
+from .env import environment_tools, fork_environment, run_tool_call
+
+INVALID_TOOL_NAME = "invalid_tool_call"
+
+
+@dataclass
+class Branch:
+    """One trajectory being grown. `turn_starts[t]` / `message_starts[t]` mark where turn t begins."""
+
+    tree: int
+    prefix_ids: list[int]
+    prompt_len: int
+    turns: list[Turn] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)
+    env: Any = None
+    tools: dict[str, Callable] = field(default_factory=dict)
+    snapshots: list[Any] = field(default_factory=list)
+    turn_starts: list[int] = field(default_factory=list)
+    message_starts: list[int] = field(default_factory=list)
+    done: bool = False
+    tool_calls: int = 0
+    tool_failures: int = 0
+
+    @property
+    def completion_len(self) -> int:
+        return len(self.prefix_ids) - self.prompt_len
+
+    def restart_at(self, t: int) -> Branch:
+        """A new branch that keeps turns [0, t) and will regenerate turn t (t = 0: resample from the prompt)."""
+        env = fork_environment(self.snapshots[t]) if self.env is not None else None
+        end = self.turn_starts[t] if t < len(self.turn_starts) else len(self.prefix_ids)
+        return Branch(
+            tree=self.tree,
+            prefix_ids=self.prefix_ids[:end],
+            prompt_len=self.prompt_len,
+            turns=list(self.turns[:t]),
+            messages=list(self.messages[: self.message_starts[t]]),
+            env=env,
+            tools=_bind_tools(self.tools, env),
+            snapshots=list(self.snapshots[:t]),
+            turn_starts=list(self.turn_starts[:t]),
+            message_starts=list(self.message_starts[:t]),
+        )
+
+
+def _bind_tools(tools: dict[str, Callable], env) -> dict[str, Callable]:
+    """Re-point an environment's tool methods at `env` (a forked copy); standalone tools are kept as they are."""
+    if env is None:
+        return dict(tools)
+    rebound = {**tools}
+    for method in environment_tools(env):
+        rebound[method.__name__] = method
+    return rebound
+
+
+@dataclass
+class SamplerSettings:
+    max_turns: int
+    max_completion_length: int
+    tool_timeout: float | None = 30.0
+    max_observation_chars: int | None = 16384
+    failure_penalty: float = -1.0
+
+
+class TurnLoop:
+    """Continues branches one turn at a time: generate, parse tool calls, run them, append the observation.
+
+    Args:
+        engine: the generation backend.
+        parse: `parse(action_ids, prefix_ids) -> assistant message dict` (with `tool_calls` when the action calls
+            tools), e.g. TRL's `parse_response` bound to the tokenizer.
+        observation_ids: `observation_ids(tool_messages) -> token ids` for the tool responses and the next
+            assistant header (TRL's `_get_tool_suffix_ids`).
+        any_active: `any_active(local_flag) -> bool` across ranks (identity on one process).
+        settings: budgets and tool limits.
+    """
+
+    def __init__(
+        self,
+        engine: GenerationEngine,
+        parse: Callable[[list[int], list[int]], dict],
+        observation_ids: Callable[[list[dict]], list[int]],
+        settings: SamplerSettings,
+        any_active: Callable[[bool], bool] = lambda flag: flag,
+    ):
+        self.engine = engine
+        self.parse = parse
+        self.observation_ids = observation_ids
+        self.settings = settings
+        self.any_active = any_active
+
+    def run(self, branches: list[Branch]) -> None:
+        """Grow every branch to a terminal turn (in place)."""
+        while self.any_active(any(not b.done for b in branches)):
+            self.step([b for b in branches if not b.done])
+
+    def step(self, active: list[Branch]) -> None:
+        budgets = [self.settings.max_completion_length - b.completion_len for b in active]
+        outputs = self.engine.generate([b.prefix_ids for b in active], budgets)
+        for branch, out in zip(active, outputs):
+            self._append_turn(branch, out)
+
+    def _append_turn(self, branch: Branch, out) -> None:
+        s = self.settings
+        t = len(branch.turns)
+        branch.turn_starts.append(len(branch.prefix_ids))
+        branch.message_starts.append(len(branch.messages))
+        if branch.env is not None:
+            branch.snapshots.append(fork_environment(branch.env))
+        message = self.parse(out.ids, branch.prefix_ids)
+        calls = message.get("tool_calls") or []
+        malformed = not calls and bool(branch.tools) and _looks_like_tool_call(message)
+        branch.messages.append(message)
+        branch.prefix_ids = branch.prefix_ids + out.ids
+        turn = Turn(out.ids, out.logps, [], entropies=out.entropies, truncated=not out.finished)
+        branch.turns.append(turn)
+        last_turn_allowed = t + 1 >= s.max_turns
+        if not out.finished or (not calls and not malformed) or last_turn_allowed:
+            branch.done = True
+            return
+        results = (
+            [run_tool_call(call, branch.tools, s.tool_timeout, s.max_observation_chars) for call in calls]
+            if calls
+            else [_malformed_result()]
+        )
+        branch.tool_calls += len(results)
+        failures = sum(r.failed for r in results)
+        branch.tool_failures += failures
+        turn.penalty = s.failure_penalty * failures
+        tool_messages = [{"role": "tool", "name": r.name, "content": r.content} for r in results]
+        obs = self.observation_ids(tool_messages)
+        if branch.completion_len + len(obs) >= s.max_completion_length:
+            branch.done = True  # no room for the answer: end here, as TRL drops overlong tool results
+            return
+        turn.observation_ids = list(obs)
+        branch.messages.extend(tool_messages)
+        branch.prefix_ids = branch.prefix_ids + list(obs)
+
+
+def _looks_like_tool_call(message: dict) -> bool:
+    content = message.get("content")
+    return isinstance(content, str) and "<tool_call>" in content
+
+
+def _malformed_result():
+    from .env import ToolResult
+
+    return ToolResult(
+        INVALID_TOOL_NAME,
+        'Error: malformed tool call. Write <tool_call>{"name": ..., "arguments": {...}}</tool_call> with valid JSON.',
+        failed=True,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Samplers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TreeRoot:
+    """What a sampler needs to start one tree: the rendered prompt, and the (already reset) environment if any."""
+
+    prompt_ids: list[int]
+    env: Any = None
+    tools: dict[str, Callable] = field(default_factory=dict)
+
+
+def _start(tree: int, root: TreeRoot, fork: bool) -> Branch:
+    env = fork_environment(root.env) if (fork and root.env is not None) else root.env
+    return Branch(
+        tree=tree, prefix_ids=list(root.prompt_ids), prompt_len=len(root.prompt_ids), env=env,
+        tools=_bind_tools(root.tools, env),
+    )
+
+
+def uniform_anchors(num_turns: int, n: int, rng: random.Random) -> list[int]:
+    """N anchor turn indices drawn uniformly from {1..T−1} with replacement; 0 (resample from the prompt) if T = 1."""
+    if num_turns <= 1:
+        return [0] * n
+    return [rng.randint(1, num_turns - 1) for _ in range(n)]
+
+
+class InitExpandSampler:
+    """TreeOPSD / TreePO's initialise-then-expand trees: M full trajectories, then N continuations of each from
+    uniformly drawn turn prefixes. K = M(N + 1) leaves per tree; expected cost ≈ M(1 + N/2) trajectories.
+    """
+
+    def __init__(self, loop: TurnLoop, num_initial: int, num_branches: int, seed: int = 0):
+        if num_initial < 1 or num_branches < 0:
+            raise ValueError(
+                f"Need num_initial_rollouts M ≥ 1 and num_branches N ≥ 0; got M = {num_initial}, N = {num_branches}."
+            )
+        self.loop = loop
+        self.num_initial = num_initial
+        self.num_branches = num_branches
+        self.rng = random.Random(seed)
+
+    def sample(self, roots: list[TreeRoot]) -> list[list[Branch]]:
+        """Returns, per tree, its K finished branches: the M initial ones first, then their continuations."""
+        initial = [_start(i, root, fork=m > 0) for i, root in enumerate(roots) for m in range(self.num_initial)]
+        self.loop.run(initial)
+        expansions = [
+            branch.restart_at(t)
+            for branch in initial
+            for t in uniform_anchors(len(branch.turns), self.num_branches, self.rng)
+        ]
+        self.loop.run(expansions)
+        per_tree: list[list[Branch]] = [[] for _ in roots]
+        for branch in initial + expansions:
+            per_tree[branch.tree].append(branch)
+        return per_tree

@@ -1,0 +1,183 @@
+"""Configurations of the tree trainers: `GRPOConfig` subclasses with the tree fields (DESIGN §1, §3).
+
+Sequential optimizer blocks (the paper's E): one generation batch of B prompts is split into E mini-batches of whole
+trees, one optimizer step each. In TRL terms, with W processes:
+
+    per_device_train_batch_size   trees per micro-batch on each process
+    gradient_accumulation_steps   micro-batches per optimizer step
+    steps_per_generation          micro-batches per generation batch  = E × gradient_accumulation_steps
+    B = per_device_train_batch_size × W × steps_per_generation
+
+e.g. the paper's B = 256, E = 4 on 8 GPUs: per_device_train_batch_size = 8, gradient_accumulation_steps = 1,
+steps_per_generation = 4 (each block: 64 trees). `num_iterations` stays 1: the repeated optimisation on one batch
+*is* the E blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+from trl.trainer.base_config import _BaseConfig
+
+PACKING_LAYOUTS = ("tree", "paths")
+ANCHOR_RULES = ("uniform",)
+
+
+@dataclass
+class TreeConfig(GRPOConfig):
+    """Fields shared by every tree trainer (the sampler budget, tools, packing).
+
+    Parameters:
+        max_turns (`int`, defaults to `5`): assistant turns per trajectory, the final answer included (the paper's
+            five for multi-hop QA). A tool call in the last allowed turn ends the trajectory unexecuted.
+        packing (`str`, defaults to `"tree"`): `"tree"` forwards each tree once as a packed row of its unique tokens
+            with an ancestor-only attention mask (sdpa / eager / flex_attention); `"paths"` forwards one causal row
+            per root-to-leaf path (any attention kernel, e.g. flash-attention) and still trains each unique token once.
+        tool_timeout (`float`, defaults to `30.0`): seconds a tool call may run before it becomes an error observation.
+        max_observation_chars (`int`, defaults to `16384`): a tool's output is cut at this many characters, with a
+            marker saying how much was dropped (the paper's limit for retrieved observations).
+        tool_failure_penalty (`float`, defaults to `-1.0`): process penalty Q recorded on a turn per failed or
+            malformed tool call (used by TreeFlex; the other methods only log it).
+        num_generations: not used: a tree's size is set by the sampler fields. Must stay 1 (one tree per prompt).
+    """
+
+    max_turns: int = field(default=5, metadata={"help": "Assistant turns per trajectory, the final answer included."})
+    packing: str = field(default="tree", metadata={"help": "'tree' (one packed row per tree) or 'paths'."})
+    tool_timeout: float | None = field(default=30.0, metadata={"help": "Seconds a tool call may run."})
+    max_observation_chars: int | None = field(default=16384, metadata={"help": "Cap on a tool output's length."})
+    tool_failure_penalty: float = field(default=-1.0, metadata={"help": "Penalty per failed tool call (TreeFlex)."})
+    num_generations: int | None = field(default=1, metadata={"help": "Unused by tree trainers; must be 1."})
+    vllm_importance_sampling_correction: bool = field(
+        default=False, metadata={"help": "Unused: π_old is recomputed by the training model (must be False)."}
+    )
+
+    def __post_init__(self):
+        self._check_tree_fields()
+        self._reject_grpo_options()
+        # GRPOConfig.__post_init__ insists on num_generations ≥ 2 groups inside the generation batch; trees are whole
+        # on one process instead, so run the base post-init and derive the batch sizes the way GRPOConfig does.
+        _BaseConfig.__post_init__(self)
+        if isinstance(self.pad_to_multiple_of, str):
+            self.pad_to_multiple_of = None if self.pad_to_multiple_of.lower() in ("none", "null", "auto") else int(
+                self.pad_to_multiple_of
+            )
+        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
+        if self.auto_find_batch_size:
+            raise ValueError("auto_find_batch_size is not supported: it would split trees across micro-batches.")
+        self._derive_generation_batch()
+
+    def _derive_generation_batch(self):
+        per_step = self.per_device_train_batch_size * self.world_size
+        if self.generation_batch_size is None and self.steps_per_generation is None:
+            self.steps_per_generation = self.gradient_accumulation_steps
+        elif self.generation_batch_size is not None and self.steps_per_generation is None:
+            if self.generation_batch_size % per_step != 0:
+                raise ValueError(
+                    f"generation_batch_size ({self.generation_batch_size}) must be divisible by the global batch of "
+                    f"trees per micro-batch ({per_step})."
+                )
+            self.steps_per_generation = self.generation_batch_size // per_step
+        elif self.generation_batch_size is not None:
+            raise ValueError("Set either generation_batch_size or steps_per_generation, not both.")
+        self.generation_batch_size = per_step * self.steps_per_generation
+        if self.steps_per_generation % self.gradient_accumulation_steps != 0:
+            raise ValueError(
+                f"steps_per_generation ({self.steps_per_generation}) must be a multiple of gradient_accumulation_steps "
+                f"({self.gradient_accumulation_steps}): each optimizer block is a whole number of micro-batches."
+            )
+
+    @property
+    def num_optimizer_blocks(self) -> int:
+        """E: optimizer steps taken on one generation batch."""
+        return self.steps_per_generation // self.gradient_accumulation_steps
+
+    def _check_tree_fields(self):
+        if self.max_turns is None or self.max_turns < 1:
+            raise ValueError(f"max_turns must be ≥ 1 (assistant turns per trajectory); got {self.max_turns}.")
+        if self.packing not in PACKING_LAYOUTS:
+            raise ValueError(f"packing must be one of {PACKING_LAYOUTS}; got {self.packing!r}.")
+        if self.max_completion_length is None or self.max_completion_length < 1:
+            raise ValueError("max_completion_length must be a positive number of tokens per trajectory.")
+
+    def _reject_grpo_options(self):
+        rejected = {
+            "num_generations": (
+                self.num_generations not in (None, 1),
+                "a tree's size is set by the sampler (e.g. num_initial_rollouts and num_branches): leave "
+                "num_generations unset.",
+            ),
+            "num_iterations": (
+                self.num_iterations != 1,
+                "repeated optimisation on one generation batch is done by sequential optimizer blocks: set "
+                "steps_per_generation = E × gradient_accumulation_steps and keep num_iterations = 1.",
+            ),
+            "use_transformers_continuous_batching": (
+                self.use_transformers_continuous_batching,
+                "tree sampling continues token-id prefixes with model.generate or vLLM: set use_vllm=True for "
+                "throughput, or leave it off.",
+            ),
+            "top_entropy_quantile": (
+                self.top_entropy_quantile != 1.0,
+                "every unique turn is trained; the turn-level loss has no token entropy mask.",
+            ),
+            "vllm_importance_sampling_correction": (
+                self.vllm_importance_sampling_correction,
+                "π_old is recomputed by the training model in the packed forward (no sampler/trainer mismatch to "
+                "correct); leave it False.",
+            ),
+        }
+        for name, (bad, advice) in rejected.items():
+            if bad:
+                raise ValueError(f"{type(self).__name__} does not use `{name}`: {advice}")
+
+
+@dataclass
+class TreeOPSDConfig(TreeConfig):
+    """Configuration of `TreeOPSDTrainer` (paper §2–3, Alg. 1).
+
+    Parameters:
+        num_initial_rollouts (`int`, defaults to `4`): M, complete trajectories sampled per prompt.
+        num_branches (`int`, defaults to `2`): N, continuations branched from each initial trajectory at uniformly
+            drawn turn prefixes. K = M(N + 1) leaves per tree; (4, 2) matches GRPO's G = 8 in expected cost.
+        target_radius (`float`, defaults to `0.25`): ρ, the teacher's radius: q ∈ [1/2 − ρ, 1/2 + ρ]; 0 < ρ < 1/2.
+        anchor_rule (`str`, defaults to `"uniform"`): how branch points are drawn: N turn indices uniformly from
+            {1..T−1} with replacement (index 0, a resample from the prompt, when T = 1).
+        beta: must be 0.0 (the paper trains without a reference-model KL).
+    """
+
+    num_initial_rollouts: int = field(default=4, metadata={"help": "M: full trajectories per prompt."})
+    num_branches: int = field(default=2, metadata={"help": "N: continuations per initial trajectory."})
+    target_radius: float = field(default=0.25, metadata={"help": "ρ: q ∈ [1/2 − ρ, 1/2 + ρ], 0 < ρ < 1/2."})
+    anchor_rule: str = field(default="uniform", metadata={"help": "Branch points: 'uniform' over turn prefixes."})
+
+    def __post_init__(self):
+        if self.num_initial_rollouts is None or self.num_initial_rollouts < 1:
+            raise ValueError(f"num_initial_rollouts (M) must be ≥ 1; got {self.num_initial_rollouts}.")
+        if self.num_branches is None or self.num_branches < 0:
+            raise ValueError(f"num_branches (N) must be ≥ 0; got {self.num_branches}.")
+        if self.num_initial_rollouts * (self.num_branches + 1) < 2:
+            raise ValueError(
+                "A tree needs K = M(N + 1) ≥ 2 leaves to standardise rewards; got "
+                f"M = {self.num_initial_rollouts}, N = {self.num_branches}."
+            )
+        if not 0.0 < self.target_radius < 0.5:
+            raise ValueError(f"target_radius ρ must satisfy 0 < ρ < 1/2; got {self.target_radius}.")
+        if self.anchor_rule not in ANCHOR_RULES:
+            raise ValueError(f"anchor_rule must be one of {ANCHOR_RULES}; got {self.anchor_rule!r}.")
+        if self.beta != 0.0:
+            raise ValueError(
+                f"{type(self).__name__} trains without a reference-model KL (β = 0): the frozen teacher already "
+                "bounds each update. Set beta=0.0."
+            )
+        super().__post_init__()
+
+    @property
+    def leaves_per_tree(self) -> int:
+        return self.num_initial_rollouts * (self.num_branches + 1)
+
+
+@dataclass
+class TreePOConfig(TreeOPSDConfig):
+    """Configuration of `TreePOTrainer`: the same trees and credit as TreeOPSD, with the fixed-credit loss
+    −(1/L_x) Σ_i V_i Σ_j log-ratio (T7). `target_radius` is unused by the loss (V is not mapped to a teacher)."""
