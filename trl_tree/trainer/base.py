@@ -206,7 +206,7 @@ class TreeTrainer(GRPOTrainer):
         flat = _flatten_micro_batch(packed, logps, inputs)
         loss = self.turn_loss(flat, mode)
         if mode == "train":
-            loss = loss / self.current_gradient_accumulation_steps
+            loss = loss / getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
         return loss
 
     def turn_loss(self, flat: dict[str, torch.Tensor], mode: str) -> torch.Tensor:
@@ -214,7 +214,7 @@ class TreeTrainer(GRPOTrainer):
 
     def _optimizer_block(self) -> int:
         """Which of the E sequential optimizer blocks of the current generation batch is being trained."""
-        return (self._step % self.args.steps_per_generation) // self.current_gradient_accumulation_steps
+        return (self._step % self.args.steps_per_generation) // self.args.gradient_accumulation_steps
 
     # ---------------------------------------------------------------- metrics
 

@@ -1,0 +1,76 @@
+"""Scripted generation for trainer tests: the way TRL tests its tool loop, generation returns fixed token ids."""
+
+import json
+
+from datasets import Dataset
+
+from trl_tree.rollout.engine import ScriptedEngine
+from trl_tree.testing import tiny_model_and_tokenizer
+
+CALL_1_PLUS_1 = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+1"}}\n</tool_call>'
+
+
+def tool_call(name: str, **arguments) -> str:
+    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+
+
+class PrefixScript:
+    """Answers the i-th generation from a given suffix of the history with the i-th text listed for it.
+
+    `replies` maps the text the history ends with (decoded, after the last assistant header) to the list of texts to
+    produce, consumed in call order; every text is closed with the end-of-turn token.
+    """
+
+    def __init__(self, tokenizer, replies: dict[str, list[str]]):
+        self.tokenizer = tokenizer
+        self.replies = {k: list(v) for k, v in replies.items()}
+        self.eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def __call__(self, prefix: list[int]) -> list[int]:
+        text = self.tokenizer.decode(prefix, skip_special_tokens=False)
+        key = max((k for k in self.replies if text.endswith(k) or k == ""), key=len)
+        reply = self.replies[key].pop(0)
+        return self.tokenizer.encode(reply, add_special_tokens=False) + [self.eos]
+
+
+def scripted_engine(tokenizer, replies) -> ScriptedEngine:
+    script = PrefixScript(tokenizer, replies)
+    return ScriptedEngine(script, eos_ids=[script.eos])
+
+
+def contains_answer(completions, answer, **kwargs):
+    """1 if the final assistant message contains the gold answer."""
+    return [float(a in (c[-1].get("content") or "")) for c, a in zip(completions, answer)]
+
+
+def tiny():
+    return tiny_model_and_tokenizer()
+
+
+def arithmetic_dataset(n: int) -> Dataset:
+    return Dataset.from_dict(
+        {"prompt": [[{"role": "user", "content": "What is 1+1?"}]] * n, "answer": ["2"] * n}
+    )
+
+
+def config(cls, tmp_path, **overrides):
+    defaults = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=1,
+        steps_per_generation=1,
+        max_steps=1,
+        num_initial_rollouts=2,
+        num_branches=1,
+        max_turns=3,
+        max_completion_length=96,
+        logging_steps=1,
+        report_to="none",
+        bf16=False,
+        gradient_checkpointing=False,
+        use_cpu=True,
+        save_strategy="no",
+        learning_rate=1e-2,
+        seed=0,
+    )
+    defaults.update(overrides)
+    return cls(**defaults)

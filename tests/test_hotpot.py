@@ -1,0 +1,358 @@
+"""Properties of the HotpotQA environment: loading both layouts, corpora, retrievers, the search tool, the prompt."""
+
+import copy
+import http.server
+import inspect
+import json
+import socket
+import sys
+import threading
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from transformers.utils import get_json_schema
+
+from trl_tree.envs.hotpot import (
+    TRUNCATION_MARKER,
+    BM25Retriever,
+    DenseRetriever,
+    RemoteRetriever,
+    SearchEnv,
+    build_corpus,
+    build_prompt,
+    format_passages,
+    load_corpus,
+    load_hotpot_dataset,
+    load_hotpot_examples,
+    make_search_tool,
+    search_env_factory,
+)
+from trl_tree.envs.synthetic import make_synthetic_hotpot
+
+
+@pytest.fixture(scope="module")
+def examples():
+    return make_synthetic_hotpot(60, seed=7)
+
+
+@pytest.fixture(scope="module")
+def corpus(examples):
+    return build_corpus(examples)
+
+
+@pytest.fixture(scope="module")
+def bm25(corpus, tmp_path_factory):
+    return BM25Retriever(corpus, cache_dir=tmp_path_factory.mktemp("bm25"))
+
+
+class FakeRetriever:
+    """Returns ``n`` long passages whatever the query, and records the queries."""
+
+    def __init__(self, n=3, length=100):
+        self.n, self.length, self.queries = n, length, []
+
+    def search(self, queries, topk):
+        self.queries += queries
+        return [[{"title": f"T{i}", "text": "x" * self.length, "score": 1.0} for i in range(min(topk, self.n))]]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _original_layout(example):
+    """The example as the original HotpotQA JSON release stores it: pairs instead of dicts of lists, ``_id``."""
+    record = {k: v for k, v in example.items() if k not in {"id", "context", "supporting_facts"}}
+    record["_id"] = example["id"]
+    record["context"] = [[t, s] for t, s in zip(example["context"]["title"], example["context"]["sentences"])]
+    facts = example["supporting_facts"]
+    record["supporting_facts"] = [[t, i] for t, i in zip(facts["title"], facts["sent_id"])]
+    return record
+
+
+def _write(path, records):
+    if path.suffix == ".parquet":
+        pq.write_table(pa.Table.from_pylist(records), path)
+    elif path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    else:
+        path.write_text(json.dumps(records))
+    return path
+
+
+def test_both_layouts_and_all_file_types_load_to_the_same_examples_and_corpus(examples, tmp_path):
+    original = [_original_layout(e) for e in examples]
+    files = [_write(tmp_path / f"datasets{suffix}", examples) for suffix in (".json", ".jsonl", ".parquet")]
+    files += [_write(tmp_path / f"original{suffix}", original) for suffix in (".json", ".jsonl")]
+    for file in files:
+        loaded = load_hotpot_examples(file)
+        assert loaded == examples, file.name
+        assert build_corpus(loaded) == build_corpus(examples)
+
+
+def test_a_folder_is_read_like_a_local_copy_of_the_hub_repo(examples, tmp_path):
+    (tmp_path / "distractor").mkdir()
+    _write(tmp_path / "distractor" / "train-00000-of-00002.parquet", examples[:30])
+    _write(tmp_path / "distractor" / "train-00001-of-00002.parquet", examples[30:])
+    _write(tmp_path / "distractor" / "validation-00000-of-00001.parquet", examples[:5])
+    assert load_hotpot_examples(tmp_path, "distractor", "train") == examples
+    assert len(load_hotpot_examples(tmp_path, "distractor", "validation")) == 5
+
+
+def test_missing_question_or_answer_names_missing_and_found_columns(tmp_path):
+    path = _write(tmp_path / "bad.jsonl", [{"id": "1", "query": "q?", "context": []}])
+    with pytest.raises(ValueError) as error:
+        load_hotpot_examples(path)
+    message = str(error.value)
+    assert "['question', 'answer']" in message and "'query'" in message and "'context'" in message
+
+
+def test_load_hotpot_dataset_gives_trainer_ready_columns(examples, tmp_path):
+    dataset = load_hotpot_dataset(_write(tmp_path / "d.jsonl", examples), limit=10)
+    assert len(dataset) == 10
+    assert set(dataset.column_names) == {"prompt", "question", "answer", "id"}
+    row = dataset[0]
+    assert row["prompt"] == build_prompt(examples[0]["question"])
+    assert (row["question"], row["answer"], row["id"]) == (
+        examples[0]["question"],
+        examples[0]["answer"],
+        "synthetic-7-000000",
+    )
+
+
+def test_prompt_is_search_r1_instruction_then_question():
+    prompt = build_prompt("Who founded Zorblax Inc.?")
+    assert [m["role"] for m in prompt] == ["system", "user"]
+    user = prompt[1]["content"]
+    assert "search" in user and "<answer> and </answer>" in user and "<answer> Beijing </answer>" in user
+    assert user.rstrip().endswith("Question: Who founded Zorblax Inc.?")
+    assert [m["role"] for m in build_prompt("q", system_prompt=None)] == ["user"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Corpus
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_build_corpus_keeps_each_title_once(examples, corpus):
+    titles = [doc["title"] for doc in corpus]
+    assert len(titles) == len(set(titles)) == len({t for e in examples for t in e["context"]["title"]})
+    assert all(set(doc) == {"id", "title", "text"} for doc in corpus)
+
+
+def test_load_corpus_reads_both_formats(tmp_path):
+    path = tmp_path / "corpus.jsonl"
+    lines = [{"id": "a", "title": "Zorblax", "text": "A company."}, {"id": "b", "contents": '"Brevona"\nA city.'}]
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
+    assert load_corpus(path) == [
+        {"id": "a", "title": "Zorblax", "text": "A company."},
+        {"id": "b", "title": "Brevona", "text": "A city."},
+    ]
+
+
+@pytest.mark.parametrize("bad_line", ['{"id": "b", "title": "no text"}', '{"id": "b", "contents": ', "[1, 2]"])
+def test_malformed_corpus_line_names_file_and_line(tmp_path, bad_line):
+    path = tmp_path / "corpus.jsonl"
+    path.write_text(json.dumps({"title": "t", "text": "x"}) + "\n\n" + bad_line + "\n")
+    with pytest.raises(ValueError, match=r"corpus\.jsonl, line 3"):
+        load_corpus(path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Retrievers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_bm25_finds_the_paragraph_of_each_hop_entity_in_top_3(examples, bm25):
+    """Querying each supporting paragraph's entity (the one the question names, then the bridge entity the first
+    passage names) puts that paragraph in BM25's top 3. Measured: 120/120 = 1.00 (names are unique made-up words)."""
+    queries = [title for e in examples for title in e["supporting_facts"]["title"]]
+    results = bm25.search(queries, topk=3)
+    rate = sum(q in [hit["title"] for hit in hits] for q, hits in zip(queries, results)) / len(queries)
+    assert rate >= 0.8
+    assert all(hits[0]["score"] >= hits[-1]["score"] for hits in results)
+
+
+def test_bm25_omits_passages_sharing_no_term_with_the_query(bm25):
+    assert bm25.search(["qqqqzzzz"], topk=3) == [[]]
+
+
+def test_bm25_index_is_reused_from_disk_for_the_same_corpus(corpus, tmp_path, monkeypatch):
+    import bm25s
+
+    first = BM25Retriever(corpus, cache_dir=tmp_path)
+    assert not first.from_cache and first.cache_path.is_dir()
+
+    def no_indexing(*args, **kwargs):
+        raise AssertionError("the index should have been loaded from the cache")
+
+    monkeypatch.setattr(bm25s.BM25, "index", no_indexing)
+    second = BM25Retriever(corpus, cache_dir=tmp_path)
+    assert second.from_cache and second.cache_path == first.cache_path
+    assert second.search(["Zorblax", corpus[5]["title"]], 3) == first.search(["Zorblax", corpus[5]["title"]], 3)
+    monkeypatch.undo()
+    assert not BM25Retriever(corpus[:-1], cache_dir=tmp_path).from_cache  # another corpus, another index
+
+
+class BagOfWordsEncoder:
+    """A fake sentence encoder: hashed bag of words; records what it was asked to encode."""
+
+    def __init__(self):
+        self.texts = []
+
+    def encode(self, texts, batch_size=32):
+        import numpy as np
+
+        self.texts += texts
+        vectors = np.zeros((len(texts), 512))
+        for row, text in enumerate(texts):
+            for word in text.lower().replace(":", " ").split():
+                vectors[row, hash(word.strip(".,?")) % 512] += 1
+        return vectors
+
+
+def test_dense_retriever_uses_e5_prefixes_and_ranks_by_cosine(corpus):
+    encoder = BagOfWordsEncoder()
+    retriever = DenseRetriever(corpus, encoder=encoder)
+    assert all(text.startswith("passage: ") for text in encoder.texts) and len(encoder.texts) == len(corpus)
+    title = corpus[3]["title"]
+    hits = retriever.search([title], topk=3)[0]
+    assert encoder.texts[-1] == f"query: {title}"
+    assert hits[0]["title"] == title and len(hits) == 3
+    assert hits[0]["score"] >= hits[1]["score"] >= hits[2]["score"]
+
+
+def test_dense_retriever_without_sentence_transformers_says_how_to_install(corpus, monkeypatch):
+    monkeypatch.setitem(sys.modules, "sentence_transformers", None)  # import now fails, no download attempted
+    with pytest.raises(ImportError, match=r"pip install trl-tree\[dense\]"):
+        DenseRetriever(corpus)
+
+
+class _RetrievalHandler(http.server.BaseHTTPRequestHandler):
+    """A Search-R1 style /retrieve endpoint: wrapped entries for the first query, bare documents for the others."""
+
+    def do_POST(self):
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        docs = [{"id": str(i), "contents": f'"Title {i}"\nText {i} for {{}}'} for i in range(request["topk"])]
+        result = [
+            [
+                {"document": {**d, "contents": d["contents"].format(request["queries"][0])}, "score": 1.0 - i / 10}
+                for i, d in enumerate(docs)
+            ]
+        ]
+        result += [docs for _ in request["queries"][1:]]
+        body = json.dumps({"result": result}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_remote_retriever_talks_to_a_search_r1_server():
+    server = http.server.HTTPServer(("127.0.0.1", 0), _RetrievalHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        retriever = RemoteRetriever(f"http://127.0.0.1:{server.server_address[1]}", timeout=5)
+        wrapped, bare = retriever.search(["zorblax", "brevona"], topk=2)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert wrapped == [
+        {"id": "0", "title": "Title 0", "text": "Text 0 for zorblax", "score": 1.0},
+        {"id": "1", "title": "Title 1", "text": "Text 1 for zorblax", "score": 0.9},
+    ]
+    assert [(h["title"], h["text"]) for h in bare] == [("Title 0", "Text 0 for {}"), ("Title 1", "Text 1 for {}")]
+
+
+def _closed_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_remote_retriever_raises_connection_error_when_server_is_down():
+    retriever = RemoteRetriever(f"http://127.0.0.1:{_closed_port()}", timeout=1, max_retries=2, backoff=0.05)
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match="3 attempts"):
+        retriever.search(["q"], topk=3)
+    assert time.monotonic() - start < 5
+
+
+def test_remote_retriever_times_out_on_a_server_that_never_answers():
+    with socket.socket() as listener:  # accepts connections into its backlog, never replies
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        retriever = RemoteRetriever(
+            f"http://127.0.0.1:{listener.getsockname()[1]}", timeout=0.3, max_retries=1, backoff=0.05
+        )
+        start = time.monotonic()
+        with pytest.raises(ConnectionError):
+            retriever.search(["q"], topk=3)
+        assert time.monotonic() - start < 3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The search tool
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_search_tool_returns_top_passages_in_search_r1_format(bm25, corpus):
+    search = make_search_tool(bm25)
+    title = corpus[0]["title"]
+    lines = search(f"{title} band").split("\n")  # "band" matches many paragraphs: more than 3 candidates
+    assert len(lines) == 3
+    assert lines[0] == f"Doc 1 (Title: {title}) {corpus[0]['text']}"
+    assert lines[1].startswith("Doc 2 (Title: ")
+
+
+def test_empty_or_overlong_query_returns_an_error_observation():
+    retriever = FakeRetriever()
+    search = make_search_tool(retriever, max_query_chars=20)
+    for bad in ["", "   ", "x" * 21, None]:
+        assert search(bad).startswith("Error:")
+    assert retriever.queries == []  # nothing reached the retriever
+    truncating = make_search_tool(retriever, max_query_chars=20, long_query="truncate")
+    assert truncating("y" * 30).startswith("Doc 1") and retriever.queries == ["y" * 20]
+
+
+def test_search_output_is_capped_with_a_visible_marker():
+    search = make_search_tool(FakeRetriever(n=3, length=500), max_chars=700)
+    output = search("anything")
+    assert len(output) <= 700 and output.endswith(TRUNCATION_MARKER)
+    assert not make_search_tool(FakeRetriever(n=1, length=50), max_chars=700)("q").endswith(TRUNCATION_MARKER)
+    assert format_passages([]) == "No results found."
+
+
+def test_tool_schema_builds_from_function_and_environment_method():
+    function_schema = get_json_schema(make_search_tool(FakeRetriever()))
+    method_schema = get_json_schema(SearchEnv(FakeRetriever()).search)
+    assert function_schema == method_schema
+    function = function_schema["function"]
+    assert function["name"] == "search"
+    assert function["parameters"]["properties"]["query"]["type"] == "string"
+    assert function["parameters"]["required"] == ["query"]
+    assert function["description"]
+
+
+def test_search_env_exposes_only_reset_and_search_and_branches_cheaply():
+    """TRL turns every public method but reset into a tool; deepcopy (branch snapshot) must not copy the index."""
+    public = {n for n, _ in inspect.getmembers(SearchEnv, predicate=inspect.isfunction) if not n.startswith("_")}
+    assert public == {"reset", "search"}
+    retriever = FakeRetriever()
+    env = search_env_factory(retriever, max_chars=1000)()
+    env.reset(question="q", answer="a")
+    assert env.search("first").startswith("Doc 1")
+    branch = copy.deepcopy(env)
+    branch.search("second")
+    assert env.queries == ["first"] and branch.queries == ["first", "second"]
+    assert branch._backend.retriever is retriever
+    env.reset()
+    assert env.queries == []

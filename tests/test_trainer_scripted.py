@@ -1,0 +1,256 @@
+"""TreeOPSD / TreePO trainers on scripted generations: a known tree, checked against values computed by hand."""
+
+import math
+
+import pytest
+import torch
+from scripted import CALL_1_PLUS_1, arithmetic_dataset, config, contains_answer, scripted_engine, tiny
+
+from trl_tree import TreeOPSDConfig, TreeOPSDTrainer, TreePOConfig, TreePOTrainer
+from trl_tree.testing import calculator
+
+# Initial trajectories (M = 2): τ1 calls the calculator then answers 2 (R=1); τ2 gives up (R=0, T=1).
+# Branches (N = 1): τ1 → anchor 1, answers 3 (R=0); τ2 → anchor 0 (T=1): calls, then answers 2 (R=1, same
+# history as τ1: a merged leaf of multiplicity 2).
+REPLIES = {
+    "<|im_start|>assistant\n": [CALL_1_PLUS_1, "I do not know.", CALL_1_PLUS_1],
+    "</tool_response><|im_end|>\n<|im_start|>assistant\n": ["The answer is 2.", "The answer is 3.", "The answer is 2."],
+}
+
+
+def _trainer(cls, config_cls, tmp_path, n_prompts=1, replies=REPLIES, **overrides):
+    model, tok = tiny()
+    args = config(config_cls, tmp_path, **overrides)
+    trainer = cls(
+        model=model, reward_funcs=contains_answer, args=args, train_dataset=arithmetic_dataset(n_prompts),
+        processing_class=tok, tools=[calculator],
+    )
+    trainer.generation_engine = scripted_engine(tok, replies)
+    return trainer
+
+
+def _path_logp_sums(model, tree):
+    """log π_old(a | h) of every unique turn, from an ordinary causal forward of each root-to-leaf path."""
+    sums = {}
+    for k, path in enumerate(tree.paths):
+        ids = torch.tensor([tree.path_token_ids(k)])
+        with torch.no_grad():
+            logp = model(ids).logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+        pos = len(tree.prompt_ids)
+        for i in path:
+            turn = tree.turns[i]
+            sums[i] = logp[pos - 1 : pos - 1 + len(turn.action_ids)].sum().item()
+            pos += len(turn.action_ids) + len(turn.observation_ids)
+    return sums
+
+
+def test_scripted_tree_rewards_credit_teacher_and_loss(tmp_path):
+    trainer = _trainer(TreeOPSDTrainer, TreeOPSDConfig, tmp_path, target_radius=0.25)
+    tok = trainer.processing_class
+    captured = {}
+    original = TreeOPSDTrainer.turn_credit
+
+    def spy(self, tree):
+        captured["tree"] = tree
+        return original(self, tree)
+
+    trainer.turn_credit = spy.__get__(trainer)
+    inputs = [trainer.train_dataset[0]]
+    batch = trainer._generate_and_score_completions(inputs)
+    tree = captured["tree"]
+
+    # the tree: K = 4 leaves, 4 unique turns (call, "answer 2" ×2, "answer 3", "give up")
+    assert tree.num_leaves == 4 and tree.num_turns == 4
+    assert tree.rewards == [1.0, 0.0, 0.0, 1.0]
+    texts = {i: tok.decode(t.action_ids) for i, t in enumerate(tree.turns)}
+    call = next(i for i, s in texts.items() if "<tool_call>" in s)
+    two = next(i for i, s in texts.items() if "answer is 2" in s)
+    three = next(i for i, s in texts.items() if "answer is 3" in s)
+    give_up = next(i for i, s in texts.items() if "do not know" in s)
+    assert tree.turns[two].multiplicity == 2 and tree.turns[two].parent == call == tree.turns[three].parent
+    # token-in, token-out: the history is prompt + generated ids + observation ids, never re-tokenised; the
+    # observation is exactly the chat template's rendering of the tool message and the next assistant header
+    messages = [*inputs[0]["prompt"], {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "1+1"}}}]},
+        {"role": "tool", "name": "calculator", "content": "2"}]
+    rendered = tok.apply_chat_template(messages, tools=[calculator], chat_template=trainer.chat_template,
+                                       add_generation_prompt=True, tokenize=True, return_dict=False)
+    turn = tree.turns[call]
+    assert list(rendered)[-len(turn.observation_ids) :] == turn.observation_ids
+    assert "<tool_response>\n2\n</tool_response>" in tok.decode(turn.observation_ids)
+    assert tree.path_token_ids(0)[: len(tree.prompt_ids) + len(turn.action_ids)] == tree.prompt_ids + turn.action_ids
+
+    # credit by hand: rewards (1, 0, 0, 1) → A = ±(1/2)/sqrt(1/3); V(call) = softmax(log π(2), log π(3)) · (A+, A−)
+    a = 0.5 / math.sqrt(1 / 3)
+    logp = _path_logp_sums(trainer.model, tree)
+    w2 = 1 / (1 + math.exp(logp[three] - logp[two]))
+    V = {two: a, three: -a, give_up: -a, call: w2 * a - (1 - w2) * a}
+    tau = 3 / (0.25 * 2)
+    q = batch["credit_q"][0]
+    for i, v in V.items():
+        assert math.isclose(batch["credit_V"][0, i].item(), v, abs_tol=1e-5)
+        assert math.isclose(q[i].item(), 0.5 + v / tau, abs_tol=1e-6)
+    assert math.isclose(batch["credit_tau"][0].item(), tau, rel_tol=1e-6)
+
+    # first block: s = 0 exactly, so the loss is (τ/L_x) Σ L_i KL(Ber(q_i) ‖ Ber(1/2))
+    loss = trainer.compute_loss(trainer.model, batch)
+    L = {i: len(tree.turns[i].action_ids) for i in V}
+    kl = {i: q[i].item() * math.log(2 * q[i].item()) + (1 - q[i].item()) * math.log(2 * (1 - q[i].item())) for i in V}
+    expected = tau / sum(L.values()) * sum(L[i] * kl[i] for i in V)
+    assert math.isclose(loss.item(), expected, rel_tol=1e-4)
+
+
+def _params(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("blocks", [2])
+def test_theorem_2_treeopsd_and_treepo_share_the_first_update_and_differ_later(tmp_path, blocks):
+    replies = {k: v * 2 for k, v in REPLIES.items()}  # two prompts, same script each
+    updates = {}
+    for cls, cfg in [(TreeOPSDTrainer, TreeOPSDConfig), (TreePOTrainer, TreePOConfig)]:
+        trainer = _trainer(cls, cfg, tmp_path / cls.__name__, n_prompts=2, replies=replies,
+                           steps_per_generation=blocks, max_steps=blocks, learning_rate=5e-2,
+                           optim="sgd", lr_scheduler_type="constant")
+        start = _params(trainer.model)
+        snapshots = []
+        trainer.add_callback(_Snapshot(snapshots))
+        trainer.train()
+        updates[cls.__name__] = [start, *snapshots]
+    opsd, po = updates["TreeOPSDTrainer"], updates["TreePOTrainer"]
+    first = max((opsd[1][n] - po[1][n]).abs().max().item() for n in opsd[0])
+    moved = max((opsd[1][n] - opsd[0][n]).abs().max().item() for n in opsd[0])
+    second = max(((opsd[2][n] - opsd[1][n]) - (po[2][n] - po[1][n])).abs().max().item() for n in opsd[0])
+    assert moved > 1e-4  # the first block did move the parameters ...
+    assert first <= 1e-6  # ... identically for both methods (the tangent at θ_old is the tree policy gradient)
+    assert second > 1e-5  # later blocks differ: TreeOPSD's residual τ(q − p) is no longer V
+
+
+class _Snapshot:
+    """Records the trainable parameters after every optimizer step."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def __getattr__(self, name):
+        if name.startswith("on_"):
+            return lambda *a, **k: None
+        raise AttributeError(name)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.out.append(_params(model))
+
+
+class CounterEnv:
+    """A stateful environment: every branch must see the counter as it was at its anchor."""
+
+    def __init__(self):
+        self.n = 0
+
+    def reset(self, **kwargs):
+        self.n = 0
+
+    def increment(self) -> str:
+        """Adds one to the counter.
+
+        Returns:
+            The counter's new value.
+        """
+        self.n += 1
+        return str(self.n)
+
+
+def test_stateful_environment_branches_see_the_state_at_their_anchor(tmp_path):
+    model, tok = tiny()
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    call = tok.encode('<tool_call>\n{"name": "increment", "arguments": {}}\n</tool_call>', add_special_tokens=False)
+    done = tok.encode("Done.", add_special_tokens=False)
+
+    def script(prefix):  # call increment until three tool responses are in the history, then stop
+        return (call if tok.decode(prefix).count("<tool_response>") < 3 else done) + [eos]
+
+    seen = []
+
+    def counter_reward(completions, environments, **kwargs):
+        seen.append([[m["content"] for m in c if m["role"] == "tool"] for c in completions])
+        return [float(e.n) for e in environments]
+
+    from trl_tree.rollout.engine import ScriptedEngine
+
+    args = config(TreeOPSDConfig, tmp_path, num_initial_rollouts=1, num_branches=3, max_turns=5,
+                  max_completion_length=300)
+    trainer = TreeOPSDTrainer(model=model, reward_funcs=counter_reward, args=args,
+                              train_dataset=arithmetic_dataset(1), processing_class=tok, environment_factory=CounterEnv)
+    trainer.generation_engine = ScriptedEngine(script, [eos])
+    batch = trainer._generate_and_score_completions([trainer.train_dataset[0]])
+    # every leaf (the original and three branches from turns 1..3) counted 1, 2, 3 on its own copy of the world
+    assert seen[0] == [["1", "2", "3"]] * 4
+    # all-equal rewards: zero advantages, q = 1/2 everywhere, a finite loss
+    assert torch.equal(batch["credit_q"][0, : int(batch["credit_count"][0])], torch.full((4,), 0.5))
+    assert torch.isfinite(trainer.compute_loss(trainer.model, batch))
+
+
+def boom(x: str) -> str:
+    """Always fails.
+
+    Args:
+        x: anything
+    """
+    raise RuntimeError("service unavailable")
+
+
+def test_failing_and_malformed_tool_calls_become_observations_and_are_counted(tmp_path):
+    replies = {
+        "<|im_start|>assistant\n": ['<tool_call>\n{"name": "boom", "arguments": {"x": "1"}}\n</tool_call>'] * 2,
+        "</tool_response><|im_end|>\n<|im_start|>assistant\n": ["<tool_call>{oops</tool_call>"] * 2
+        + ["The answer is 2."] * 2,
+    }
+    model, tok = tiny()
+    args = config(TreeOPSDConfig, tmp_path, num_initial_rollouts=2, num_branches=0, max_turns=4,
+                  max_completion_length=300)
+    trainer = TreeOPSDTrainer(model=model, reward_funcs=contains_answer, args=args,
+                              train_dataset=arithmetic_dataset(1), processing_class=tok, tools=[calculator, boom])
+    trainer.generation_engine = scripted_engine(tok, replies)
+    trainer.model.train()
+    trainer._generate_and_score_completions([trainer.train_dataset[0]])
+    metrics = trainer._metrics["train"]
+    assert metrics["tools/failure_frequency"] == [1.0] and metrics["tools/call_frequency"] == [2.0]
+    assert metrics["reward"] == [1.0]
+
+
+@pytest.mark.parametrize(
+    ("reward", "error", "message"),
+    [
+        (lambda completions, **kw: [1 / ("3" not in c[-1]["content"]) for c in completions], RuntimeError,
+         r"Reward function '<lambda>' raised ZeroDivisionError: .* on sample 2"),
+        (lambda completions, **kw: [float("nan") if "3" in c[-1]["content"] else 1.0 for c in completions],
+         ValueError, r"Reward function '<lambda>' returned nan for sample 2"),
+    ],
+)
+def test_a_reward_function_that_raises_or_returns_nan_is_named_with_the_sample(tmp_path, reward, error, message):
+    model, tok = tiny()
+    trainer = TreeOPSDTrainer(model=model, reward_funcs=reward, args=config(TreeOPSDConfig, tmp_path),
+                              train_dataset=arithmetic_dataset(1), processing_class=tok, tools=[calculator])
+    trainer.generation_engine = scripted_engine(tok, REPLIES)
+    with pytest.raises(error, match=message):
+        trainer._generate_and_score_completions([trainer.train_dataset[0]])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"num_initial_rollouts": 0}, "num_initial_rollouts"),
+        ({"num_branches": -1}, "num_branches"),
+        ({"num_initial_rollouts": 1, "num_branches": 0}, "K = M\\(N \\+ 1\\) ≥ 2"),
+        ({"target_radius": 0.5}, "0 < ρ < 1/2"),
+        ({"target_radius": 0.0}, "0 < ρ < 1/2"),
+        ({"num_iterations": 2}, "steps_per_generation = E × gradient_accumulation_steps"),
+        ({"beta": 0.04}, "beta=0.0"),
+        ({"num_generations": 8}, "num_initial_rollouts and num_branches"),
+        ({"packing": "flat"}, "packing must be one of"),
+        ({"steps_per_generation": 3, "gradient_accumulation_steps": 2}, "multiple of gradient_accumulation_steps"),
+    ],
+)
+def test_invalid_configuration_is_rejected_with_advice(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        config(TreeOPSDConfig, tmp_path, **overrides)

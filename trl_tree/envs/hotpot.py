@@ -1,0 +1,667 @@
+"""HotpotQA as a search-agent task: data, corpus, retrievers, the ``search`` tool and the Search-R1 prompt.
+
+The TreeOPSD paper (Appendix E.1.1 / F.1) trains on HotpotQA's distractor training split; the agent calls a search
+tool that returns the top three passages of a retrieval index, and answers inside ``<answer>...</answer>``. This
+module provides each piece so that the same code runs on the Hub dataset, on local copies of it, and on the offline
+synthetic world of :mod:`trl_tree.envs.synthetic`:
+
+- loading: :func:`load_hotpot_examples` / :func:`load_hotpot_dataset` (Hub id or local JSON / JSONL / parquet, in
+  either of HotpotQA's two layouts), normalised to one internal form;
+- corpus: :func:`build_corpus` (the distractor paragraphs) or :func:`load_corpus` (a JSONL dump);
+- retrievers sharing one protocol: :class:`BM25Retriever` (default, cached on disk), :class:`DenseRetriever` (E5 with
+  sentence-transformers) and :class:`RemoteRetriever` (a Search-R1 retrieval server);
+- the tool: :func:`make_search_tool` for TRL's ``tools=`` and :class:`SearchEnv` for ``environment_factory``;
+- the prompt: :func:`build_prompt`.
+
+Internal example form (the ``datasets`` layout of HotpotQA)::
+
+    {"id": str, "question": str, "answer": str | list[str], "type": str, "level": str,
+     "supporting_facts": {"title": [str, ...], "sent_id": [int, ...]},
+     "context": {"title": [str, ...], "sentences": [[str, ...], ...]}}
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+REQUIRED_COLUMNS = ("question", "answer")
+SEARCH_TOOL_NAME = "search"
+DEFAULT_TOPK = 3
+DEFAULT_MAX_QUERY_CHARS = 512  # the paper's query limit (Appendix F.1)
+DEFAULT_MAX_CHARS = 16_384  # the paper's cap on retrieved observations (Appendix E.3)
+TRUNCATION_MARKER = "\n[... search results truncated]"
+_LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")
+
+# ---------------------------------------------------------------------------------------------------------------
+# Prompt (Search-R1 instruction, adapted to native tool calls)
+# ---------------------------------------------------------------------------------------------------------------
+
+SYSTEM_PROMPT = "You are a helpful assistant that answers questions by searching for the knowledge you lack."
+
+# Search-R1's instruction with its `<search>`/`<information>` tags replaced by the search tool: the chat template
+# renders the tool schema and the tool-call format, and thinking models wrap their reasoning themselves.
+USER_INSTRUCTION = (
+    "Answer the given question. You must conduct reasoning first every time you get new information. "
+    "After reasoning, if you find you lack some knowledge, you can call the search tool with a query "
+    "and it will return the top searched results. You can search as many times as you want. "
+    "If you find no further external knowledge needed, you can directly provide the answer inside "
+    "<answer> and </answer>, without detailed illustrations. For example, <answer> Beijing </answer>. "
+    "Question: {question}\n"
+)
+
+
+def build_prompt(question: str, system_prompt: str | None = SYSTEM_PROMPT) -> list[dict[str, str]]:
+    """The conversational prompt: a system message and the Search-R1 instruction followed by the question.
+
+    The tool schema is not written here: the trainer renders the chat template with ``tools=``, which appends it to
+    the system turn (paper, Appendix F.1). Pass ``system_prompt=None`` to leave the system turn to the template.
+    """
+    user = {"role": "user", "content": USER_INSTRUCTION.format(question=question.strip())}
+    return ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [user]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading HotpotQA
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _check_columns(columns: Iterable[str], source: str) -> None:
+    """Fail early, naming what is missing and what is there, when the question or answer column is absent."""
+    columns = list(columns)
+    missing = [name for name in REQUIRED_COLUMNS if name not in columns]
+    if missing:
+        raise ValueError(
+            f"HotpotQA data from {source} is missing the column(s) {missing}; found columns {sorted(columns)}."
+        )
+
+
+def _normalize_context(context: Any) -> dict[str, list]:
+    """``context`` as ``{"title": [...], "sentences": [[...], ...]}`` from either layout.
+
+    The original JSON release stores ``[[title, [sentence, ...]], ...]``; the ``datasets`` release stores the dict.
+    """
+    if not context:
+        return {"title": [], "sentences": []}
+    if isinstance(context, dict):
+        return {"title": list(context["title"]), "sentences": [list(s) for s in context["sentences"]]}
+    return {"title": [title for title, _ in context], "sentences": [list(sentences) for _, sentences in context]}
+
+
+def _normalize_supporting_facts(facts: Any) -> dict[str, list]:
+    """``supporting_facts`` as ``{"title": [...], "sent_id": [...]}`` from either layout (original: pairs)."""
+    if not facts:
+        return {"title": [], "sent_id": []}
+    if isinstance(facts, dict):
+        return {"title": list(facts["title"]), "sent_id": [int(i) for i in facts["sent_id"]]}
+    return {"title": [title for title, _ in facts], "sent_id": [int(sent_id) for _, sent_id in facts]}
+
+
+def normalize_example(record: dict[str, Any], index: int = 0, source: str = "records") -> dict[str, Any]:
+    """One HotpotQA record, in either layout, in the internal form (see the module docstring).
+
+    The original release names the id ``_id``; a record without an id gets its position.
+    """
+    _check_columns(record.keys(), f"{source} (row {index})")
+    answer = record["answer"]
+    return {
+        "id": str(record.get("id", record.get("_id", index))),
+        "question": record["question"],
+        "answer": answer if isinstance(answer, str) else list(answer),
+        "type": record.get("type") or "",
+        "level": record.get("level") or "",
+        "supporting_facts": _normalize_supporting_facts(record.get("supporting_facts")),
+        "context": _normalize_context(record.get("context")),
+    }
+
+
+def normalize_examples(records: Iterable[dict[str, Any]], source: str = "records") -> list[dict[str, Any]]:
+    """Every record of ``records`` in the internal form."""
+    return [normalize_example(record, i, source) for i, record in enumerate(records)]
+
+
+def _read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed object) for each non-blank line; a line that is not JSON names the file and line."""
+    with open(path, encoding="utf-8") as f:
+        for line_number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield line_number, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}, line {line_number}: not valid JSON ({e.msg}).") from e
+
+
+def _read_records(path: Path) -> list[dict[str, Any]]:
+    """The raw records of one local file (JSON list, JSONL, or parquet)."""
+    if path.suffix == ".jsonl":
+        return [record for _, record in _read_jsonl(path)]
+    if path.suffix == ".json":
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        if not isinstance(data, list):
+            raise ValueError(f"{path}: expected a JSON list of HotpotQA records, got {type(data).__name__}.")
+        return data
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        # Parquet can only hold the `datasets` layout: the original layout's [title, [sentences]] pairs mix types.
+        return pq.read_table(path).to_pylist()
+    raise ValueError(f"{path}: unsupported file type {path.suffix!r}; expected one of {_LOCAL_SUFFIXES}.")
+
+
+def _local_files(path: Path, config: str, split: str) -> list[Path]:
+    """The data files of ``path``: the file itself, or in a directory the files of ``split``.
+
+    A directory is read like a local copy of the Hub repository (``distractor/train-00000-of-00002.parquet``): files
+    under ``<path>/<config>`` when that folder exists, else under ``<path>``, whose names start with the split.
+    """
+    if path.is_file():
+        return [path]
+    folder = path / config if (path / config).is_dir() else path
+    files = sorted(p for p in folder.iterdir() if p.name.startswith(split) and p.suffix in _LOCAL_SUFFIXES)
+    if not files:
+        raise FileNotFoundError(f"No {split!r} files ({', '.join(_LOCAL_SUFFIXES)}) in {folder}.")
+    return files
+
+
+def _load_hub(name: str, config: str, split: str) -> list[dict[str, Any]]:
+    """Rows of a Hub dataset (e.g. ``hotpotqa/hotpot_qa``, configs ``distractor`` / ``fullwiki``)."""
+    import datasets
+
+    dataset = datasets.load_dataset(name, config, split=split)
+    _check_columns(dataset.column_names, f"{name} ({config}, {split})")
+    return list(dataset)
+
+
+def load_hotpot_examples(
+    name_or_path: str | os.PathLike = "hotpotqa/hotpot_qa", config: str = "distractor", split: str = "train"
+) -> list[dict[str, Any]]:
+    """HotpotQA examples in the internal form, from a local file or folder when the path exists, else the Hub.
+
+    Local files may be JSON (a list of records), JSONL or parquet, in the original layout (``context`` as
+    ``[title, sentences]`` pairs, ``supporting_facts`` as ``[title, sent_id]`` pairs, ``_id``) or the ``datasets``
+    layout (dicts of lists). ``config`` and ``split`` select the files of a local folder or the Hub configuration.
+    """
+    path = Path(name_or_path)
+    if not path.exists():
+        return normalize_examples(_load_hub(str(name_or_path), config, split), source=str(name_or_path))
+    examples = []
+    for file in _local_files(path, config, split):
+        examples += normalize_examples(_read_records(file), source=str(file))
+    return examples
+
+
+def load_hotpot_dataset(
+    name_or_path: str | os.PathLike = "hotpotqa/hotpot_qa",
+    config: str = "distractor",
+    split: str = "train",
+    system_prompt: str | None = SYSTEM_PROMPT,
+    limit: int | None = None,
+):
+    """A ``datasets.Dataset`` with ``prompt`` (conversational), ``question``, ``answer`` and ``id`` columns.
+
+    Ready for GRPOTrainer-style trainers: ``prompt`` is what the policy sees, ``answer`` feeds the rewards of
+    :mod:`trl_tree.rewards`. ``limit`` keeps the first examples (for quick runs).
+    """
+    examples = load_hotpot_examples(name_or_path, config, split)
+    return examples_to_dataset(examples[:limit] if limit is not None else examples, system_prompt)
+
+
+def examples_to_dataset(examples: list[dict[str, Any]], system_prompt: str | None = SYSTEM_PROMPT):
+    """Internal-form examples (real or synthetic) as a trainer dataset: ``prompt``, ``question``, ``answer``, ``id``."""
+    import datasets
+
+    rows = [
+        {
+            "prompt": build_prompt(example["question"], system_prompt),
+            "question": example["question"],
+            "answer": example["answer"],
+            "id": example["id"],
+        }
+        for example in examples
+    ]
+    return datasets.Dataset.from_list(rows)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Corpus
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def build_corpus(examples: Iterable[dict[str, Any]]) -> list[dict[str, str]]:
+    """The distractor-setting corpus: every context paragraph once (first occurrence of a title wins).
+
+    HotpotQA paragraphs are Wikipedia introductions, so a title identifies its paragraph; a paragraph appears in the
+    contexts of many questions and must be indexed once or it would crowd the top-k with copies.
+    """
+    corpus, seen = [], set()
+    for example in examples:
+        context = _normalize_context(example.get("context"))
+        for title, sentences in zip(context["title"], context["sentences"]):
+            if title in seen:
+                continue
+            seen.add(title)
+            corpus.append({"id": str(len(corpus)), "title": title, "text": " ".join(s.strip() for s in sentences)})
+    return corpus
+
+
+def split_contents(contents: str) -> tuple[str, str]:
+    """Search-R1's ``contents`` field (``"Title"\\ntext``) as (title, text); no newline means no title."""
+    title, newline, text = contents.partition("\n")
+    if not newline:
+        return "", contents.strip()
+    return title.strip().strip('"'), text.strip()
+
+
+def _corpus_entry(record: Any, fallback_id: str) -> dict[str, str]:
+    """A corpus record in either supported format as ``{"id", "title", "text"}``; KeyError/TypeError otherwise."""
+    if "contents" in record:
+        title, text = split_contents(record["contents"])
+    else:
+        title, text = record["title"], record["text"]
+    if not isinstance(title, str) or not isinstance(text, str):
+        raise TypeError("title and text must be strings")
+    return {"id": str(record.get("id", fallback_id)), "title": title, "text": text}
+
+
+def load_corpus(path: str | os.PathLike) -> list[dict[str, str]]:
+    """A JSONL corpus: lines of ``{"id", "title", "text"}`` or Search-R1's ``{"id", "contents": "\\"Title\\"\\ntext"}``.
+
+    A line that is not JSON, or lacks both formats' fields, raises ValueError with the file and line number, since
+    a silently skipped passage would only show up much later as a question nobody can answer.
+    """
+    path = Path(path)
+    corpus = []
+    for line_number, record in _read_jsonl(path):
+        try:
+            corpus.append(_corpus_entry(record, fallback_id=str(len(corpus))))
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(
+                f"{path}, line {line_number}: expected {{'id', 'title', 'text'}} or {{'id', 'contents'}}, got "
+                f"{str(record)[:200]}."
+            ) from e
+    return corpus
+
+
+def _document_text(doc: dict[str, str]) -> str:
+    """What a retriever indexes for a passage: the title matters as much as the text for entity queries."""
+    return f"{doc['title']}\n{doc['text']}" if doc.get("title") else doc["text"]
+
+
+def _hit(doc: dict[str, str], score: float) -> dict[str, Any]:
+    return {"id": doc.get("id", ""), "title": doc.get("title", ""), "text": doc["text"], "score": float(score)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Retrievers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class Retriever(Protocol):
+    """Anything that returns, for each query, its top-k passages as ``{"title", "text", "score"}`` dicts (best first)."""
+
+    def search(self, queries: list[str], topk: int) -> list[list[dict[str, Any]]]: ...
+
+
+def default_cache_dir() -> Path:
+    """Where indexes are cached: ``$TRL_TREE_CACHE``, else ``$XDG_CACHE_HOME/trl_tree``, else ``~/.cache/trl_tree``."""
+    if "TRL_TREE_CACHE" in os.environ:
+        return Path(os.environ["TRL_TREE_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "trl_tree"
+
+
+def _fingerprint(corpus: list[dict[str, str]], settings: dict[str, Any]) -> str:
+    """A hash of the corpus contents and the index settings: the same corpus indexed the same way shares a cache."""
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
+    for doc in corpus:
+        digest.update(json.dumps([doc.get("id", ""), doc.get("title", ""), doc["text"]]).encode())
+    return digest.hexdigest()[:24]
+
+
+def _load_stemmer(language: str | None):
+    """A PyStemmer stemmer for ``language``, or None."""
+    if language is None:
+        return None
+    try:
+        import Stemmer
+    except ImportError as e:
+        raise ImportError("BM25 stemming needs PyStemmer: `pip install PyStemmer`, or pass stemmer=None.") from e
+    return Stemmer.Stemmer(language)
+
+
+class BM25Retriever:
+    """Sparse BM25 retrieval with ``bm25s`` over an in-memory corpus, with the index cached on disk.
+
+    Building a BM25 index over a large corpus takes minutes, and every process of a multi-GPU run builds the same one,
+    so the index is saved under ``cache_dir`` keyed by a hash of the corpus and settings, and loaded when the same
+    corpus is indexed again (``self.from_cache`` tells which happened). The cache is written to a temporary folder
+    and renamed into place, so concurrent builders never read a half-written index.
+
+    Args:
+        corpus: passages as ``{"id", "title", "text"}`` dicts; the title is indexed with the text.
+        cache_dir: where to cache the index (default :func:`default_cache_dir` ``/ "bm25"``).
+        use_cache: set False to always rebuild and never write.
+        stopwords: a ``bm25s`` stopword list name (``"en"``) or None.
+        stemmer: a PyStemmer language (``"english"``) or None.
+        k1, b: BM25 parameters.
+    """
+
+    def __init__(
+        self,
+        corpus: list[dict[str, str]],
+        cache_dir: str | os.PathLike | None = None,
+        use_cache: bool = True,
+        stopwords: str | None = "en",
+        stemmer: str | None = None,
+        k1: float = 1.5,
+        b: float = 0.75,
+    ):
+        import bm25s
+
+        if not corpus:
+            raise ValueError("BM25Retriever needs a non-empty corpus.")
+        self.corpus = corpus
+        self._stopwords = stopwords
+        self._stemmer = _load_stemmer(stemmer)
+        settings = {"stopwords": stopwords, "stemmer": stemmer, "k1": k1, "b": b, "bm25s": bm25s.__version__}
+        self.cache_path = Path(cache_dir or default_cache_dir() / "bm25") / f"bm25-{_fingerprint(corpus, settings)}"
+        self.from_cache = use_cache and self.cache_path.is_dir()
+        if self.from_cache:
+            self._index = bm25s.BM25.load(str(self.cache_path), load_vocab=True, show_progress=False)
+        else:
+            self._index = self._build(k1, b)
+            if use_cache:
+                self._save()
+
+    def _tokenize(self, texts: list[str], return_ids: bool):
+        import bm25s
+
+        return bm25s.tokenize(
+            texts, stopwords=self._stopwords, stemmer=self._stemmer, return_ids=return_ids, show_progress=False
+        )
+
+    def _build(self, k1: float, b: float):
+        import bm25s
+
+        index = bm25s.BM25(k1=k1, b=b)
+        index.index(self._tokenize([_document_text(doc) for doc in self.corpus], return_ids=True), show_progress=False)
+        return index
+
+    def _save(self) -> None:
+        self.cache_path.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=self.cache_path.parent, prefix=".staging-"))
+        self._index.save(str(staging), show_progress=False)
+        try:
+            staging.rename(self.cache_path)
+        except OSError:  # another process finished first: its index is identical
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def search(self, queries: list[str], topk: int = DEFAULT_TOPK) -> list[list[dict[str, Any]]]:
+        """Top-``topk`` passages per query; passages sharing no term with the query (score 0) are left out."""
+        k = min(topk, len(self.corpus))
+        doc_ids, scores = self._index.retrieve(self._tokenize(queries, return_ids=False), k=k, show_progress=False)
+        return [
+            [_hit(self.corpus[i], s) for i, s in zip(row_ids, row_scores) if s > 0]
+            for row_ids, row_scores in zip(doc_ids.tolist(), scores.tolist())
+        ]
+
+
+def _load_sentence_transformer(model_name: str, device: str | None):
+    """sentence-transformers is optional; say how to get it instead of failing on a bare import."""
+    try:
+        from sentence_transformers import SentenceTransformer
+    except ImportError as e:
+        raise ImportError(
+            "DenseRetriever needs sentence-transformers, an optional dependency: `pip install trl-tree[dense]`."
+        ) from e
+    return SentenceTransformer(model_name, device=device)
+
+
+class DenseRetriever:
+    """Dense retrieval with an E5-style encoder (the paper's retriever): cosine similarity over normalised embeddings.
+
+    E5 was trained with ``query: `` and ``passage: `` prefixes and retrieves noticeably worse without them. The
+    encoder is anything with ``encode(texts, batch_size=...) -> array``: by default a sentence-transformers model
+    loaded lazily; tests inject a fake. Passage embeddings are computed once at construction.
+
+    Args:
+        corpus: passages as ``{"id", "title", "text"}`` dicts.
+        model_name: the sentence-transformers model (default ``intfloat/e5-base-v2``, as Search-R1).
+        encoder: an already-built encoder; ``model_name`` is then ignored.
+        batch_size: encoding batch size. device: where to run the default encoder.
+    """
+
+    def __init__(
+        self,
+        corpus: list[dict[str, str]],
+        model_name: str = "intfloat/e5-base-v2",
+        encoder: Any = None,
+        batch_size: int = 64,
+        device: str | None = None,
+        query_prefix: str = "query: ",
+        passage_prefix: str = "passage: ",
+    ):
+        if not corpus:
+            raise ValueError("DenseRetriever needs a non-empty corpus.")
+        self.corpus = corpus
+        self.encoder = encoder if encoder is not None else _load_sentence_transformer(model_name, device)
+        self.batch_size = batch_size
+        self.query_prefix, self.passage_prefix = query_prefix, passage_prefix
+        self._embeddings = self._encode([passage_prefix + _document_text(doc) for doc in corpus])
+
+    def _encode(self, texts: list[str]):
+        import numpy as np
+
+        vectors = np.asarray(self.encoder.encode(texts, batch_size=self.batch_size), dtype=np.float32)
+        norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+        return vectors / np.maximum(norms, 1e-12)
+
+    def search(self, queries: list[str], topk: int = DEFAULT_TOPK) -> list[list[dict[str, Any]]]:
+        """Top-``topk`` passages per query by cosine similarity."""
+        import numpy as np
+
+        scores = self._encode([self.query_prefix + q for q in queries]) @ self._embeddings.T
+        k = min(topk, len(self.corpus))
+        results = []
+        for row in scores:
+            best = np.argsort(-row, kind="stable")[:k]
+            results.append([_hit(self.corpus[i], row[i]) for i in best])
+        return results
+
+
+def _parse_remote_hit(entry: dict[str, Any]) -> dict[str, Any]:
+    """A Search-R1 server result entry (``{"document": {...}, "score"}`` or a bare document) as a hit."""
+    doc = entry.get("document", entry)
+    if "contents" in doc:
+        title, text = split_contents(doc["contents"])
+    else:
+        title, text = doc.get("title", ""), doc["text"]
+    return _hit({"id": str(doc.get("id", "")), "title": title, "text": text}, entry.get("score", 0.0))
+
+
+class RemoteRetriever:
+    """Client of a Search-R1 compatible retrieval server (``POST {url}/retrieve``), standard library only.
+
+    The request is ``{"queries": [...], "topk": k, "return_scores": true}`` and the response
+    ``{"result": [[{"document": {"id", "contents"}, "score"}, ...], ...]}``. Every request has a timeout and failed
+    connections are retried a bounded number of times with exponential backoff, so a dead server stops training
+    with a ``ConnectionError`` after at most about ``max_retries * timeout + backoff * 2**max_retries`` seconds
+    instead of hanging a rollout forever.
+    """
+
+    def __init__(
+        self, url: str = "http://127.0.0.1:8000", timeout: float = 30.0, max_retries: int = 3, backoff: float = 0.5
+    ):
+        self.endpoint = url.rstrip("/") + ("" if url.rstrip("/").endswith("/retrieve") else "/retrieve")
+        self.timeout, self.max_retries, self.backoff = timeout, max_retries, backoff
+
+    def _post(self, payload: dict[str, Any]) -> dict[str, Any]:
+        request = urllib.request.Request(
+            self.endpoint,
+            data=json.dumps(payload).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        with urllib.request.urlopen(request, timeout=self.timeout) as response:
+            return json.loads(response.read())
+
+    def _post_with_retries(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """POST, retrying on connection errors, timeouts and 5xx; a 4xx is the caller's error and is not retried."""
+        last_error: Exception | None = None
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            try:
+                return self._post(payload)
+            except urllib.error.HTTPError as e:
+                if e.code < 500:
+                    raise RuntimeError(f"Retrieval server {self.endpoint} rejected the request: HTTP {e.code}.") from e
+                last_error = e
+            except (urllib.error.URLError, OSError) as e:  # refused, reset, DNS, timeout (TimeoutError is an OSError)
+                last_error = e
+        raise ConnectionError(
+            f"Retrieval server {self.endpoint} did not answer after {self.max_retries + 1} attempts "
+            f"(timeout {self.timeout}s each): {last_error}. Is the server running?"
+        ) from last_error
+
+    def search(self, queries: list[str], topk: int = DEFAULT_TOPK) -> list[list[dict[str, Any]]]:
+        """Top-``topk`` passages per query from the server."""
+        response = self._post_with_retries({"queries": list(queries), "topk": topk, "return_scores": True})
+        if not isinstance(response, dict) or len(response.get("result", ())) != len(queries):
+            raise ValueError(f"Unexpected response from {self.endpoint}: {str(response)[:300]}")
+        return [[_parse_remote_hit(entry) for entry in row[:topk]] for row in response["result"]]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The search tool
+# ---------------------------------------------------------------------------------------------------------------
+
+# One docstring for both the function tool and the environment method: TRL reads the tool's JSON schema from it.
+SEARCH_DOCSTRING = """Search the knowledge base and return the most relevant passages.
+
+Args:
+    query: What to search for, for example an entity name or a short question.
+
+Returns:
+    The top passages, one per line, as "Doc i (Title: title) text".
+"""
+
+
+def format_passages(hits: list[dict[str, Any]], max_chars: int = DEFAULT_MAX_CHARS) -> str:
+    """Search-R1's observation format, ``Doc i (Title: t) text`` per line, capped at ``max_chars`` with a marker.
+
+    The marker tells the model the list was cut, so it does not take a clipped passage for a whole one.
+    """
+    if not hits:
+        return "No results found."
+    text = "\n".join(f"Doc {i} (Title: {hit['title']}) {hit['text']}" for i, hit in enumerate(hits, start=1))
+    if len(text) <= max_chars:
+        return text
+    return text[: max(0, max_chars - len(TRUNCATION_MARKER))] + TRUNCATION_MARKER
+
+
+@dataclass(frozen=True)
+class SearchBackend:
+    """The implementation behind the ``search`` tool and :class:`SearchEnv`: validate the query, retrieve, format.
+
+    A bad query (not a string, empty, or longer than ``max_query_chars``) returns an ``Error: ...`` observation the
+    model can read and correct, rather than an exception that would end the rollout. With
+    ``long_query="truncate"`` an over-long query is cut to ``max_query_chars`` instead, as the paper does.
+    """
+
+    retriever: Retriever
+    topk: int = DEFAULT_TOPK
+    max_query_chars: int = DEFAULT_MAX_QUERY_CHARS
+    max_chars: int = DEFAULT_MAX_CHARS
+    long_query: Literal["error", "truncate"] = "error"
+
+    def _query_error(self, query: Any) -> str | None:
+        if not isinstance(query, str):
+            return f"Error: the query must be a string, got {type(query).__name__}."
+        if not query.strip():
+            return "Error: the query is empty. Call search with a non-empty query."
+        if len(query) > self.max_query_chars and self.long_query == "error":
+            return f"Error: the query has {len(query)} characters; the limit is {self.max_query_chars}. Shorten it."
+        return None
+
+    def __call__(self, query: Any) -> str:
+        error = self._query_error(query)
+        if error is not None:
+            return error
+        hits = self.retriever.search([query.strip()[: self.max_query_chars]], self.topk)[0]
+        return format_passages(hits, self.max_chars)
+
+
+def make_search_tool(
+    retriever: Retriever,
+    topk: int = DEFAULT_TOPK,
+    max_query_chars: int = DEFAULT_MAX_QUERY_CHARS,
+    max_chars: int = DEFAULT_MAX_CHARS,
+    long_query: Literal["error", "truncate"] = "error",
+) -> Callable[[str], str]:
+    """A stateless ``search(query: str) -> str`` function for TRL's ``tools=[...]``.
+
+    TRL builds the tool's JSON schema from the function's name, type hints and docstring
+    (``transformers.utils.get_json_schema``), so the returned closure is a plain function named ``search``.
+    """
+    backend = SearchBackend(retriever, topk, max_query_chars, max_chars, long_query)
+
+    def search(query: str) -> str:
+        return backend(query)
+
+    search.__doc__ = SEARCH_DOCSTRING
+    return search
+
+
+class SearchEnv:
+    """The search tool as a TRL ``environment_factory`` environment: ``reset(**row)`` and ``search(query)``.
+
+    TRL exposes every public method except ``reset`` as a tool, so the class has no other public methods. It keeps
+    the queries of the current rollout (``self.queries``). ``copy.deepcopy`` (how tree samplers snapshot an
+    environment at a branch point) copies that history but shares the read-only retriever, so branching a rollout
+    never duplicates an index. Build the zero-argument factory TRL wants with :func:`search_env_factory`.
+    """
+
+    def __init__(
+        self,
+        retriever: Retriever,
+        topk: int = DEFAULT_TOPK,
+        max_query_chars: int = DEFAULT_MAX_QUERY_CHARS,
+        max_chars: int = DEFAULT_MAX_CHARS,
+        long_query: Literal["error", "truncate"] = "error",
+    ):
+        self._backend = SearchBackend(retriever, topk, max_query_chars, max_chars, long_query)
+        self.queries: list[str] = []
+
+    def reset(self, **kwargs) -> None:
+        """Start a new rollout (the dataset row arrives as keyword arguments; the prompt is left unchanged)."""
+        self.queries = []
+
+    def search(self, query: str) -> str:
+        self.queries.append(query)
+        return self._backend(query)
+
+    search.__doc__ = SEARCH_DOCSTRING
+
+    def __deepcopy__(self, memo: dict) -> SearchEnv:
+        clone = copy.copy(self)
+        clone.queries = copy.deepcopy(self.queries, memo)
+        return clone
+
+
+def search_env_factory(retriever: Retriever, **kwargs) -> Callable[[], SearchEnv]:
+    """The zero-argument callable TRL's ``environment_factory`` expects; all environments share ``retriever``."""
+    return functools.partial(SearchEnv, retriever, **kwargs)

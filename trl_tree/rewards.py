@@ -1,0 +1,215 @@
+"""Rule-based rewards for question answering agents (HotpotQA / Search-R1 style).
+
+Every reward function has TRL's signature ``f(prompts, completions, **kwargs) -> list[float]``: ``completions`` are
+either plain strings or conversations (lists of messages: assistant turns that may carry ``tool_calls``, tool
+observations, and a final assistant turn), and dataset columns arrive as keyword lists. The gold column is
+``answer``: a string or a list of acceptable strings per example; scores take the max over the golds.
+
+Answers are compared after SQuAD normalisation, the convention of HotpotQA, Search-R1 and the TreeOPSD paper
+(Appendix E.1.1: training uses token F1 thresholded at 0.3, evaluation reports exact match).
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+DEFAULT_F1_THRESHOLD = 0.3
+
+_ANSWER_SPAN = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = set(string.punctuation)
+# HotpotQA's official F1 refuses partial credit between a yes/no answer and anything else: "no" must not earn half a
+# point against "no way", nor "yes" against "yes and no".
+_CLOSED_ANSWERS = {"yes", "no", "noanswer"}
+
+Completion = str | list[dict[str, Any]]
+Gold = str | Sequence[str]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Answer comparison (SQuAD / HotpotQA)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD normalisation: lowercase, drop punctuation and the articles a/an/the, collapse whitespace.
+
+    Used so that "The Beatles." and "beatles" count as the same answer, as in the official HotpotQA evaluation.
+    """
+    text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
+    text = _ARTICLES.sub(" ", text)
+    return " ".join(text.split())
+
+
+def _golds(gold: Gold) -> list[str]:
+    """The acceptable answers as a list (a single string is one answer)."""
+    return [gold] if isinstance(gold, str) else list(gold)
+
+
+def exact_match_score(prediction: str | None, gold: Gold) -> float:
+    """1.0 when the normalised prediction equals a normalised gold answer, else 0.0 (max over golds)."""
+    if prediction is None:
+        return 0.0
+    normalized = normalize_answer(prediction)
+    return float(any(normalized == normalize_answer(g) for g in _golds(gold)))
+
+
+def _token_f1(prediction: str, gold: str) -> float:
+    """Token-overlap F1 between two answers after normalisation, with HotpotQA's yes/no rule."""
+    pred, ref = normalize_answer(prediction), normalize_answer(gold)
+    if (pred in _CLOSED_ANSWERS or ref in _CLOSED_ANSWERS) and pred != ref:
+        return 0.0
+    pred_tokens, ref_tokens = pred.split(), ref.split()
+    overlap = sum((Counter(pred_tokens) & Counter(ref_tokens)).values())
+    if overlap == 0:
+        return 0.0
+    precision, recall = overlap / len(pred_tokens), overlap / len(ref_tokens)
+    return 2 * precision * recall / (precision + recall)
+
+
+def f1_score(prediction: str | None, gold: Gold) -> float:
+    """Token F1 (SQuAD/HotpotQA) between the prediction and the best-matching gold answer; 0.0 for no prediction."""
+    if prediction is None:
+        return 0.0
+    return max((_token_f1(prediction, g) for g in _golds(gold)), default=0.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading completions
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _text_of(message: dict[str, Any]) -> str:
+    """A message's text content; multimodal content (a list of parts) contributes its text parts."""
+    content = message.get("content") or ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+
+
+def _final_assistant_message(completion: Completion) -> dict[str, Any] | None:
+    """The last assistant message of a conversation; a plain string completion is one assistant message."""
+    if isinstance(completion, str):
+        return {"role": "assistant", "content": completion}
+    for message in reversed(completion):
+        if message.get("role") == "assistant":
+            return message
+    return None
+
+
+def extract_answer(completion: Completion) -> str | None:
+    """The stripped text of the last ``<answer>...</answer>`` span in the final assistant message, or None.
+
+    Only the final message counts: an answer written in an earlier turn, before the agent went on searching, is not
+    the agent's answer. The last span wins so that a model quoting the format while reasoning is still scored on
+    what it concluded.
+    """
+    message = _final_assistant_message(completion)
+    if message is None:
+        return None
+    spans = _ANSWER_SPAN.findall(_text_of(message))
+    return spans[-1].strip() if spans else None
+
+
+def _tool_call_is_parsed(tool_call: Any) -> bool:
+    """A tool call that the chat-template parser turned into ``{"type": "function", "function": {name, arguments}}``."""
+    if not isinstance(tool_call, dict) or tool_call.get("type", "function") != "function":
+        return False
+    function = tool_call.get("function")
+    return (
+        isinstance(function, dict)
+        and isinstance(function.get("name"), str)
+        and bool(function["name"])
+        and isinstance(function.get("arguments"), dict)
+    )
+
+
+def _all_tool_calls_parsed(conversation: list[dict[str, Any]]) -> bool:
+    """No assistant turn holds a malformed tool call.
+
+    TRL falls back to plain text when a response does not parse, so a raw ``<tool_call>`` left in an assistant's
+    content is the mark of a call that never ran.
+    """
+    for message in conversation:
+        if message.get("role") != "assistant":
+            continue
+        if "<tool_call>" in _text_of(message):
+            return False
+        if not all(_tool_call_is_parsed(call) for call in message.get("tool_calls") or []):
+            return False
+    return True
+
+
+def _has_one_answer_span(message: dict[str, Any]) -> bool:
+    """Exactly one opening and one closing answer tag, in that order, around a non-empty answer."""
+    text = _text_of(message)
+    if text.count("<answer>") != 1 or text.count("</answer>") != 1:
+        return False
+    span = _ANSWER_SPAN.search(text)
+    return span is not None and bool(span.group(1).strip())
+
+
+def is_well_formed(completion: Completion) -> bool:
+    """Whether the completion ends in one answer span, with every tool call parsed and none left pending."""
+    message = _final_assistant_message(completion)
+    if message is None or message.get("tool_calls") or not _has_one_answer_span(message):
+        return False
+    return isinstance(completion, str) or _all_tool_calls_parsed(completion)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reward functions (TRL signature)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _gold_column(kwargs: dict[str, Any], num_completions: int) -> list[Gold]:
+    """The ``answer`` column, checked to line up with the completions."""
+    if "answer" not in kwargs:
+        raise ValueError(
+            "This reward needs the gold answers in a dataset column named `answer`; "
+            f"got columns {sorted(k for k in kwargs if not k.startswith('trainer'))}."
+        )
+    answers = list(kwargs["answer"])
+    if len(answers) != num_completions:
+        raise ValueError(f"Got {num_completions} completions but {len(answers)} gold answers.")
+    return answers
+
+
+def exact_match_reward(prompts: list, completions: list[Completion], **kwargs) -> list[float]:
+    """Exact match (after SQuAD normalisation) of the extracted ``<answer>`` against the ``answer`` column."""
+    answers = _gold_column(kwargs, len(completions))
+    return [exact_match_score(extract_answer(c), gold) for c, gold in zip(completions, answers)]
+
+
+def thresholded_f1_reward(threshold: float = DEFAULT_F1_THRESHOLD) -> Callable[..., list[float]]:
+    """Build a reward that pays the answer's token F1 when it reaches ``threshold``, and 0 below it.
+
+    The threshold (0.3 in the TreeOPSD paper, Appendix E.1.1) keeps the reward from paying for answers that share
+    only a stray token with the gold, which a policy would otherwise learn to farm by answering with long lists.
+    """
+
+    def f1_reward(prompts: list, completions: list[Completion], **kwargs) -> list[float]:
+        answers = _gold_column(kwargs, len(completions))
+        scores = [f1_score(extract_answer(c), gold) for c, gold in zip(completions, answers)]
+        return [score if score >= threshold else 0.0 for score in scores]
+
+    f1_reward.__doc__ = f"Token F1 of the extracted ``<answer>`` against ``answer`` when at least {threshold}, else 0."
+    # TRL logs each reward under its function's name; distinct thresholds must not collide in the logs.
+    if threshold != DEFAULT_F1_THRESHOLD:
+        f1_reward.__name__ = f1_reward.__qualname__ = f"f1_reward_t{threshold:g}"
+    return f1_reward
+
+
+f1_reward = thresholded_f1_reward(DEFAULT_F1_THRESHOLD)
+
+
+def format_reward(prompts: list, completions: list[Completion], **kwargs) -> list[float]:
+    """1.0 when the final assistant message has exactly one non-empty ``<answer>`` span and every tool call parsed.
+
+    A final message that still requests a tool call is not an answer and scores 0.
+    """
+    return [float(is_well_formed(c)) for c in completions]
