@@ -1,0 +1,497 @@
+"""Offline fixtures for tests and examples: a tiny Qwen3, a warm start that teaches it tool calling, a calculator task.
+
+Nothing can be downloaded from the Hugging Face Hub here, yet the trainers must be exercised end to end: chat
+templates, tool calls, response parsing, multi-turn masks. So we build the smallest model that goes through exactly the
+code paths a real Qwen3 does:
+
+- a byte-level BPE tokenizer trained in a second on generated text, carrying TRL's own `qwen3.jinja` chat template
+  byte for byte (TRL recognises templates by their exact text: only then does `add_response_schema` install the
+  response parser and `get_training_chat_template` swap in the prefix-preserving training template);
+- a randomly initialised 2-layer Qwen3, cached on disk so that every test and every process of a multi-process run
+  loads the same weights from the same folder;
+- `warm_start`, a few seconds of supervised fine-tuning so that sampling produces parseable tool calls, which is what
+  makes a GRPO-with-tools step do something other than score empty completions;
+- `calculator` and `calculator_conversations`, a scripted tool-use task with a checkable answer.
+"""
+
+from __future__ import annotations
+
+import ast
+import errno
+import importlib.resources
+import json
+import operator
+import os
+import random
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AddedToken, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers.utils.chat_template_utils import render_jinja_template
+from trl.chat_template_utils import get_training_chat_template
+
+# Bump when anything that changes the built files changes (corpus, vocab size, config), so stale caches are not reused.
+CACHE_VERSION = "tiny-qwen3-v1"
+
+PAD_TOKEN = "<|endoftext|>"
+EOS_TOKEN = "<|im_end|>"
+SPECIAL_TOKENS = [PAD_TOKEN, "<|im_start|>", EOS_TOKEN]
+# Qwen3 writes these as plain (non-special) added tokens: they must survive `skip_special_tokens=True` decoding, since
+# that is the text TRL's response parser and reward functions see.
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+
+VOCAB_SIZE = 2048
+# The corpus is fixed, independent of the model seed, so every seed shares one tokenizer.
+_CORPUS_SEED = 1234
+
+MODEL_CONFIG = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "intermediate_size": 128,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Calculator tool and task
+# ---------------------------------------------------------------------------------------------------------------------
+
+_BINARY_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+_UNARY_OPS = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+_MAX_EXPRESSION_LENGTH = 200
+
+
+def _evaluate(node: ast.AST) -> int | float:
+    """Evaluate an arithmetic syntax tree, accepting only integer literals and + - * / (parentheses are implicit)."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:  # `type is`, not isinstance: True is an int too
+        return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY_OPS:
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        if isinstance(node.op, ast.Div) and right == 0:
+            raise ValueError("division by zero")
+        return _BINARY_OPS[type(node.op)](left, right)
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY_OPS:
+        return _UNARY_OPS[type(node.op)](_evaluate(node.operand))
+    raise ValueError(f"unsupported element in arithmetic expression: {ast.dump(node)}")
+
+
+def _format_number(value: int | float) -> str:
+    """Write whole numbers without a trailing `.0`, so `84 / 2` answers `42` like a person would."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+# The docstring and type hints are the tool's JSON schema (TRL calls `get_json_schema` on it), and that schema is
+# rendered into every prompt, so it is kept short.
+def calculator(expression: str) -> str:
+    """
+    Evaluates an arithmetic expression with integers and + - * / operators.
+
+    Args:
+        expression: The expression to evaluate, for example "17 + 25".
+
+    Returns:
+        The value of the expression.
+    """
+    if not isinstance(expression, str) or len(expression) > _MAX_EXPRESSION_LENGTH:
+        raise ValueError(f"expression must be a string of at most {_MAX_EXPRESSION_LENGTH} characters")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")  # parsing never executes anything
+        return _format_number(_evaluate(tree.body))
+    except (SyntaxError, RecursionError, MemoryError, OverflowError) as error:
+        raise ValueError(f"not an arithmetic expression: {expression!r}") from error
+
+
+_QUESTION_FORMATS = ["What is {expression}?", "Compute {expression}.", "Calculate {expression}.", "{expression} = ?"]
+
+
+def _random_expression(rng: random.Random) -> str:
+    """Draw `a op b` with a small integer answer; divisions are exact so the answer is always an integer."""
+    op = rng.choice("+-*/")
+    if op == "*":
+        a, b = rng.randint(2, 30), rng.randint(2, 30)
+    elif op == "/":
+        b = rng.randint(2, 12)
+        a = b * rng.randint(2, 30)
+    else:
+        a, b = rng.randint(1, 99), rng.randint(1, 99)
+    return f"{a} {op} {b}"
+
+
+def calculator_conversations(n: int, seed: int = 0) -> list[list[dict]]:
+    """
+    Scripted conversations in which the assistant calls `calculator` once and then states the result.
+
+    Each conversation is `[user, assistant tool call, tool result, assistant answer]`: `conversation[:1]` is a prompt
+    for RL and `conversation[-1]["content"]` the reference answer. Used to warm-start the tiny model and as a task
+    whose reward (the right number) is checkable.
+    """
+    rng = random.Random(seed)
+    conversations = []
+    for _ in range(n):
+        expression = _random_expression(rng)
+        answer = calculator(expression)
+        question = rng.choice(_QUESTION_FORMATS).format(expression=expression)
+        tool_call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
+        conversations.append(
+            [
+                {"role": "user", "content": question},
+                {"role": "assistant", "content": "", "tool_calls": [tool_call]},
+                {"role": "tool", "name": "calculator", "content": answer},
+                {"role": "assistant", "content": answer},
+            ]
+        )
+    return conversations
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _trl_chat_template(filename: str) -> str:
+    """A template shipped with TRL, read from the installed package so it matches the text TRL compares against."""
+    return importlib.resources.files("trl").joinpath("chat_templates", filename).read_text(encoding="utf-8")
+
+
+def qwen3_chat_template() -> str:
+    """TRL's `qwen3.jinja`: the template TRL recognises as Qwen3 (response parser, training-template swap)."""
+    return _trl_chat_template("qwen3.jinja")
+
+
+_NAMES = "Alice Bob Carol Dan Eve Frank Grace Heidi Ivan Judy Mallory Oscar Peggy Trent Victor Walter Ada Alan".split()
+_NOUNS = (
+    "time year people way day man woman child world life hand part place case week company system program question "
+    "work government number night point home water room mother area money story fact month lot right study book eye "
+    "job word business issue side kind head house service friend father power hour game line end member law car city "
+    "community name president team minute idea kid body information back parent face others level office door health "
+    "person art war history party result change morning reason research girl guy moment air teacher force education "
+    "river mountain forest ocean village garden kitchen window table chair letter paper music song movie picture "
+    "computer phone model token answer search query tool function document passage file report data record value "
+    "problem method theory tree branch leaf root node path policy reward step turn score task plan goal market price"
+).split()
+_VERBS = (
+    "found made took gave told asked called tried needed felt became left kept began seemed helped showed heard "
+    "played ran moved lived believed brought wrote provided sat stood lost paid met included continued set learned "
+    "changed led understood watched followed stopped created spoke read spent grew opened walked won offered "
+    "remembered loved considered appeared bought waited served died sent expected built stayed fell cut reached "
+    "killed raised passed sold decided returned explained hoped developed carried broke received agreed supported "
+    "picked searched computed checked answered solved counted added divided multiplied subtracted trained sampled"
+).split()
+_ADJECTIVES = (
+    "good new first last long great little own other old right big high different small large next early young "
+    "important few public bad same able human local sure free better true whole real best full special easy clear "
+    "recent certain personal open red green blue white black dark strong possible simple hard quiet happy quick short "
+    "warm cold bright heavy light deep wide correct wrong final empty"
+).split()
+_ADVERBS = "quickly slowly carefully quietly often never always soon again already together almost finally".split()
+_PREPOSITIONS = "in on at near under over behind beside with without before after into from about".split()
+_SEARCH_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "description": "Searches the knowledge base and returns the most relevant passages.",
+        "parameters": {
+            "type": "object",
+            "properties": {"query": {"type": "string", "description": "The search query."}},
+            "required": ["query"],
+        },
+    },
+}
+
+
+def _sentence(rng: random.Random) -> str:
+    """An English-like sentence from a handful of grammatical patterns, so BPE learns words, spaces, punctuation."""
+    name, name2 = rng.choice(_NAMES), rng.choice(_NAMES)
+    noun, noun2 = rng.choice(_NOUNS), rng.choice(_NOUNS)
+    verb, adj, adv, prep = rng.choice(_VERBS), rng.choice(_ADJECTIVES), rng.choice(_ADVERBS), rng.choice(_PREPOSITIONS)
+    number = rng.randint(0, 2000)
+    patterns = [
+        f"{name} {verb} the {adj} {noun} {prep} the {noun2}.",
+        f"The {noun} {verb} {adv}, and {name2} {verb} it {prep} {number} {noun2}s.",
+        f"Why did {name} say the {noun} was {adj}?",
+        f"In {1900 + number % 125}, {name} and {name2} {verb} {number} {adj} {noun}s.",
+        f'"{adj.capitalize()} {noun}," said {name}; "{adv} {verb} the {noun2}!"',
+        f"A {adj} {noun} is {adv} {adj} - {number}% of the {noun2}s (about {number / 7:.2f}).",
+        f"{name}'s {noun} {verb} {adv}: {number}, {number + 1}, {number * 2}.",
+    ]
+    return rng.choice(patterns)
+
+
+def _search_conversation(rng: random.Random) -> list[dict]:
+    """A search-tool exchange in the message format trainers use, so the corpus covers JSON tool-call text."""
+    query = f"{rng.choice(_ADJECTIVES)} {rng.choice(_NOUNS)} {rng.choice(_NOUNS)}"
+    tool_call = {"type": "function", "function": {"name": "search", "arguments": {"query": query}}}
+    passage = " ".join(_sentence(rng) for _ in range(2))
+    return [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": f"Who {rng.choice(_VERBS)} the {query}?"},
+        {"role": "assistant", "content": "", "tool_calls": [tool_call]},
+        {"role": "tool", "name": "search", "content": passage},
+        {"role": "assistant", "content": f"<think>\n{_sentence(rng)}\n</think>\n\n{rng.choice(_NAMES)}."},
+    ]
+
+
+def _corpus(num_sentences: int = 6000, num_chats: int = 300) -> list[str]:
+    """Generated training text: prose, arithmetic, and chats rendered by the real templates with tool schemas."""
+    rng = random.Random(_CORPUS_SEED)
+    texts = [_sentence(rng) for _ in range(num_sentences)]
+    texts += [f"{e} = {calculator(e)}" for e in (_random_expression(rng) for _ in range(num_sentences // 4))]
+    chats = [_search_conversation(rng) for _ in range(num_chats // 2)]
+    chats += calculator_conversations(num_chats // 2, seed=_CORPUS_SEED)
+    for template in (qwen3_chat_template(), _trl_chat_template("qwen3_training.jinja")):
+        rendered, _ = render_jinja_template(chats, tools=[calculator, _SEARCH_TOOL], chat_template=template)
+        texts += rendered
+    texts.append(json.dumps([_SEARCH_TOOL], indent=2))
+    return texts
+
+
+def _train_bpe(texts: list[str], vocab_size: int = VOCAB_SIZE) -> Tokenizer:
+    """Byte-level BPE like Qwen's: any string round-trips, so no output of the model is ever an unknown token."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return tokenizer
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Train the BPE and dress it as a Qwen3 tokenizer (special tokens, tool tags, chat template, left padding)."""
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=_train_bpe(_corpus()),
+        bos_token=None,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=None,
+        padding_side="left",
+        model_max_length=MODEL_CONFIG["max_position_embeddings"],
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in TOOL_TOKENS])
+    tokenizer.chat_template = qwen3_chat_template()
+    return tokenizer
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Model and on-disk cache
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def build_model(tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> Qwen3ForCausalLM:
+    """A randomly initialised tiny Qwen3 whose generation stops at `<|im_end|>`, as a chat model's does."""
+    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        bos_token_id=None,
+        eos_token_id=eos_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+        **MODEL_CONFIG,
+    )
+    with torch.random.fork_rng(devices=[]):  # seed the init without disturbing the caller's random state
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config)
+    model.generation_config.eos_token_id = eos_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.bos_token_id = None
+    return model
+
+
+def _cache_root(cache_dir: str | None) -> Path:
+    """`cache_dir`, else `$TRL_TREE_CACHE`, else `~/.cache/trl_tree`; read at call time so tests can redirect it."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    return Path(os.environ.get("TRL_TREE_CACHE") or Path.home() / ".cache" / "trl_tree")
+
+
+def tiny_model_path(cache_dir: str | None = None, seed: int = 0) -> str:
+    """
+    Folder holding the tiny model and tokenizer, built on first use; pass it as `model_name_or_path` to scripts.
+
+    The folder is built under a temporary name and renamed into place, and a rename onto an existing folder fails, so
+    when several processes start together (a 2-process accelerate run) exactly one build wins and all of them load it.
+    """
+    path = _cache_root(cache_dir) / f"{CACHE_VERSION}-seed{seed}"
+    if path.is_dir():
+        return str(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    try:
+        tokenizer = build_tokenizer()
+        tokenizer.save_pretrained(staging)
+        build_model(tokenizer, seed).save_pretrained(staging)
+        os.rename(staging, path)
+    except OSError as error:
+        if error.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not path.is_dir():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # a no-op after a successful rename
+    return str(path)
+
+
+def tiny_model_and_tokenizer(
+    cache_dir: str | None = None, seed: int = 0, attn_implementation: str = "sdpa"
+) -> tuple[Qwen3ForCausalLM, PreTrainedTokenizerFast]:
+    """Load the tiny Qwen3 and its tokenizer from the cache (building them the first time), in float32 on CPU."""
+    path = tiny_model_path(cache_dir, seed)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+    model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+    return model, tokenizer
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Warm start
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def assistant_token_mask(
+    tokenizer: PreTrainedTokenizerFast,
+    conversation: list[dict],
+    tools: list[Callable | dict] | None = None,
+    chat_template: str | None = None,
+) -> tuple[list[int], list[int]]:
+    """
+    Token ids of a conversation and a mask that is 1 exactly on the tokens the model generates.
+
+    An assistant turn's tokens are those between the prompt rendered with `add_generation_prompt=True` and the turn's
+    closing `<|im_end|>` inclusive: the same split GRPOTrainer makes between prompt and completion, so warm-start
+    targets are what the model will later be asked to sample. That holds only if each turn renders the same alone
+    (as a completion) as in the whole conversation, i.e. if the template is prefix-preserving, which is checked.
+    """
+    render = partial(
+        tokenizer.apply_chat_template, tools=tools, chat_template=chat_template, tokenize=True, return_dict=False
+    )
+    input_ids = list(render(conversation))
+    mask = [0] * len(input_ids)
+    for index, message in enumerate(conversation):
+        if message["role"] != "assistant":
+            continue
+        prompt_ids = list(render(conversation[:index], add_generation_prompt=True))
+        turn_ids = list(render(conversation[: index + 1]))
+        start = len(prompt_ids)
+        end = turn_ids.index(tokenizer.eos_token_id, start) + 1
+        if turn_ids[:start] != prompt_ids or input_ids[:end] != turn_ids[:end]:
+            raise ValueError(
+                f"assistant message {index} renders differently as a completion than inside the conversation: the "
+                "template is not prefix-preserving; pass a training template such as "
+                "`get_training_chat_template(tokenizer)`"
+            )
+        mask[start:end] = [1] * (end - start)
+    return input_ids, mask
+
+
+def _collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad a batch; labels are -100 outside assistant tokens so the loss only teaches what the model says."""
+    length = max(len(ids) for ids, _ in examples)
+    input_ids = torch.full((len(examples), length), pad_id)
+    attention_mask = torch.zeros((len(examples), length), dtype=torch.long)
+    labels = torch.full((len(examples), length), -100)
+    for row, (ids, mask) in enumerate(examples):
+        ids_t, mask_t = torch.tensor(ids), torch.tensor(mask, dtype=torch.bool)
+        input_ids[row, : len(ids)] = ids_t
+        attention_mask[row, : len(ids)] = 1
+        labels[row, : len(ids)] = torch.where(mask_t, ids_t, -100)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def _assistant_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """
+    Mean next-token cross-entropy over assistant tokens, with logits computed only where some row has a target.
+
+    Most of each sequence is the system prompt with the tool schema, and the vocabulary projection and its softmax are
+    the bulk of the cost at this size: skipping untrained positions with `logits_to_keep` cuts a step by a third.
+    """
+    targets = batch["labels"][:, 1:]
+    positions = (targets != -100).any(dim=0).nonzero().squeeze(-1)  # logits at t predict the token at t + 1
+    logits = model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=positions
+    ).logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets[:, positions].flatten())
+
+
+def _shuffled_batches(num_examples: int, batch_size: int, generator: torch.Generator) -> Iterator[list[int]]:
+    """Endless minibatches of example indices drawn epoch by epoch, so every conversation is seen equally often."""
+    pending: list[int] = []
+    while True:
+        while len(pending) < batch_size:
+            pending += torch.randperm(num_examples, generator=generator).tolist()
+        yield pending[:batch_size]
+        pending = pending[batch_size:]
+
+
+@contextmanager
+def _torch_threads(num_threads: int) -> Iterator[None]:
+    """
+    Temporarily set torch's intra-op thread count.
+
+    The tiny model's matrices are too small to split across cores, and when the cores are shared (two-process runs,
+    parallel test sessions) OpenMP threads spin waiting for each other: on 2 busy cores a step measured 5-10x slower
+    with 2 threads than with 1.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def warm_start(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerFast,
+    conversations: list[list[dict]],
+    tools: list[Callable | dict] | None = None,
+    steps: int = 100,
+    lr: float = 3e-3,
+    batch_size: int = 8,
+    seed: int = 0,
+) -> list[float]:
+    """
+    Supervised fine-tuning on the assistant turns of `conversations`, in place; returns the loss of every step.
+
+    A random model never closes a tool call, so GRPO with tools would only ever score noise. A few seconds of SFT
+    teaches the format. Conversations are rendered with the training template TRL itself will use (from
+    `get_training_chat_template`; `None`, i.e. the tokenizer's own, if that is already training-ready) and with
+    `tools=`, so the system prompt holds the tool schema exactly as GRPOTrainer renders it and the warm-started
+    behaviour transfers to RL.
+    """
+    if not conversations:
+        raise ValueError("warm_start needs at least one conversation")
+    template = get_training_chat_template(tokenizer)
+    examples = [assistant_token_mask(tokenizer, conversation, tools, template) for conversation in conversations]
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(seed)
+    was_training = model.training
+    model.train()
+    losses = []
+    with _torch_threads(1):
+        for _, indices in zip(range(steps), _shuffled_batches(len(examples), batch_size, generator)):
+            batch = _collate([examples[i] for i in indices], tokenizer.pad_token_id)
+            loss = _assistant_loss(model, {name: tensor.to(model.device) for name, tensor in batch.items()})
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+    model.train(was_training)
+    return losses
