@@ -203,3 +203,144 @@ def treeopsd_teacher(V: Tensor, num_leaves: int, rho: float) -> tuple[Tensor, fl
     """T4: the frozen bounded Bernoulli teacher q_i = 1/2 + V_i/τ, τ = (K − 1)/(ρ √K). Returns (q, τ)."""
     tau = treeopsd_temperature(num_leaves, rho)
     return 0.5 + torch.as_tensor(V, dtype=torch.float64) / tau, tau
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Path aggregation: GRPO's seq-mean-token-mean over root-to-leaf paths, expressed on unique turns
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def turn_lengths(tree: RolloutTree) -> Tensor:
+    """L_i: the number of action tokens of each unique turn (what a turn trains when nothing is masked)."""
+    return torch.tensor([t.num_action_tokens for t in tree.turns], dtype=torch.float64)
+
+
+def path_turn_pairs(trees: RolloutTree | list[RolloutTree]) -> tuple[Tensor, Tensor, Tensor]:
+    """The root-to-leaf paths of a batch of trees as flat index tensors, one entry per (trajectory, turn on it).
+
+    Turns are numbered globally by concatenating the trees' `turns` in order (turn j of tree x has id
+    Σ_{y<x} n_turns(y) + j, the `turn_ids` convention of `losses`), paths likewise (path k of tree x has id
+    Σ_{y<x} K_y + k). A trajectory that duplicates another is its own path, as in a flat GRPO batch.
+
+    Returns:
+        pair_paths [n_pairs]: the path of each entry; pair_turns [n_pairs]: its unique turn;
+        path_trees [n_paths]: the tree of each path.
+    """
+    trees = [trees] if isinstance(trees, RolloutTree) else list(trees)
+    pair_paths, pair_turns, path_trees = [], [], []
+    turn_offset = path_offset = 0
+    for x, tree in enumerate(trees):
+        lengths = torch.tensor([len(p) for p in tree.paths], dtype=torch.long)
+        pair_paths.append(torch.repeat_interleave(torch.arange(tree.num_leaves) + path_offset, lengths))
+        pair_turns.append(torch.tensor([i for p in tree.paths for i in p], dtype=torch.long) + turn_offset)
+        path_trees.append(torch.full((tree.num_leaves,), x, dtype=torch.long))
+        turn_offset += tree.num_turns
+        path_offset += tree.num_leaves
+    return torch.cat(pair_paths), torch.cat(pair_turns), torch.cat(path_trees)
+
+
+def path_token_weights(tree: RolloutTree, lengths: Tensor | None = None) -> Tensor:
+    """AT2PO A5 / GRPO seq-mean-token-mean over the K root-to-leaf paths, as a per-token weight of each unique turn.
+
+    A flat GRPO batch of the tree's K trajectories computes (1/K) Σ_k (1/|p_k|) Σ_{t ∈ p_k} ℓ_t with
+    |p_k| = Σ_{i ∈ p_k} L_i trained tokens. When ℓ_t does not depend on the path (per-token or per-turn ratios and
+    advantages), training each unique token once with weight
+
+        w_i = Σ_{k : i ∈ p_k} 1 / (K · |p_k|)
+
+    gives the same loss and gradient: Σ_i w_i Σ_j ℓ_ij. The weights sum to one over the tree's trained tokens,
+    Σ_i w_i L_i = 1, so the tree's loss is a weighted token mean (`losses.atpo_loss`, `losses.clipped_token_loss`).
+
+    Args:
+        lengths: L_i, trained tokens per unique turn (default: every action token; pass
+            `losses.turn_token_counts(turn_ids, n)` when some turns are masked, e.g. truncated ones).
+    """
+    lengths = turn_lengths(tree) if lengths is None else torch.as_tensor(lengths, dtype=torch.float64)
+    pair_paths, pair_turns, _ = path_turn_pairs(tree)
+    path_len = torch.zeros(tree.num_leaves, dtype=torch.float64).index_add_(0, pair_paths, lengths[pair_turns])
+    per_pair = torch.where(
+        path_len[pair_paths] > 0, 1.0 / (tree.num_leaves * path_len[pair_paths].clamp(min=1e-300)), 0.0
+    )
+    return torch.zeros(tree.num_turns, dtype=torch.float64).index_add_(0, pair_turns, per_pair)
+
+
+def token_mean_weights(tree: RolloutTree, lengths: Tensor | None = None) -> Tensor:
+    """Token mean over the tree's unique trained tokens: w_i = 1/L_x, L_x = Σ_i L_i (TreeOPSD's T5 weighting)."""
+    lengths = turn_lengths(tree) if lengths is None else torch.as_tensor(lengths, dtype=torch.float64)
+    total = lengths.sum()
+    return torch.full((tree.num_turns,), 1.0 / float(total) if total > 0 else 0.0, dtype=torch.float64)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# TreeAdv (DESIGN §3 D1–D3)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def segment_advantages(tree: RolloutTree, leaf_advantages: Tensor) -> Tensor:
+    """TreeAdv D2: A^tok(n) = mean of the advantages of every leaf occurrence below segment n.
+
+    D1 leaf advantages are `standardize(R)` (ddof=1). A leaf reached by m trajectories counts m times, so this is
+    `leaf_mean_backup`: A^tok(n) = Σ_{k : n ∈ p_k} A_k / |{k : n ∈ p_k}|.
+    """
+    return leaf_mean_backup(tree, leaf_advantages)
+
+
+def token_advantages(node_advantages: Tensor, turn_ids: Tensor) -> Tensor:
+    """TreeAdv D3: each token takes the advantage of the unique segment (turn) that covers it; 0 where turn_id = -1."""
+    node_advantages = torch.as_tensor(node_advantages)
+    return torch.where(turn_ids >= 0, node_advantages[turn_ids.clamp(min=0)], 0.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# TreeFlex (DESIGN §3 F1–F2)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def group_baseline(scores: Tensor) -> tuple[Tensor, Tensor]:
+    """TreeFlex F1: (mean, divisor) of the group's terminal scores; divisor = sample std, or 1 if all are equal.
+
+    `group_normalize(R) = (R − mean) / divisor`. Only terminal scores enter: process penalties never move either.
+    """
+    scores = torch.as_tensor(scores, dtype=torch.float64)
+    if scores.dim() != 1 or scores.numel() == 0:
+        raise ValueError(f"group_baseline expects a non-empty 1-D tensor of scores, got shape {tuple(scores.shape)}.")
+    one = torch.ones((), dtype=torch.float64)
+    if scores.numel() < 2 or bool((scores == scores[0]).all()):
+        return scores.mean(), one
+    return scores.mean(), scores.std(correction=1)
+
+
+def process_advantages(
+    rewards: Tensor, penalties_per_turn: Tensor, turn_to_search: Tensor, mode: str = "pre_norm"
+) -> Tensor:
+    """TreeFlex F2: per-turn advantages of one group of K complete searches with turn-level process penalties.
+
+        pre_norm  (default):  A_i = (R_{s(i)} + Q_i − mean R) / divisor
+        post_norm:            A_i = (R_{s(i)} − mean R) / divisor + Q_i
+
+    R are the K terminal scores (one per search, the group members), Q_i ≤ 0 the penalty of turn i (0 for most turns)
+    and s(i) the search turn i belongs to. mean and divisor come from the terminal scores only (F1, `group_baseline`),
+    so a penalty changes only its own turn's tokens, never the baseline of the others; with equal scores the divisor
+    is 1 and a penalty keeps its original scale. Without penalties every turn of a search has the search's advantage.
+
+    Returns:
+        A [n_turns], indexed like `penalties_per_turn`.
+    """
+    if mode not in ("pre_norm", "post_norm"):
+        raise ValueError(f"mode must be 'pre_norm' or 'post_norm', got {mode!r}.")
+    rewards = torch.as_tensor(rewards, dtype=torch.float64)
+    penalties = torch.as_tensor(penalties_per_turn, dtype=torch.float64)
+    search = torch.as_tensor(turn_to_search, dtype=torch.long)
+    if penalties.shape != search.shape:
+        raise ValueError(
+            f"penalties_per_turn {tuple(penalties.shape)} and turn_to_search {tuple(search.shape)} must match."
+        )
+    if (penalties > 0).any():
+        bad = int((penalties > 0).nonzero()[0])
+        raise ValueError(f"Process penalties must be ≤ 0 (TreeFlex F2); turn {bad} has Q = {penalties[bad].item()}.")
+    if search.numel() and (search.min() < 0 or search.max() >= rewards.numel()):
+        raise ValueError(f"turn_to_search must index the {rewards.numel()} searches of the group.")
+    mean, divisor = group_baseline(rewards)
+    if mode == "pre_norm":
+        return (rewards[search] + penalties - mean) / divisor
+    return (rewards[search] - mean) / divisor + penalties

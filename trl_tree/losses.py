@@ -111,3 +111,265 @@ def treepo_loss(
         0, tree_ids, V.detach().to(ratio_sum.dtype) * ratio_sum
     )
     return (-per_tree / tree_tokens.clamp(min=1)).mean()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shared pieces of the clipped surrogates
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def clipped_surrogate(ratio: Tensor, advantages: Tensor, epsilon_low: float, epsilon_high: float) -> Tensor:
+    """PPO's clipped objective min(r·A, clip(r, 1 − ε_low, 1 + ε_high)·A), elementwise (to be maximised)."""
+    return torch.minimum(ratio * advantages, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * advantages)
+
+
+def _check_per_turn(name: str, values: Tensor, num_turns: int) -> None:
+    if values.numel() != num_turns:
+        raise ValueError(f"{name} has {values.numel()} entries but the batch has {num_turns} unique turns.")
+
+
+def _weighted_tree_mean(per_turn_total: Tensor, tree_ids: Tensor, num_trees: int | None) -> Tensor:
+    """Σ over each tree's turns of the (already weighted) per-turn totals, then the mean over trees."""
+    n_trees = _per_tree(tree_ids, num_trees)
+    per_tree = per_turn_total.new_zeros(n_trees).index_add(0, tree_ids.to(per_turn_total.device), per_turn_total)
+    return per_tree.mean()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# AT2PO (DESIGN §3 A1, A5)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def token_entropy_from_logits(logits: Tensor) -> Tensor:
+    """H_t = −Σ_v π(v | h_t) log π(v | h_t), exact from the logits [..., V] -> [...] (the per-token input of A1).
+
+    Computed in at least float32; masked vocabulary entries (logit −inf) contribute 0.
+    """
+    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    p = logp.exp()
+    return torch.where(p > 0, -p * logp, torch.zeros_like(p)).sum(-1)
+
+
+def turn_entropy(token_entropies: Tensor, turn_ids: Tensor, num_turns: int) -> Tensor:
+    """AT2PO A1: H_i = (1/L_i) Σ_j H(a_ij), the mean per-token entropy over each turn's trained tokens (0 if none)."""
+    counts = turn_token_counts(turn_ids, num_turns).to(token_entropies.dtype)
+    return turn_sum(token_entropies, turn_ids, num_turns) / counts.clamp(min=1)
+
+
+def atpo_loss(
+    logps: Tensor,
+    old_logps: Tensor,
+    turn_ids: Tensor,
+    advantages: Tensor,
+    turn_weights: Tensor,
+    tree_ids: Tensor,
+    *,
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+    num_trees: int | None = None,
+) -> Tensor:
+    """AT2PO A5: Agentic Turn-based Policy Optimization, one importance ratio and one clip per turn.
+
+        r_i = exp((1/L_i) Σ_j (log π_θ(a_ij) − log π_old(a_ij)))                 (turn geometric-mean ratio)
+        ℓ_ij = min(r_i A_i, clip(r_i, 1 − ε_low, 1 + ε_high) A_i)                 (every token j of turn i)
+        L_x = −Σ_{i ∈ x} w_i Σ_j ℓ_ij,   batch loss = mean over trees x
+
+    A_i is the turn's value (A4). The per-token weights w_i say how turns are aggregated; A5's default is GRPO's
+    seq-mean-token-mean over the K root-to-leaf paths, `credit.path_token_weights(tree)` (each unique token trained
+    once with the weight of every path through it); `credit.token_mean_weights(tree)` is a token mean over unique
+    tokens. Per-token gradient: −w_i A_i r_i when turn i is unclipped and 0 when its ratio is clipped — a whole
+    turn stops at once, unlike the token-level surrogate (`clipped_token_loss`, the "GRPO loss" ablation).
+
+    Args:
+        advantages: A_i per unique turn (detached here).
+        turn_weights: w_i per unique turn, the weight of each of its tokens in its tree (sum_i w_i L_i = 1 per tree).
+    """
+    num_turns = advantages.numel()
+    _check_per_turn("turn_weights", turn_weights, num_turns)
+    r = turn_mean_log_ratio(logps, old_logps, turn_ids, num_turns).exp()
+    term = clipped_surrogate(r, advantages.detach().to(r), epsilon_low, epsilon_high)
+    lengths = turn_token_counts(turn_ids, num_turns).to(r)
+    return -_weighted_tree_mean(turn_weights.to(r) * lengths * term, tree_ids, num_trees)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Token-level surrogates: GRPO (AT2PO's ablation, TreeAdv D4) and GSPO-token (TreeAdv D4)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def clipped_token_loss(
+    logps: Tensor,
+    old_logps: Tensor,
+    turn_ids: Tensor,
+    advantages: Tensor,
+    turn_weights: Tensor,
+    tree_ids: Tensor,
+    *,
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+    num_trees: int | None = None,
+) -> Tensor:
+    """GRPO's token-level clipped surrogate with per-turn (TreeAdv: per-segment, D3) advantages.
+
+        ρ_t = π_θ(y_t) / π_old(y_t),   ℓ_t = min(ρ_t A_{i(t)}, clip(ρ_t, 1 − ε_low, 1 + ε_high) A_{i(t)})
+        L_x = −Σ_t w_{i(t)} ℓ_t,   batch loss = mean over trees x
+
+    With `credit.path_token_weights` this equals GRPO's seq-mean-token-mean over the tree's K flat trajectories, each
+    token taking its segment's advantage (TreeAdv D3–D4, GRPO variant); with per-turn values as advantages it is the
+    "GRPO loss" arm of AT2PO's ablation against `atpo_loss`.
+    """
+    num_turns = advantages.numel()
+    _check_per_turn("turn_weights", turn_weights, num_turns)
+    mask = _trained(turn_ids)
+    ids = turn_ids[mask]
+    ratio = (logps[mask] - old_logps[mask].detach()).exp()
+    term = clipped_surrogate(ratio, advantages.detach().to(ratio)[ids], epsilon_low, epsilon_high)
+    per_turn = ratio.new_zeros(num_turns).index_add(0, ids, turn_weights.to(ratio)[ids] * term)
+    return -_weighted_tree_mean(per_turn, tree_ids, num_trees)
+
+
+def gspo_token_loss(
+    logps: Tensor,
+    old_logps: Tensor,
+    turn_ids: Tensor,
+    advantages: Tensor,
+    pair_paths: Tensor,
+    pair_turns: Tensor,
+    path_trees: Tensor,
+    *,
+    epsilon_low: float = 3e-4,
+    epsilon_high: float = 4e-4,
+    num_trees: int | None = None,
+) -> Tensor:
+    """TreeAdv D4: GSPO-token (GSPO paper §4.3) over the K root-to-leaf sequences a tree encodes.
+
+        s_k = exp((1/|y_k|) Σ_{t ∈ y_k} log(π_θ(y_t) / π_old(y_t)))             (sequence ratio of path k)
+        s_{k,t} = sg[s_k] · π_θ(y_t) / sg[π_θ(y_t)]                               (= s_k in value)
+        L_x = −(1/K) Σ_k (1/|y_k|) Σ_{t ∈ y_k} min(s_{k,t} A_t, clip(s_{k,t}, 1 − ε_low, 1 + ε_high) A_t)
+
+    A_t is the token's segment advantage (D3). A token shared by several paths sees each path's own s_k, so the loss
+    runs over (path, turn) pairs (`credit.path_turn_pairs`), not over unique turns; each unique token is still
+    scored once. Its gradient is −Σ_{k ∋ t} s_k A_t / (K |y_k|) over the paths whose clip is inactive: at θ = θ_old
+    it equals the GRPO surrogate's with path weights. The ratios s_k are tiny-clipped (GSPO's ε ≈ 3e-4, 4e-4).
+
+    Args:
+        advantages: A per unique turn (segment); pair_paths, pair_turns, path_trees: `credit.path_turn_pairs(trees)`.
+    """
+    num_turns, num_paths = advantages.numel(), path_trees.numel()
+    pair_paths, pair_turns, path_trees = (x.to(logps.device) for x in (pair_paths, pair_turns, path_trees))
+    log_ratio = logps - old_logps.detach()
+    lengths = turn_token_counts(turn_ids, num_turns).to(logps.dtype)
+    path_len = lengths.new_zeros(num_paths).index_add(0, pair_paths, lengths[pair_turns])
+    path_log_ratio = logps.new_zeros(num_paths).index_add(
+        0, pair_paths, turn_sum(log_ratio, turn_ids, num_turns)[pair_turns]
+    )
+    s_path = (path_log_ratio / path_len.clamp(min=1)).exp().detach()
+    # π_θ/sg[π_θ] is 1 in value; its turn mean carries d/dlog π_θ(y_t) = 1/L_i, so L_i·min(·) sums the turn's tokens.
+    unit = (logps - logps.detach()).exp()
+    unit_turn = turn_sum(unit, turn_ids, num_turns) / lengths.clamp(min=1)
+    s_pair = s_path[pair_paths] * unit_turn[pair_turns]
+    term = lengths[pair_turns] * clipped_surrogate(
+        s_pair, advantages.detach().to(logps)[pair_turns], epsilon_low, epsilon_high
+    )
+    per_path = logps.new_zeros(num_paths).index_add(0, pair_paths, term) / path_len.clamp(min=1)
+    n_trees = _per_tree(path_trees, num_trees)
+    paths_per_tree = lengths.new_zeros(n_trees).index_add(0, path_trees, torch.ones_like(per_path))
+    per_tree = logps.new_zeros(n_trees).index_add(0, path_trees, per_path) / paths_per_tree.clamp(min=1)
+    return -per_tree.mean()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# TreeFlex (DESIGN §3 F3–F4)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def dual_clip_loss(
+    logps: Tensor,
+    old_logps: Tensor,
+    advantages: Tensor,
+    epsilon: float = 0.2,
+    c: float = 3.0,
+    *,
+    epsilon_high: float | None = None,
+) -> Tensor:
+    """TreeFlex F3: per-token PPO clip loss with the dual clip for negative advantages (Ye et al. 2020), c = 3.
+
+        l_t = max(−r_t A_t, −clip(r_t, 1 − ε, 1 + ε_high) A_t)                   A_t ≥ 0
+        l_t = min(max(−r_t A_t, −clip(r_t, 1 − ε, 1 + ε_high) A_t), −c A_t)       A_t < 0
+
+    r_t = exp(log π_θ − log π_old), evaluated in the token's own generating context. For A < 0 the loss is capped at
+    −c·A = c|A|: a token whose ratio has blown up (r > c) stops contributing gradient instead of dominating.
+    Returns the per-token loss (to be reduced by `aggregate`).
+
+    Args:
+        advantages: A per token (e.g. `process_advantages` gathered by each token's turn).
+        epsilon_high: upper clip (default ε).
+    """
+    if c <= 1.0:
+        raise ValueError(f"The dual-clip constant c must exceed 1, got c = {c}.")
+    eps_high = epsilon if epsilon_high is None else epsilon_high
+    ratio = (logps - old_logps.detach()).exp()
+    A = advantages.detach().to(ratio)
+    clipped = -clipped_surrogate(ratio, A, epsilon, eps_high)
+    return torch.where(A < 0, torch.minimum(clipped, -c * A), clipped)
+
+
+def _mean_of_means(values: Tensor, ids: Tensor) -> Tensor:
+    """Mean within each id, then the mean over the ids present."""
+    _, inverse = torch.unique(ids, return_inverse=True)
+    n = int(inverse.max()) + 1
+    sums = values.new_zeros(n).index_add(0, inverse, values)
+    counts = values.new_zeros(n).index_add(0, inverse, torch.ones_like(values))
+    return (sums / counts).mean()
+
+
+AGGREGATION_MODES = ("token", "block", "rollout", "role")
+
+
+def aggregate(
+    per_token_loss: Tensor,
+    token_mask: Tensor,
+    block_ids: Tensor | None = None,
+    search_ids: Tensor | None = None,
+    role_ids: Tensor | None = None,
+    mode: str = "rollout",
+    role_lambda: float = 0.0,
+) -> Tensor:
+    """TreeFlex F4: reduce a group's per-token losses; the unit that gets equal weight is the choice.
+
+        token:    Σ_t m_t l_t / Σ_t m_t                                  every trained token equal
+        block:    mean over blocks b of (mean over b's trained tokens)    every causal block equal
+        rollout:  mean over searches i of (mean over i's trained tokens)  every complete search equal (paper's setup)
+        role:     mean over roles ρ of (mean over ρ's trained tokens)     Reflection and Execution equal
+
+        loss = (1 − λ) · loss_mode + λ · loss_role     (λ = role_lambda ∈ [0, 1]; the paper trains with rollout, λ = 0)
+
+    Only tokens with mask 1 count (prompt, restored context, harness text and observations are masked). Ids are
+    global over what is passed: "over all blocks of the group" means every block id present, so a search with more
+    blocks weighs more under `block`. Blocks/searches/roles without trained tokens are ignored.
+
+    Args:
+        per_token_loss, token_mask, block_ids, search_ids, role_ids: [n_tokens]; the ids the mode needs are required.
+    """
+    if mode not in AGGREGATION_MODES:
+        raise ValueError(f"mode must be one of {AGGREGATION_MODES}, got {mode!r}.")
+    if not 0.0 <= role_lambda <= 1.0:
+        raise ValueError(f"role_lambda must lie in [0, 1], got {role_lambda}.")
+    mask = token_mask.bool()
+    if not mask.any():
+        return (per_token_loss * 0.0).sum()
+    values = per_token_loss[mask]
+    needed = {"block": ("block_ids", block_ids), "rollout": ("search_ids", search_ids), "role": ("role_ids", role_ids)}
+
+    def reduce(unit: str) -> Tensor:
+        if unit == "token":
+            return values.mean()
+        name, ids = needed[unit]
+        if ids is None:
+            raise ValueError(f"mode={unit!r} (or role_lambda > 0 for 'role') needs {name}.")
+        return _mean_of_means(values, ids.to(mask.device)[mask])
+
+    if mode == "role" or role_lambda == 1.0:
+        return reduce("role")
+    base = reduce(mode)
+    return base if role_lambda == 0.0 else (1 - role_lambda) * base + role_lambda * reduce("role")
