@@ -1,0 +1,78 @@
+"""A few TreeOPSD steps on the tiny model with a calculator tool, for `accelerate launch` tests.
+
+Usage: accelerate launch [--multi_gpu --num_processes 2 | --config_file ds.yaml] tests/launch/tiny_tree_run.py OUT [lora]
+Prints one JSON line per rank: world size, whether every trainable parameter changed, the logged metric names.
+"""
+
+import json
+import os
+import sys
+
+import torch
+from datasets import Dataset
+
+from trl_tree import TreeOPSDConfig, TreeOPSDTrainer
+from trl_tree.testing import calculator, calculator_conversations, tiny_model_and_tokenizer, warm_start
+
+
+def correct_answer(completions, answer, **kwargs):
+    """1 when the final assistant message contains the gold answer, plus a small shaping term (a tool was called,
+    answer length) so that a tiny model's tree almost never has all-equal rewards (no gradient) in two steps."""
+    rewards = []
+    for c, a in zip(completions, answer):
+        final = c[-1].get("content") or ""
+        called = any(m["role"] == "tool" for m in c)
+        rewards.append(float(a in final) + 0.1 * called + 0.001 * len(final))
+    return rewards
+
+
+def main():
+    out, use_lora = sys.argv[1], "lora" in sys.argv[2:]
+    model, tok = tiny_model_and_tokenizer()
+    conversations = calculator_conversations(64, seed=0)
+    torch.manual_seed(0)
+    warm_start(model, tok, conversations, tools=[calculator], steps=150)
+    ds = Dataset.from_dict({
+        "prompt": [c[:1] for c in conversations[:8]],
+        "answer": [c[-1]["content"].split()[-1].rstrip(".") for c in conversations[:8]],
+    })
+    peft_config = None
+    if use_lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    args = TreeOPSDConfig(
+        output_dir=out, per_device_train_batch_size=1, gradient_accumulation_steps=1, steps_per_generation=2,
+        max_steps=4 if use_lora else 2,  # LoRA's B starts at 0: A moves from the 2nd step on
+        num_initial_rollouts=2, num_branches=1, max_turns=3, max_completion_length=96,
+        learning_rate=1e-2, logging_steps=1, report_to="none", bf16=False, gradient_checkpointing=False,
+        save_strategy="no", use_cpu=not torch.cuda.is_available(), seed=0,
+    )
+    trainer = TreeOPSDTrainer(model=model, reward_funcs=correct_answer, args=args, train_dataset=ds,
+                              processing_class=tok, tools=[calculator], peft_config=peft_config)
+    before = {n: p.detach().clone().float().cpu() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    after = dict(trainer.accelerator.unwrap_model(trainer.model).named_parameters())
+    changed = []
+    for name, p in after.items():
+        if name in before:
+            full = p
+            if hasattr(p, "ds_id"):  # ZeRO-3 partitioned parameter
+                import deepspeed
+
+                with deepspeed.zero.GatheredParameters([p]):
+                    full = p.detach().clone()
+            changed.append(bool((full.detach().float().cpu() - before[name]).abs().max() > 0))
+            if not changed[-1]:
+                print("unchanged", name, flush=True)
+    metrics = sorted({k for entry in trainer.state.log_history for k in entry})
+    print(json.dumps({"rank": trainer.accelerator.process_index, "world": trainer.accelerator.num_processes,
+                      "num_trainable": len(changed), "all_changed": all(changed) and bool(changed),
+                      "metrics": metrics}), flush=True)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    main()

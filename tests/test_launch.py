@@ -1,0 +1,71 @@
+"""Launched runs: 2 processes, LoRA and DeepSpeed ZeRO on CPU (DESIGN §7), a few TreeOPSD steps each.
+
+Each run warm-starts the tiny model on calculator conversations and trains two optimizer blocks; it must finish on
+every rank, change every trainable parameter and log the tree metrics.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parent / "launch" / "tiny_tree_run.py"
+EXPECTED_METRICS = {
+    "reward", "reward_std", "tree/leaves_per_tree", "tree/unique_turns", "tree/unique_tokens", "tree/flat_tokens",
+    "tree/turns_per_leaf", "treeopsd/abs_q_minus_half", "treeopsd/abs_p_minus_q/block_0",
+    "treeopsd/abs_p_minus_q/block_1", "tools/call_frequency", "tools/failure_frequency",
+}
+
+DEEPSPEED = """compute_environment: LOCAL_MACHINE
+distributed_type: DEEPSPEED
+deepspeed_config:
+  zero_stage: {stage}
+  offload_optimizer_device: none
+  offload_param_device: none
+  zero3_init_flag: false
+mixed_precision: 'no'
+num_machines: 1
+num_processes: {processes}
+use_cpu: true
+"""
+
+
+def _launch(tmp_path, launch_args, *script_args, timeout=600):
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "torch_ext"), "OMP_NUM_THREADS": "1",
+           "TRL_EXPERIMENTAL_SILENCE": "1", "CI": "true"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch_args, str(SCRIPT), str(tmp_path / "out"),
+           *script_args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"rank"')]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return reports
+
+
+def _check(reports, world):
+    assert sorted(r["rank"] for r in reports) == list(range(world))
+    for r in reports:
+        assert r["world"] == world
+        assert r["all_changed"], r
+        assert EXPECTED_METRICS <= set(r["metrics"]), EXPECTED_METRICS - set(r["metrics"])
+
+
+@pytest.mark.slow
+def test_two_processes_on_cpu(tmp_path):
+    _check(_launch(tmp_path, ["--multi_gpu", "--num_processes", "2", "--num_machines", "1"]), world=2)
+
+
+@pytest.mark.slow
+def test_lora(tmp_path):
+    _check(_launch(tmp_path, ["--num_processes", "1"], "lora"), world=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_zero_on_cpu(tmp_path, stage):
+    pytest.importorskip("deepspeed")
+    config = tmp_path / "ds.yaml"
+    config.write_text(DEEPSPEED.format(stage=stage, processes=2))
+    _check(_launch(tmp_path, ["--config_file", str(config)]), world=2)
