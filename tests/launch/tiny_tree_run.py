@@ -26,8 +26,8 @@ def correct_answer(completions, answer, **kwargs):
     return rewards
 
 
-def main():
-    out, use_lora = sys.argv[1], "lora" in sys.argv[2:]
+def build_trainer(out: str, use_lora: bool = False, max_steps: int = 2, packing: str = "tree") -> TreeOPSDTrainer:
+    """A warm-started tiny model, a calculator tool, two optimizer blocks per generation batch."""
     model, tok = tiny_model_and_tokenizer()
     conversations = calculator_conversations(64, seed=0)
     torch.manual_seed(0)
@@ -43,13 +43,18 @@ def main():
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     args = TreeOPSDConfig(
         output_dir=out, per_device_train_batch_size=1, gradient_accumulation_steps=1, steps_per_generation=2,
-        max_steps=4 if use_lora else 2,  # LoRA's B starts at 0: A moves from the 2nd step on
-        num_initial_rollouts=2, num_branches=1, max_turns=3, max_completion_length=96,
+        max_steps=max_steps, packing=packing, num_initial_rollouts=2, num_branches=1, max_turns=3, max_completion_length=96,
         learning_rate=1e-2, logging_steps=1, report_to="none", bf16=False, gradient_checkpointing=False,
         save_strategy="no", use_cpu=not torch.cuda.is_available(), seed=0,
     )
-    trainer = TreeOPSDTrainer(model=model, reward_funcs=correct_answer, args=args, train_dataset=ds,
-                              processing_class=tok, tools=[calculator], peft_config=peft_config)
+    return TreeOPSDTrainer(model=model, reward_funcs=correct_answer, args=args, train_dataset=ds,
+                           processing_class=tok, tools=[calculator], peft_config=peft_config)
+
+
+def main():
+    out, use_lora = sys.argv[1], "lora" in sys.argv[2:]
+    # LoRA's B starts at 0, so A only moves from the second optimizer step on
+    trainer = build_trainer(out, use_lora, max_steps=4 if use_lora else 2)
     before = {n: p.detach().clone().float().cpu() for n, p in trainer.model.named_parameters() if p.requires_grad}
     trainer.train()
     after = dict(trainer.accelerator.unwrap_model(trainer.model).named_parameters())
