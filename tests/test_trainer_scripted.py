@@ -88,7 +88,7 @@ def test_scripted_tree_rewards_credit_teacher_and_loss(tmp_path):
     tau = 3 / (0.25 * 2)
     q = batch["credit_q"][0]
     for i, v in V.items():
-        assert math.isclose(batch["credit_V"][0, i].item(), v, abs_tol=1e-5)
+        assert math.isclose(batch["credit_A"][0, i].item(), v, abs_tol=1e-5)
         assert math.isclose(q[i].item(), 0.5 + v / tau, abs_tol=1e-6)
     assert math.isclose(batch["credit_tau"][0].item(), tau, rel_tol=1e-6)
 
@@ -241,7 +241,10 @@ def test_a_reward_function_that_raises_or_returns_nan_is_named_with_the_sample(t
     [
         ({"num_initial_rollouts": 0}, "num_initial_rollouts"),
         ({"num_branches": -1}, "num_branches"),
-        ({"num_initial_rollouts": 1, "num_branches": 0}, "K = M\\(N \\+ 1\\) ≥ 2"),
+        ({"num_initial_rollouts": 1, "num_branches": 0}, "K ≥ 2 leaves"),
+        ({"loss": "treeopsd", "reward_std": "population"}, "needs reward_std=.sample."),
+        ({"sampler": "beam"}, "sampler must be one of"),
+        ({"loss": "ppo"}, "loss must be one of"),
         ({"target_radius": 0.5}, "0 < ρ < 1/2"),
         ({"target_radius": 0.0}, "0 < ρ < 1/2"),
         ({"num_iterations": 2}, "steps_per_generation = E × gradient_accumulation_steps"),

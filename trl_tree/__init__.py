@@ -10,6 +10,8 @@ from .tree import RolloutTree, Turn
 __version__ = "0.1.0"
 
 _TRAINERS = {
+    "TreeConfig": "trl_tree.trainer.config",
+    "TreeTrainer": "trl_tree.trainer.base",
     "TreeOPSDConfig": "trl_tree.trainer.treeopsd",
     "TreeOPSDTrainer": "trl_tree.trainer.treeopsd",
     "TreePOConfig": "trl_tree.trainer.treepo",

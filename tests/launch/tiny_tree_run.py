@@ -1,6 +1,7 @@
 """A few TreeOPSD steps on the tiny model with a calculator tool, for `accelerate launch` tests.
 
-Usage: accelerate launch [--multi_gpu --num_processes 2 | --config_file ds.yaml] tests/launch/tiny_tree_run.py OUT [lora]
+Usage: accelerate launch [--multi_gpu --num_processes 2 | --config_file ds.yaml] tests/launch/tiny_tree_run.py OUT
+       [lora] [treeopsd | at2po | opsd_on_entropy_tree | atpo_on_init_expand | flat_grpo]
 Prints one JSON line per rank: world size, whether every trainable parameter changed, the logged metric names.
 """
 
@@ -11,7 +12,18 @@ import sys
 import torch
 from datasets import Dataset
 
-from trl_tree import TreeOPSDConfig, TreeOPSDTrainer
+from trl_tree import AT2POConfig, AT2POTrainer, TreeConfig, TreeOPSDConfig, TreeOPSDTrainer, TreeTrainer
+
+METHODS = {
+    "treeopsd": (TreeOPSDTrainer, TreeOPSDConfig, {}),
+    "at2po": (AT2POTrainer, AT2POConfig, {"num_initial_rollouts": 2, "expansion_rounds": 1, "branches_per_round": 2}),
+    # compositions: the TreeOPSD loss on an entropy-guided tree; ATPO on init-expand trees; flat multi-turn GRPO
+    "opsd_on_entropy_tree": (TreeTrainer, TreeConfig, {"sampler": "entropy_guided", "expansion_rounds": 1,
+                                                        "branches_per_round": 2, "num_initial_rollouts": 2}),
+    "atpo_on_init_expand": (TreeTrainer, TreeConfig, {"loss": "atpo", "credit": "child_mean"}),
+    "flat_grpo": (TreeTrainer, TreeConfig, {"sampler": "flat", "num_initial_rollouts": 4, "credit": "path",
+                                             "loss": "grpo"}),
+}
 from trl_tree.testing import calculator, calculator_conversations, tiny_model_and_tokenizer, warm_start
 
 
@@ -26,8 +38,9 @@ def correct_answer(completions, answer, **kwargs):
     return rewards
 
 
-def build_trainer(out: str, use_lora: bool = False, max_steps: int = 2, packing: str = "tree") -> TreeOPSDTrainer:
+def build_trainer(out: str, use_lora: bool = False, max_steps: int = 2, packing: str = "tree", method="treeopsd"):
     """A warm-started tiny model, a calculator tool, two optimizer blocks per generation batch."""
+    trainer_cls, config_cls, overrides = METHODS[method]
     model, tok = tiny_model_and_tokenizer()
     conversations = calculator_conversations(64, seed=0)
     torch.manual_seed(0)
@@ -41,20 +54,22 @@ def build_trainer(out: str, use_lora: bool = False, max_steps: int = 2, packing:
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
-    args = TreeOPSDConfig(
+    tree_fields = {"num_initial_rollouts": 2, "num_branches": 1, **overrides}
+    args = config_cls(
         output_dir=out, per_device_train_batch_size=1, gradient_accumulation_steps=1, steps_per_generation=2,
-        max_steps=max_steps, packing=packing, num_initial_rollouts=2, num_branches=1, max_turns=3, max_completion_length=96,
+        max_steps=max_steps, packing=packing, **tree_fields, max_turns=3, max_completion_length=96,
         learning_rate=1e-2, logging_steps=1, report_to="none", bf16=False, gradient_checkpointing=False,
         save_strategy="no", use_cpu=not torch.cuda.is_available(), seed=0,
     )
-    return TreeOPSDTrainer(model=model, reward_funcs=correct_answer, args=args, train_dataset=ds,
-                           processing_class=tok, tools=[calculator], peft_config=peft_config)
+    return trainer_cls(model=model, reward_funcs=correct_answer, args=args, train_dataset=ds,
+                       processing_class=tok, tools=[calculator], peft_config=peft_config)
 
 
 def main():
     out, use_lora = sys.argv[1], "lora" in sys.argv[2:]
+    method = next((a for a in sys.argv[2:] if a in METHODS), "treeopsd")
     # LoRA's B starts at 0, so A only moves from the second optimizer step on
-    trainer = build_trainer(out, use_lora, max_steps=4 if use_lora else 2)
+    trainer = build_trainer(out, use_lora, max_steps=4 if use_lora else 2, method=method)
     before = {n: p.detach().clone().float().cpu() for n, p in trainer.model.named_parameters() if p.requires_grad}
     trainer.train()
     after = dict(trainer.accelerator.unwrap_model(trainer.model).named_parameters())

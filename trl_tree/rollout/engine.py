@@ -116,7 +116,8 @@ class HFEngine:
 
 
 class ScriptedEngine:
-    """Replays fixed turns: `script(prefix) -> list[int]` decides what the "model" says after a prefix.
+    """Replays fixed turns: `script(prefix) -> list[int]` decides what the "model" says after a prefix (or returns
+    `(ids, entropies)` to also script per-token entropies, e.g. to drive entropy-guided expansion).
 
     For tests and demos, the way TRL tests its tool loop with patched generation: the tree that comes out is known
     in advance. Log-probs are uniform placeholders (the trainer recomputes π_old with the training model anyway).
@@ -131,7 +132,8 @@ class ScriptedEngine:
         self.calls += 1
         results = []
         for prefix, budget in zip(prefixes, max_new_tokens):
-            ids = list(self.script(list(prefix)))
+            out = self.script(list(prefix))
+            ids, entropies = (list(out[0]), list(out[1])) if isinstance(out, tuple) else (list(out), [0.0] * len(out))
             n, finished = _cut_at_eos(ids, self.eos_ids, budget)
-            results.append(Continuation(ids[:n], [0.0] * n, [0.0] * n, finished))
+            results.append(Continuation(ids[:n], [0.0] * n, entropies[:n], finished))
         return results

@@ -17,9 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..tree import Turn
+from ..tree import RolloutTree, Turn
 from .engine import GenerationEngine
 from .env import environment_tools, fork_environment, run_tool_call
+from .expansion import expansion_anchor, select_expansion_turns, tree_turn_entropies
 
 INVALID_TOOL_NAME = "invalid_tool_call"
 
@@ -231,3 +232,46 @@ class InitExpandSampler:
         for branch in initial + expansions:
             per_tree[branch.tree].append(branch)
         return per_tree
+
+
+class EntropyGuidedSampler:
+    """AT2PO's entropy-guided expansion (A1–A2): M initial trajectories, then L rounds that each re-sample the K
+    highest-scoring turns S_i = H_i − α·max(0, siblings − 1) from their own pre-turn history (a new sibling).
+
+    `mode="random"` picks the K turns uniformly among the candidates (the paper's random-expansion ablation). When a
+    tree has fewer candidate turns than K (e.g. single-turn trajectories), the rest of the round's budget resamples
+    from the prompt, so every tree has K = M + L·K leaves.
+    """
+
+    def __init__(
+        self, loop: TurnLoop, num_initial: int, rounds: int, per_round: int, mode: str = "entropy",
+        alpha: float = 0.05, seed: int = 0,
+    ):
+        if num_initial < 1 or rounds < 0 or per_round < 0:
+            raise ValueError(
+                f"Need num_initial_rollouts ≥ 1, expansion_rounds ≥ 0 and branches_per_round ≥ 0; got "
+                f"{num_initial}, {rounds}, {per_round}."
+            )
+        if mode not in ("entropy", "random"):
+            raise ValueError(f"expansion_mode must be 'entropy' or 'random'; got {mode!r}.")
+        self.loop, self.num_initial, self.rounds, self.per_round = loop, num_initial, rounds, per_round
+        self.mode, self.alpha = mode, alpha
+        self.rng = random.Random(seed)
+
+    def sample(self, roots: list[TreeRoot]) -> list[list[Branch]]:
+        per_tree = [[_start(i, root, fork=m > 0) for m in range(self.num_initial)] for i, root in enumerate(roots)]
+        self.loop.run([b for branches in per_tree for b in branches])
+        for _ in range(self.rounds):
+            new = [self._expand(root, branches) for root, branches in zip(roots, per_tree)]
+            self.loop.run([b for branches in new for b in branches])
+            for branches, added in zip(per_tree, new):
+                branches.extend(added)
+        return per_tree
+
+    def _expand(self, root: TreeRoot, branches: list[Branch]) -> list[Branch]:
+        tree = RolloutTree.from_trajectories(root.prompt_ids, [b.turns for b in branches], [0.0] * len(branches))
+        entropies = tree_turn_entropies(tree) if self.mode == "entropy" else None
+        chosen = select_expansion_turns(tree, entropies, self.per_round, alpha=self.alpha, rng=self.rng, mode=self.mode)
+        restarts = [branches[k].restart_at(t) for k, t in (expansion_anchor(tree, i) for i in chosen)]
+        restarts += [branches[0].restart_at(0) for _ in range(self.per_round - len(chosen))]
+        return restarts

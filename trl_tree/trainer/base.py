@@ -9,8 +9,8 @@ accelerate / DeepSpeed, vLLM, logging, checkpoints, Hub):
    into micro-batches);
 2. the loss (`_compute_loss`): one packed forward of the current policy and the method's turn-level loss.
 
-A method subclass chooses its sampler (`build_sampler`), its credit (`turn_credit`: per-turn tensors for one tree)
-and its loss (`turn_loss`: flattened tensors of a micro-batch). Everything in between is shared.
+The configuration chooses the sampler, the credit and the loss independently (`trl_tree.trainer.components`); the
+named trainers (`TreeOPSDTrainer`, `TreePOTrainer`, `AT2POTrainer`) are presets of `TreeTrainer`.
 """
 
 from __future__ import annotations
@@ -26,28 +26,45 @@ from trl.chat_template_utils import parse_response
 from trl.data_utils import is_conversational
 from trl.trainer.utils import is_async_callable
 
-from .. import credit
+from .. import credit, losses
 from ..packing import PackedTrees, pack_trees, packed_token_logps
 from ..rollout.engine import HFEngine
 from ..rollout.env import environment_tools
 from ..rollout.samplers import SamplerSettings, TreeRoot, TurnLoop
 from ..tree import RolloutTree
+from . import components
+from .config import TreeConfig
 
 PER_TURN = "credit_"  # batch keys of per-turn tensors, padded to the largest tree: [N, max_turns]
 
 
 class TreeTrainer(GRPOTrainer):
-    """Base of the tree trainers. Not used directly: see `TreeOPSDTrainer`, `TreePOTrainer`, …"""
+    """A GRPOTrainer that grows rollout trees and trains unique turns with a turn-level loss.
 
+    Use it directly with a `TreeConfig` to compose a sampler, a credit and a loss, or use a named preset
+    (`TreeOPSDTrainer`, `TreePOTrainer`, `AT2POTrainer`). Takes GRPOTrainer's arguments (`tools=`,
+    `environment_factory=`, `peft_config=`, reward functions with TRL's signature, …) except `rollout_func`.
+    """
+
+    _name = "Tree"
     _tag_names = ["trl", "trl-tree"]
+    config_class = TreeConfig
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, model, reward_funcs=None, args: TreeConfig | None = None, **kwargs):
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = self.config_class(f"{str(name).split('/')[-1]}-{self._name}")
+        if not isinstance(args, TreeConfig):
+            raise TypeError(
+                f"{type(self).__name__} needs a TreeConfig such as {self.config_class.__name__} (got "
+                f"{type(args).__name__}): the tree fields (sampler, credit, loss, num_initial_rollouts, …) live there."
+            )
         if kwargs.get("rollout_func") is not None:
             raise ValueError(
                 f"{type(self).__name__} grows its own rollout trees; `rollout_func` does not apply. Pass `tools=` or "
                 "`environment_factory=` for tool use."
             )
-        super().__init__(*args, **kwargs)
+        super().__init__(model, reward_funcs, args=args, **kwargs)
         self._hide_fork_from_tools()
         self.reward_funcs = [_guard_reward_func(f, n) for f, n in zip(self.reward_funcs, self.reward_func_names)]
         self.generation_engine = self._build_engine()
@@ -70,8 +87,11 @@ class TreeTrainer(GRPOTrainer):
             return VLLMEngine(self, with_scores=self.needs_entropies)
         return HFEngine(self, with_scores=self.needs_entropies)
 
-    #: whether the sampler or the credit needs per-token entropies from generation (AT2PO, TreeAdv)
-    needs_entropies = False
+    @property
+    def needs_entropies(self) -> bool:
+        """Per-token entropies from generation are needed by entropy-guided expansion and the entropy backup (A1)."""
+        a = self.args
+        return (a.sampler == "entropy_guided" and a.expansion_mode == "entropy") or a.credit == "child_softmax"
 
     def _build_turn_loop(self) -> TurnLoop:
         settings = SamplerSettings(
@@ -90,7 +110,8 @@ class TreeTrainer(GRPOTrainer):
         )
 
     def build_sampler(self, loop: TurnLoop):
-        raise NotImplementedError
+        seed = self.args.seed + 1000 * self.accelerator.process_index
+        return components.build_sampler(self.args, loop, seed)
 
     def _parse_action(self, ids: list[int], prefix: list[int]) -> dict:
         if not self.tools:
@@ -195,7 +216,7 @@ class TreeTrainer(GRPOTrainer):
 
     def turn_credit(self, tree: RolloutTree) -> dict[str, torch.Tensor]:
         """Per-turn tensors of one tree (over `tree.turns`) that the loss needs; 0-dim tensors are per tree."""
-        raise NotImplementedError
+        return components.turn_credit(tree, self.args)
 
     # ---------------------------------------------------------------- loss
 
@@ -210,7 +231,16 @@ class TreeTrainer(GRPOTrainer):
         return loss
 
     def turn_loss(self, flat: dict[str, torch.Tensor], mode: str) -> torch.Tensor:
-        raise NotImplementedError
+        loss = components.LOSSES[self.args.loss].compute(flat, self.args)
+        with torch.no_grad():
+            num_turns = flat["A"].numel()
+            s = losses.turn_mean_log_ratio(flat["logps"], flat["old_logps"], flat["turn_ids"], num_turns)
+        block = self._optimizer_block()
+        if "q" in flat:  # how far each turn still is from its teacher
+            gap = (torch.sigmoid(s) - flat["q"]).abs().tolist()
+            self._metrics[mode][f"treeopsd/abs_p_minus_q/block_{block}"].append(self._mean_over_ranks(gap))
+        self._metrics[mode][f"tree/abs_log_ratio/block_{block}"].append(self._mean_over_ranks(s.abs().tolist()))
+        return loss
 
     def _optimizer_block(self) -> int:
         """Which of the E sequential optimizer blocks of the current generation batch is being trained."""
@@ -254,7 +284,11 @@ class TreeTrainer(GRPOTrainer):
             self._log_tree_completions(prompts, trees, branches_per_tree)
 
     def log_turn_credit(self, metrics, per_turn: list[dict[str, torch.Tensor]]) -> None:
-        """Method-specific metrics of the credit (e.g. mean |q − 1/2| for TreeOPSD)."""
+        """Mean |A| of the turn credit, and for TreeOPSD mean |q − 1/2| (how far the teachers move the policy)."""
+        metrics["tree/abs_turn_advantage"].append(self._mean_over_ranks([a for d in per_turn for a in d["A"].abs().tolist()]))
+        if "q" in per_turn[0]:
+            gaps = [g for d in per_turn for g in (d["q"] - 0.5).abs().tolist()]
+            metrics["treeopsd/abs_q_minus_half"].append(self._mean_over_ranks(gaps))
 
     def _log_tree_completions(self, prompts, trees, branches_per_tree):
         from accelerate.utils import gather_object

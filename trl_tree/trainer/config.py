@@ -28,7 +28,26 @@ ANCHOR_RULES = ("uniform",)
 class TreeConfig(GRPOConfig):
     """Fields shared by every tree trainer (the sampler budget, tools, packing).
 
+    Composition (see `trl_tree.trainer.components`): `sampler` ("init_expand", "flat", "entropy_guided"), `credit`
+    ("likelihood", "child_mean", "child_softmax", "leaf_mean", "path") and `loss` ("treeopsd", "treepo", "atpo",
+    "grpo") are chosen independently; the named configs below are presets.
+
     Parameters:
+        sampler (`str`, defaults to `"init_expand"`): how trees grow.
+        credit (`str`, defaults to `"likelihood"`): how leaf advantages are backed up to turns.
+        loss (`str`, defaults to `"treeopsd"`): the turn-level objective.
+        reward_std (`str`, defaults to `"sample"`): leaf standardisation: `"sample"` (ddof = 1, no epsilon; TreeOPSD
+            T1, TreeAdv D1) or `"population"` (ddof = 0, + 1e-6; AT2PO A3).
+        num_initial_rollouts (`int`, defaults to `4`): M, complete trajectories sampled per prompt.
+        num_branches (`int`, defaults to `2`): N, continuations branched from each initial trajectory at uniformly
+            drawn turn prefixes ("init_expand"). K = M(N + 1); (4, 2) matches GRPO's G = 8 in expected cost.
+        anchor_rule (`str`, defaults to `"uniform"`): N turn indices uniformly from {1..T−1} with replacement (index
+            0, a resample from the prompt, when T = 1).
+        expansion_rounds (`int`, defaults to `2`): L, rounds of entropy-guided expansion ("entropy_guided").
+        branches_per_round (`int`, defaults to `6`): K new branches per round ("entropy_guided").
+        expansion_mode (`str`, defaults to `"entropy"`): `"entropy"` (A2 node scores) or `"random"` (ablation).
+        sibling_penalty (`float`, defaults to `0.05`): α in S_i = H_i − α·max(0, siblings − 1).
+        target_radius (`float`, defaults to `0.25`): ρ for the "treeopsd" loss: q ∈ [1/2 − ρ, 1/2 + ρ], 0 < ρ < 1/2.
         max_turns (`int`, defaults to `5`): assistant turns per trajectory, the final answer included (the paper's
             five for multi-hop QA). A tool call in the last allowed turn ends the trajectory unexecuted.
         packing (`str`, defaults to `"tree"`): `"tree"` forwards each tree once as a packed row of its unique tokens
@@ -42,6 +61,18 @@ class TreeConfig(GRPOConfig):
         num_generations: not used: a tree's size is set by the sampler fields. Must stay 1 (one tree per prompt).
     """
 
+    sampler: str = field(default="init_expand", metadata={"help": "init_expand | flat | entropy_guided"})
+    credit: str = field(default="likelihood", metadata={"help": "likelihood | child_mean | child_softmax | leaf_mean | path"})
+    loss: str = field(default="treeopsd", metadata={"help": "treeopsd | treepo | atpo | grpo"})
+    reward_std: str = field(default="sample", metadata={"help": "sample (ddof=1) | population (ddof=0, +1e-6)"})
+    num_initial_rollouts: int = field(default=4, metadata={"help": "M: full trajectories per prompt."})
+    num_branches: int = field(default=2, metadata={"help": "N: continuations per initial trajectory."})
+    anchor_rule: str = field(default="uniform", metadata={"help": "Branch points: 'uniform' over turn prefixes."})
+    expansion_rounds: int = field(default=2, metadata={"help": "L: entropy-guided expansion rounds."})
+    branches_per_round: int = field(default=6, metadata={"help": "K: new branches per expansion round."})
+    expansion_mode: str = field(default="entropy", metadata={"help": "entropy | random"})
+    sibling_penalty: float = field(default=0.05, metadata={"help": "α of the AT2PO node score."})
+    target_radius: float = field(default=0.25, metadata={"help": "ρ: q ∈ [1/2 − ρ, 1/2 + ρ], 0 < ρ < 1/2."})
     max_turns: int = field(default=5, metadata={"help": "Assistant turns per trajectory, the final answer included."})
     packing: str = field(default="tree", metadata={"help": "'tree' (one packed row per tree) or 'paths'."})
     tool_timeout: float | None = field(default=30.0, metadata={"help": "Seconds a tool call may run."})
@@ -53,6 +84,7 @@ class TreeConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        self._check_composition()
         self._check_tree_fields()
         self._reject_grpo_options()
         # GRPOConfig.__post_init__ insists on num_generations ≥ 2 groups inside the generation batch; trees are whole
@@ -91,6 +123,48 @@ class TreeConfig(GRPOConfig):
     def num_optimizer_blocks(self) -> int:
         """E: optimizer steps taken on one generation batch."""
         return self.steps_per_generation // self.gradient_accumulation_steps
+
+    @property
+    def leaves_per_tree(self) -> int:
+        from .components import leaves_per_tree
+
+        return leaves_per_tree(self)
+
+    def _check_composition(self):
+        from .components import CREDITS, LOSSES, SAMPLERS
+
+        for name, value, valid in (
+            ("sampler", self.sampler, SAMPLERS), ("credit", self.credit, tuple(CREDITS)),
+            ("loss", self.loss, tuple(LOSSES)), ("reward_std", self.reward_std, ("sample", "population")),
+            ("anchor_rule", self.anchor_rule, ANCHOR_RULES), ("expansion_mode", self.expansion_mode,
+                                                               ("entropy", "random")),
+        ):
+            if value not in valid:
+                raise ValueError(f"{name} must be one of {valid}; got {value!r}.")
+        if self.num_initial_rollouts is None or self.num_initial_rollouts < 1:
+            raise ValueError(f"num_initial_rollouts (M) must be ≥ 1; got {self.num_initial_rollouts}.")
+        if self.num_branches is None or self.num_branches < 0:
+            raise ValueError(f"num_branches (N) must be ≥ 0; got {self.num_branches}.")
+        if self.expansion_rounds < 0 or self.branches_per_round < 0:
+            raise ValueError("expansion_rounds and branches_per_round must be ≥ 0.")
+        if self.leaves_per_tree < 2:
+            raise ValueError(
+                f"A tree needs K ≥ 2 leaves to standardise rewards; this configuration gives K = {self.leaves_per_tree}"
+                f" (for init_expand K = M(N + 1): M = {self.num_initial_rollouts}, N = {self.num_branches})."
+            )
+        if self.loss == "treeopsd":
+            if not 0.0 < self.target_radius < 0.5:
+                raise ValueError(f"target_radius ρ must satisfy 0 < ρ < 1/2; got {self.target_radius}.")
+            if self.reward_std != "sample":
+                raise ValueError(
+                    "The treeopsd loss needs reward_std='sample': Samuelson's bound |A| ≤ (K−1)/√K on sample-"
+                    "standardised rewards is what keeps q = 1/2 + V/τ inside [1/2 − ρ, 1/2 + ρ]."
+                )
+        if self.beta != 0.0:
+            raise ValueError(
+                f"{type(self).__name__} trains without a reference-model KL (β = 0): the tree losses bound each "
+                "update themselves (a frozen teacher or a clip). Set beta=0.0."
+            )
 
     def _check_tree_fields(self):
         if self.max_turns is None or self.max_turns < 1:
@@ -132,52 +206,33 @@ class TreeConfig(GRPOConfig):
                 raise ValueError(f"{type(self).__name__} does not use `{name}`: {advice}")
 
 
+
+
 @dataclass
 class TreeOPSDConfig(TreeConfig):
-    """Configuration of `TreeOPSDTrainer` (paper §2–3, Alg. 1).
-
-    Parameters:
-        num_initial_rollouts (`int`, defaults to `4`): M, complete trajectories sampled per prompt.
-        num_branches (`int`, defaults to `2`): N, continuations branched from each initial trajectory at uniformly
-            drawn turn prefixes. K = M(N + 1) leaves per tree; (4, 2) matches GRPO's G = 8 in expected cost.
-        target_radius (`float`, defaults to `0.25`): ρ, the teacher's radius: q ∈ [1/2 − ρ, 1/2 + ρ]; 0 < ρ < 1/2.
-        anchor_rule (`str`, defaults to `"uniform"`): how branch points are drawn: N turn indices uniformly from
-            {1..T−1} with replacement (index 0, a resample from the prompt, when T = 1).
-        beta: must be 0.0 (the paper trains without a reference-model KL).
-    """
-
-    num_initial_rollouts: int = field(default=4, metadata={"help": "M: full trajectories per prompt."})
-    num_branches: int = field(default=2, metadata={"help": "N: continuations per initial trajectory."})
-    target_radius: float = field(default=0.25, metadata={"help": "ρ: q ∈ [1/2 − ρ, 1/2 + ρ], 0 < ρ < 1/2."})
-    anchor_rule: str = field(default="uniform", metadata={"help": "Branch points: 'uniform' over turn prefixes."})
-
-    def __post_init__(self):
-        if self.num_initial_rollouts is None or self.num_initial_rollouts < 1:
-            raise ValueError(f"num_initial_rollouts (M) must be ≥ 1; got {self.num_initial_rollouts}.")
-        if self.num_branches is None or self.num_branches < 0:
-            raise ValueError(f"num_branches (N) must be ≥ 0; got {self.num_branches}.")
-        if self.num_initial_rollouts * (self.num_branches + 1) < 2:
-            raise ValueError(
-                "A tree needs K = M(N + 1) ≥ 2 leaves to standardise rewards; got "
-                f"M = {self.num_initial_rollouts}, N = {self.num_branches}."
-            )
-        if not 0.0 < self.target_radius < 0.5:
-            raise ValueError(f"target_radius ρ must satisfy 0 < ρ < 1/2; got {self.target_radius}.")
-        if self.anchor_rule not in ANCHOR_RULES:
-            raise ValueError(f"anchor_rule must be one of {ANCHOR_RULES}; got {self.anchor_rule!r}.")
-        if self.beta != 0.0:
-            raise ValueError(
-                f"{type(self).__name__} trains without a reference-model KL (β = 0): the frozen teacher already "
-                "bounds each update. Set beta=0.0."
-            )
-        super().__post_init__()
-
-    @property
-    def leaves_per_tree(self) -> int:
-        return self.num_initial_rollouts * (self.num_branches + 1)
+    """Configuration of `TreeOPSDTrainer` (paper §2–3, Alg. 1): init-expand (M, N) trees with uniform anchors,
+    likelihood-weighted credit, the Bernoulli forward-KL to q = 1/2 + V/τ. See `TreeConfig` for every field."""
 
 
 @dataclass
-class TreePOConfig(TreeOPSDConfig):
-    """Configuration of `TreePOTrainer`: the same trees and credit as TreeOPSD, with the fixed-credit loss
-    −(1/L_x) Σ_i V_i Σ_j log-ratio (T7). `target_radius` is unused by the loss (V is not mapped to a teacher)."""
+class TreePOConfig(TreeConfig):
+    """Configuration of `TreePOTrainer`: TreeOPSD's trees and credit with the fixed-credit loss
+    −(1/L_x) Σ_i V_i Σ_j log-ratio (T7). `target_radius` is unused."""
+
+    loss: str = field(default="treepo", metadata={"help": "treeopsd | treepo | atpo | grpo"})
+
+
+@dataclass
+class AT2POConfig(TreeConfig):
+    """Configuration of `AT2POTrainer`: entropy-guided expansion (M = 10 initial trajectories, L = 2 rounds of K = 6
+    branches), turn credit by a softmax over child entropies (A4) on population-standardised leaves (A3), and the
+    ATPO loss (per-turn geometric-mean ratio, per-turn clip, GRPO's path aggregation; A5).
+
+    The paper's ablations are switches: `expansion_mode="random"`, `loss="grpo"` (token-level ratio and clip),
+    `credit="path"` (turn credit off), `credit="child_mean"` / `"leaf_mean"` (other backups)."""
+
+    sampler: str = field(default="entropy_guided", metadata={"help": "init_expand | flat | entropy_guided"})
+    credit: str = field(default="child_softmax", metadata={"help": "likelihood | child_mean | child_softmax | leaf_mean | path"})
+    loss: str = field(default="atpo", metadata={"help": "treeopsd | treepo | atpo | grpo"})
+    reward_std: str = field(default="population", metadata={"help": "sample (ddof=1) | population (ddof=0, +1e-6)"})
+    num_initial_rollouts: int = field(default=10, metadata={"help": "M: initial trajectories per prompt."})

@@ -1,0 +1,21 @@
+"""Every trainer and at least two mixed sampler × credit × loss configurations train end to end on the tiny model."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent / "launch"))
+from tiny_tree_run import build_trainer  # noqa: E402
+
+
+@pytest.mark.parametrize("method", ["at2po", "opsd_on_entropy_tree", "atpo_on_init_expand", "flat_grpo"])
+def test_method_trains_every_parameter(tmp_path, method):
+    trainer = build_trainer(str(tmp_path), max_steps=2, method=method)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    unchanged = [n for n, p in trainer.model.named_parameters() if p.requires_grad and torch.equal(p, before[n])]
+    assert not unchanged
+    logged = [e for e in trainer.state.log_history if "tree/leaves_per_tree" in e]
+    assert logged and logged[0]["tree/leaves_per_tree"] == trainer.args.leaves_per_tree

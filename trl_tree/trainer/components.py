@@ -1,0 +1,155 @@
+"""Sampler × credit × loss: the registries a `TreeConfig` chooses from (DESIGN §1 table, issue "composition").
+
+Each named trainer is a preset of these three choices; any other combination is a configuration away, e.g. the
+TreeOPSD loss on an AT2PO entropy-guided tree:
+
+    TreeConfig(sampler="entropy_guided", credit="likelihood", loss="treeopsd")
+
+and with no branching the same pipeline is flat multi-turn GRPO, the baseline every comparison needs:
+
+    TreeConfig(sampler="flat", num_initial_rollouts=8, credit="path", loss="grpo")
+
+- A **sampler** grows one tree per prompt (`trl_tree.rollout.samplers`).
+- A **credit** maps a finished tree to per-turn advantages `A` (`trl_tree.credit`).
+- A **loss** adds the per-turn tensors it needs (`prepare`: teachers, aggregation weights) and computes the
+  micro-batch loss from flattened per-token tensors (`compute`, `trl_tree.losses`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .. import credit, losses
+from ..rollout.expansion import tree_turn_entropies
+from ..rollout.samplers import EntropyGuidedSampler, InitExpandSampler, TurnLoop
+from ..tree import RolloutTree
+
+# ------------------------------------------------------------------------------------------------------ samplers
+
+
+def build_sampler(args, loop: TurnLoop, seed: int):
+    if args.sampler == "init_expand":
+        return InitExpandSampler(loop, args.num_initial_rollouts, args.num_branches, seed=seed)
+    if args.sampler == "flat":
+        return InitExpandSampler(loop, args.num_initial_rollouts, 0, seed=seed)
+    if args.sampler == "entropy_guided":
+        return EntropyGuidedSampler(
+            loop, args.num_initial_rollouts, args.expansion_rounds, args.branches_per_round,
+            mode=args.expansion_mode, alpha=args.sibling_penalty, seed=seed,
+        )
+    raise ValueError(f"Unknown sampler {args.sampler!r}; choose one of {SAMPLERS}.")
+
+
+SAMPLERS = ("init_expand", "flat", "entropy_guided")
+
+
+def leaves_per_tree(args) -> int:
+    """K for a configuration (every sampler here has a fixed leaf count)."""
+    if args.sampler == "init_expand":
+        return args.num_initial_rollouts * (args.num_branches + 1)
+    if args.sampler == "flat":
+        return args.num_initial_rollouts
+    return args.num_initial_rollouts + args.expansion_rounds * args.branches_per_round
+
+
+# -------------------------------------------------------------------------------------------------------- credit
+
+
+def leaf_advantages(tree: RolloutTree, args) -> torch.Tensor:
+    """T1 / D1 (sample std, no epsilon) or A3 (population std + 1e-6)."""
+    rewards = torch.tensor(tree.rewards, dtype=torch.float64)
+    if args.reward_std == "population":
+        return credit.standardize(rewards, ddof=0, eps=1e-6)
+    return credit.standardize(rewards)
+
+
+def _path_credit(tree: RolloutTree, A: torch.Tensor) -> torch.Tensor:
+    """No tree credit (AT2PO's "credit off" ablation; flat GRPO): every token takes its trajectory's A_k.
+
+    On unique turns with GRPO's seq-mean-token-mean weights w_i = Σ_{k∋i} 1/(K|p_k|), the turn value
+    A_i = Σ_{k∋i} A_k/(K|p_k|) / w_i reproduces the flat per-path gradient at θ_old exactly.
+    """
+    lengths = credit.turn_lengths(tree)
+    pair_paths, pair_turns, _ = credit.path_turn_pairs(tree)
+    path_len = torch.zeros(tree.num_leaves, dtype=torch.float64).index_add_(0, pair_paths, lengths[pair_turns])
+    per_pair = 1.0 / (tree.num_leaves * path_len[pair_paths].clamp(min=1))
+    weight = torch.zeros(tree.num_turns, dtype=torch.float64).index_add_(0, pair_turns, per_pair)
+    weighted = torch.zeros(tree.num_turns, dtype=torch.float64).index_add_(0, pair_turns, per_pair * A[pair_paths])
+    return weighted / weight.clamp(min=1e-300)
+
+
+CREDITS: dict[str, Callable[[RolloutTree, torch.Tensor], torch.Tensor]] = {
+    "likelihood": credit.likelihood_backup,  # TreeOPSD T3
+    "child_mean": credit.child_mean_backup,  # AT2PO A4
+    "child_softmax": lambda tree, A: credit.entropy_softmax_backup(tree, A, tree_turn_entropies(tree)),  # AT2PO A4
+    "leaf_mean": credit.leaf_mean_backup,  # AT2PO A4, TreeAdv D2
+    "path": _path_credit,  # no tree credit: GRPO over root-to-leaf paths
+}
+
+
+def turn_advantages(tree: RolloutTree, args) -> torch.Tensor:
+    return CREDITS[args.credit](tree, leaf_advantages(tree, args))
+
+
+# -------------------------------------------------------------------------------------------------------- losses
+
+
+@dataclass
+class LossSpec:
+    """`prepare(tree, A, args)` → extra per-turn tensors (0-dim: per tree); `compute(flat, args)` → scalar loss."""
+
+    prepare: Callable[[RolloutTree, torch.Tensor, object], dict[str, torch.Tensor]]
+    compute: Callable[[dict, object], torch.Tensor]
+
+
+def _teacher(tree, A, args):
+    q, tau = credit.treeopsd_teacher(A, tree.num_leaves, args.target_radius)
+    return {"q": q, "tau": torch.tensor(tau, dtype=torch.float64)}
+
+
+def _path_weights(tree, A, args):
+    return {"w": credit.path_token_weights(tree)}
+
+
+def _nothing(tree, A, args):
+    return {}
+
+
+LOSSES: dict[str, LossSpec] = {
+    "treeopsd": LossSpec(
+        _teacher,
+        lambda f, a: losses.treeopsd_loss(
+            f["logps"], f["old_logps"], f["turn_ids"], f["q"], f["tau"], f["tree_ids"], num_trees=f["num_trees"]
+        ),
+    ),
+    "treepo": LossSpec(
+        _nothing,
+        lambda f, a: losses.treepo_loss(
+            f["logps"], f["old_logps"], f["turn_ids"], f["A"], f["tree_ids"], num_trees=f["num_trees"]
+        ),
+    ),
+    "atpo": LossSpec(
+        _path_weights,
+        lambda f, a: losses.atpo_loss(
+            f["logps"], f["old_logps"], f["turn_ids"], f["A"], f["w"], f["tree_ids"],
+            epsilon_low=a.epsilon, epsilon_high=a.epsilon_high or a.epsilon, num_trees=f["num_trees"],
+        ),
+    ),
+    "grpo": LossSpec(
+        _path_weights,
+        lambda f, a: losses.clipped_token_loss(
+            f["logps"], f["old_logps"], f["turn_ids"], f["A"], f["w"], f["tree_ids"],
+            epsilon_low=a.epsilon, epsilon_high=a.epsilon_high or a.epsilon, num_trees=f["num_trees"],
+        ),
+    ),
+}
+
+
+def turn_credit(tree: RolloutTree, args) -> dict[str, torch.Tensor]:
+    """Everything the configured loss needs for one tree, as float32 per-turn tensors (0-dim: per tree)."""
+    A = turn_advantages(tree, args)
+    out = {"A": A, **LOSSES[args.loss].prepare(tree, A, args)}
+    return {k: v.float() for k, v in out.items()}
