@@ -13,6 +13,7 @@ import torch
 from datasets import Dataset
 
 from trl_tree import AT2POConfig, AT2POTrainer, TreeConfig, TreeOPSDConfig, TreeOPSDTrainer, TreeTrainer
+from trl_tree.testing import calculator, calculator_conversations, tiny_model_and_tokenizer, warm_start
 
 METHODS = {
     "treeopsd": (TreeOPSDTrainer, TreeOPSDConfig, {}),
@@ -24,7 +25,6 @@ METHODS = {
     "flat_grpo": (TreeTrainer, TreeConfig, {"sampler": "flat", "num_initial_rollouts": 4, "credit": "path",
                                              "loss": "grpo"}),
 }
-from trl_tree.testing import calculator, calculator_conversations, tiny_model_and_tokenizer, warm_start
 
 
 def correct_answer(completions, answer, **kwargs):
