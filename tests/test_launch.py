@@ -39,9 +39,8 @@ def _launch(tmp_path, launch_args, *script_args, timeout=600):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch_args, str(SCRIPT), str(tmp_path / "out"),
            *script_args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"rank"')]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return reports
+    return [json.loads(p.read_text()) for p in sorted((tmp_path / "out").glob("report-rank*.json"))]
 
 
 def _check(reports, world):

@@ -2,7 +2,7 @@
 
 Usage: accelerate launch [--multi_gpu --num_processes 2 | --config_file ds.yaml] tests/launch/tiny_tree_run.py OUT
        [lora] [treeopsd | at2po | opsd_on_entropy_tree | atpo_on_init_expand | flat_grpo]
-Prints one JSON line per rank: world size, whether every trainable parameter changed, the logged metric names.
+Writes OUT/report-rank{r}.json per rank: world size, whether every trainable parameter changed, the logged metric names.
 """
 
 import json
@@ -86,9 +86,12 @@ def main():
             if not changed[-1]:
                 print("unchanged", name, flush=True)
     metrics = sorted({k for entry in trainer.state.log_history for k in entry})
-    print(json.dumps({"rank": trainer.accelerator.process_index, "world": trainer.accelerator.num_processes,
-                      "num_trainable": len(changed), "all_changed": all(changed) and bool(changed),
-                      "metrics": metrics}), flush=True)
+    report = {"rank": trainer.accelerator.process_index, "world": trainer.accelerator.num_processes,
+              "num_trainable": len(changed), "all_changed": all(changed) and bool(changed), "metrics": metrics}
+    # one file per rank: two ranks printing to one pipe can interleave their lines
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"report-rank{report['rank']}.json"), "w") as f:
+        json.dump(report, f)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

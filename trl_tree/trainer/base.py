@@ -188,11 +188,16 @@ class TreeTrainer(GRPOTrainer):
                 completions.append(b.messages if is_conversational({"prompt": prompt}) else _as_text(b.messages))
                 completion_ids.append(b.prefix_ids[b.prompt_len :])
                 envs.append(b.env)
+        # TRL's `_calculate_rewards` gathers every rank's rows, which needs equal counts: a sampler may give ranks
+        # different numbers of leaves, so pad with repeats of the last leaf and drop their rewards afterwards.
+        n = len(leaf_inputs)
+        width = self._max_over_ranks(n)
+        for column in (leaf_inputs, leaf_prompts, completions, completion_ids, envs):
+            column.extend(column[-1:] * (width - n))
         self.environments = envs if self.environment_factories is not None else None
         per_func = self._calculate_rewards(leaf_inputs, leaf_prompts, completions, completion_ids)
-        n = len(leaf_inputs)
-        start = self.accelerator.process_index * n
-        per_func = per_func[start : start + n]  # _calculate_rewards gathers every rank's leaves
+        start = self.accelerator.process_index * width
+        per_func = per_func[start : start + n]
         rewards = (per_func * self.reward_weights.to(per_func.device).unsqueeze(0)).nansum(dim=1).cpu()
         self._last_rewards_per_func = per_func.cpu()
         sizes = [len(b) for b in branches_per_tree]
@@ -248,6 +253,21 @@ class TreeTrainer(GRPOTrainer):
 
     # ---------------------------------------------------------------- metrics
 
+    def _max_over_ranks(self, value: int) -> int:
+        if self.accelerator.num_processes == 1:
+            return value
+        t = torch.tensor([value], device=self.accelerator.device)
+        return int(self.accelerator.reduce(t, reduction="max").item())
+
+    def _gather_uneven(self, values: torch.Tensor) -> torch.Tensor:
+        """All ranks' values of a 1-D tensor whose length differs by rank (padded with NaN, which is dropped)."""
+        values = values.float().to(self.accelerator.device)
+        if self.accelerator.num_processes == 1:
+            return values
+        padded = self.accelerator.pad_across_processes(values, dim=0, pad_index=float("nan"))
+        gathered = self.accelerator.gather(padded)
+        return gathered[~torch.isnan(gathered)]
+
     def _mean_over_ranks(self, values: list[float]) -> float:
         t = torch.tensor([sum(values), float(len(values))], device=self.accelerator.device, dtype=torch.float64)
         total = self.accelerator.reduce(t, reduction="sum")
@@ -255,12 +275,12 @@ class TreeTrainer(GRPOTrainer):
 
     def _log_generation(self, mode, prompts, trees, branches_per_tree, rewards, per_turn, packed):
         metrics = self._metrics[mode]
-        all_rewards = self.accelerator.gather(torch.cat(rewards).to(self.accelerator.device)).float()
+        all_rewards = self._gather_uneven(torch.cat(rewards))
         metrics["reward"].append(all_rewards.mean().item())
         metrics["reward_std"].append(all_rewards.std().item() if all_rewards.numel() > 1 else 0.0)
         for i, name in enumerate(self.reward_func_names):
-            col = self.accelerator.gather(self._last_rewards_per_func[:, i].to(self.accelerator.device))
-            metrics[f"rewards/{name}/mean"].append(torch.nanmean(col).item())
+            col = self._gather_uneven(self._last_rewards_per_func[:, i])
+            metrics[f"rewards/{name}/mean"].append(torch.nanmean(col).item() if col.numel() else float("nan"))
         leaves = [b for branches in branches_per_tree for b in branches]
         metrics["tree/leaves_per_tree"].append(self._mean_over_ranks([t.num_leaves for t in trees]))
         metrics["tree/unique_turns"].append(self._mean_over_ranks([t.num_turns for t in trees]))
@@ -305,8 +325,7 @@ class TreeTrainer(GRPOTrainer):
         self._logs["prompt"].extend(gather_object(rows_prompt))
         self._logs["completion"].extend(gather_object(rows_completion))
         for i, name in enumerate(self.reward_func_names):
-            col = self.accelerator.gather(self._last_rewards_per_func[:, i].to(self.accelerator.device))
-            self._logs["rewards"][name].extend(col.tolist())
+            self._logs["rewards"][name].extend(gather_object(self._last_rewards_per_func[:, i].tolist()))
         self._logs["advantages"].extend(gather_object(rows_adv))
         self._logs["extra"]["tree"].extend(gather_object(rows_tree))  # GRPOTrainer.log prints and saves the table
 
