@@ -257,3 +257,46 @@ def test_a_reward_function_that_raises_or_returns_nan_is_named_with_the_sample(t
 def test_invalid_configuration_is_rejected_with_advice(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
         config(TreeOPSDConfig, tmp_path, **overrides)
+
+
+def test_log_completions_shows_each_tree_as_text_with_its_rewards(tmp_path):
+    trainer = _trainer(TreeOPSDTrainer, TreeOPSDConfig, tmp_path, log_completions=True)
+    trainer._generate_and_score_completions([trainer.train_dataset[0]])
+    trees = [t for t in trainer._logs["extra"]["tree"] if t.startswith("prompt")]
+    assert len(trees) == 1 and "K=4" in trees[0] and "rewards: 1 0 0 1" in trees[0] and "×2" in trees[0]
+    assert list(trainer._logs["rewards"]["contains_answer"]) == [1.0, 0.0, 0.0, 1.0]
+    assert len(trainer._logs["completion"]) == 4
+
+
+def test_a_budget_cut_trajectory_is_scored_and_its_truncated_turn_can_be_masked(tmp_path):
+    long_answer = "The answer is 2. " + "blah " * 200
+    replies = {
+        "<|im_start|>assistant\n": [CALL_1_PLUS_1, "I do not know.", CALL_1_PLUS_1],
+        "</tool_response><|im_end|>\n<|im_start|>assistant\n": [long_answer, "The answer is 3.", long_answer],
+    }
+    trainer = _trainer(TreeOPSDTrainer, TreeOPSDConfig, tmp_path, replies=replies, max_completion_length=80,
+                       mask_truncated_completions=True)
+    captured = {}
+    original = trainer.turn_credit
+    trainer.turn_credit = lambda tree: captured.setdefault("tree", tree) and original(tree)
+    batch = trainer._generate_and_score_completions([trainer.train_dataset[0]])
+    tree = captured["tree"]
+    truncated = [i for i, t in enumerate(tree.turns) if t.truncated]
+    assert truncated and tree.rewards[0] == 1.0  # cut by the budget, still scored ("The answer is 2." was said)
+    assert not torch.isin(batch["turn_ids"], torch.tensor(truncated)).any()  # ... but not trained
+
+
+def test_every_rank_issues_the_same_number_of_generate_calls():
+    """A rank whose branches are done keeps calling the engine (with nothing) while another rank still works."""
+    from trl_tree.rollout.engine import ScriptedEngine
+    from trl_tree.rollout.samplers import Branch, SamplerSettings, TurnLoop
+
+    engine = ScriptedEngine(lambda prefix: [7, 2], eos_ids=[2])
+    other_rank_rounds = iter([True, True, False])  # the other rank still works in rounds 2 and 3
+    loop = TurnLoop(engine, parse=lambda ids, prefix: {"role": "assistant", "content": "done"},
+                    observation_ids=lambda msgs: [], settings=SamplerSettings(max_turns=3, max_completion_length=10),
+                    any_active=lambda local: local or next(other_rank_rounds))
+    branch = Branch(tree=0, prefix_ids=[1], prompt_len=1)
+    loop.run([branch])
+    assert branch.done and len(branch.turns) == 1
+    assert engine.calls == 3  # one real call, then two empty ones to match the other rank

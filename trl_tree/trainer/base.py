@@ -65,12 +65,27 @@ class TreeTrainer(GRPOTrainer):
                 "`environment_factory=` for tool use."
             )
         super().__init__(model, reward_funcs, args=args, **kwargs)
+        self._resize_completion_logs(args.generation_batch_size * args.leaves_per_tree)
         self._hide_fork_from_tools()
         self.reward_funcs = [_guard_reward_func(f, n) for f, n in zip(self.reward_funcs, self.reward_func_names)]
         self.generation_engine = self._build_engine()
         self.sampler = self.build_sampler(self._build_turn_loop())
 
     # ---------------------------------------------------------------- set-up
+
+    def _resize_completion_logs(self, maxlen: int):
+        """GRPOTrainer keeps one generation batch of completions for `log_completions`; a tree batch has K leaves
+        per prompt."""
+        from collections import defaultdict, deque
+
+        self._logs = {
+            "images": deque(maxlen=maxlen),
+            "prompt": deque(maxlen=maxlen),
+            "completion": deque(maxlen=maxlen),
+            "rewards": defaultdict(lambda: deque(maxlen=maxlen)),
+            "advantages": deque(maxlen=maxlen),
+            "extra": defaultdict(lambda: deque(maxlen=maxlen)),
+        }
 
     def _hide_fork_from_tools(self):
         """An environment's `fork()` is how we branch it, not a tool for the model."""
