@@ -8,6 +8,7 @@ import socket
 import sys
 import threading
 import time
+import zlib
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -198,7 +199,8 @@ def test_bm25_index_is_reused_from_disk_for_the_same_corpus(corpus, tmp_path, mo
 
 
 class BagOfWordsEncoder:
-    """A fake sentence encoder: hashed bag of words; records what it was asked to encode."""
+    """A fake sentence encoder: hashed bag of words (crc32: Python's `hash` is salted per process, which made the
+    buckets collide differently from run to run); records what it was asked to encode."""
 
     def __init__(self):
         self.texts = []
@@ -207,10 +209,10 @@ class BagOfWordsEncoder:
         import numpy as np
 
         self.texts += texts
-        vectors = np.zeros((len(texts), 512))
+        vectors = np.zeros((len(texts), 4096))
         for row, text in enumerate(texts):
             for word in text.lower().replace(":", " ").split():
-                vectors[row, hash(word.strip(".,?")) % 512] += 1
+                vectors[row, zlib.crc32(word.strip(".,?").encode()) % 4096] += 1
         return vectors
 
 

@@ -3,9 +3,10 @@
 A trajectory is a list of `Turn`s: the tokens the policy generated (`action_ids`, trained) followed by the tokens the
 environment answered (`observation_ids`, context only). Two trajectories share a turn node iff their whole histories
 up to and including that turn are equal: the prompt, every earlier action and observation, the action itself, its
-observation and whether it ended the trajectory. Equal histories are the same state of the world, so training them
-twice would only double-count them; the tree stores each unique turn once and remembers how many trajectories ended
-in it (`multiplicity`), which is what the reward statistics need.
+observation and whether it ended the trajectory (or, for a TreeAdv segment, stopped inside the assistant turn:
+`Turn.partial`). Equal histories are the same state of the world, so training them twice would only double-count
+them; the tree stores each unique turn once and remembers how many trajectories ended in it (`multiplicity`), which
+is what the reward statistics need.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ class Turn:
         truncated: the turn was cut by a length budget (it can be excluded from training, like TRL's
             `mask_truncated_completions`).
         penalty: a process penalty Q ≤ 0 for this turn (TreeFlex, e.g. a malformed tool call).
+        partial: the action stops inside an assistant turn: this is a *segment* and the trajectory's next `Turn`
+            continues the same assistant turn (TreeAdv's token-level branch points). A partial turn has no
+            observation and is never a trajectory's last turn.
     """
 
     action_ids: list[int]
@@ -35,6 +39,7 @@ class Turn:
     entropies: list[float] | None = None
     truncated: bool = False
     penalty: float = 0.0
+    partial: bool = False
 
 
 @dataclass
@@ -57,6 +62,7 @@ class TreeTurn:
     entropies: list[float] | None = None
     truncated: bool = False
     penalty: float = 0.0
+    partial: bool = False  # a segment that ends inside an assistant turn (its children continue the turn)
 
     @property
     def num_action_tokens(self) -> int:
@@ -139,7 +145,7 @@ class RolloutTree:
             parent, path = -1, []
             for t, turn in enumerate(trajectory):
                 is_leaf = t == len(trajectory) - 1
-                key = (parent, tuple(turn.action_ids), tuple(turn.observation_ids), is_leaf)
+                key = (parent, tuple(turn.action_ids), tuple(turn.observation_ids), is_leaf, turn.partial)
                 node = index_of.get(key)
                 if node is None:
                     node = len(turns)
@@ -155,6 +161,7 @@ class RolloutTree:
                             entropies=None if turn.entropies is None else list(turn.entropies),
                             truncated=turn.truncated,
                             penalty=float(turn.penalty),
+                            partial=turn.partial,
                         )
                     )
                     if parent >= 0:
@@ -224,4 +231,9 @@ def _validate(trajectories: list[list[Turn]], rewards: list[float]) -> None:
                 raise ValueError(
                     f"Trajectory {k}, turn {t}: {len(turn.action_ids)} action ids but {len(turn.entropies)} "
                     "entropies; they must align one to one."
+                )
+            if turn.partial and (turn.observation_ids or t == len(trajectory) - 1):
+                raise ValueError(
+                    f"Trajectory {k}, turn {t} is partial (it stops inside an assistant turn), so it can have no "
+                    "observation and must be followed by the segment that continues the turn."
                 )

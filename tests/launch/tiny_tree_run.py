@@ -1,7 +1,7 @@
 """A few TreeOPSD steps on the tiny model with a calculator tool, for `accelerate launch` tests.
 
 Usage: accelerate launch [--multi_gpu --num_processes 2 | --config_file ds.yaml] tests/launch/tiny_tree_run.py OUT
-       [lora] [treeopsd | at2po | opsd_on_entropy_tree | atpo_on_init_expand | flat_grpo]
+       [lora] [treeopsd | at2po | treeadv | treeflex | opsd_on_entropy_tree | atpo_on_init_expand | flat_grpo]
 Writes OUT/report-rank{r}.json per rank: world size, whether every trainable parameter changed, the logged metric names.
 """
 
@@ -12,12 +12,31 @@ import sys
 import torch
 from datasets import Dataset
 
-from trl_tree import AT2POConfig, AT2POTrainer, TreeConfig, TreeOPSDConfig, TreeOPSDTrainer, TreeTrainer
+from trl_tree import (
+    AT2POConfig,
+    AT2POTrainer,
+    TreeAdvConfig,
+    TreeAdvTrainer,
+    TreeConfig,
+    TreeFlexConfig,
+    TreeFlexTrainer,
+    TreeOPSDConfig,
+    TreeOPSDTrainer,
+    TreeTrainer,
+)
 from trl_tree.testing import calculator, calculator_conversations, tiny_model_and_tokenizer, warm_start
 
 METHODS = {
     "treeopsd": (TreeOPSDTrainer, TreeOPSDConfig, {}),
     "at2po": (AT2POTrainer, AT2POConfig, {"num_initial_rollouts": 2, "expansion_rounds": 1, "branches_per_round": 2}),
+    # a low τ_H so that the tiny model's completions do branch
+    "treeadv": (TreeAdvTrainer, TreeAdvConfig, {"num_initial_rollouts": 2, "entropy_threshold": 0.5,
+                                                "max_branches_per_tree": 2, "min_segment_length": 2}),
+    "treeadv_gspo": (TreeAdvTrainer, TreeAdvConfig, {"num_initial_rollouts": 2, "entropy_threshold": 0.5,
+                                                     "max_branches_per_tree": 2, "min_segment_length": 2,
+                                                     "loss": "gspo_token", "epsilon": 3e-4, "epsilon_high": 4e-4}),
+    # two-role harness: Reflection + one Execution segment (from a restored node) per search, K = 2 searches
+    "treeflex": (TreeFlexTrainer, TreeFlexConfig, {"num_searches": 2, "max_blocks": 2}),
     # compositions: the TreeOPSD loss on an entropy-guided tree; ATPO on init-expand trees; flat multi-turn GRPO
     "opsd_on_entropy_tree": (TreeTrainer, TreeConfig, {"sampler": "entropy_guided", "expansion_rounds": 1,
                                                         "branches_per_round": 2, "num_initial_rollouts": 2}),
@@ -38,13 +57,21 @@ def correct_answer(completions, answer, **kwargs):
     return rewards
 
 
-def build_trainer(out: str, use_lora: bool = False, max_steps: int = 2, packing: str = "tree", method="treeopsd"):
-    """A warm-started tiny model, a calculator tool, two optimizer blocks per generation batch."""
+def build_trainer(out: str, use_lora: bool = False, max_steps: int = 2, packing: str = "tree", method="treeopsd",
+                  use_tools: bool = True, warm_start_steps: int = 150, max_completion_length: int = 96):
+    """A warm-started tiny model, a calculator tool, two optimizer blocks per generation batch.
+
+    `use_tools=False`: single-turn math instead: the same questions, answered directly (warm start on the question
+    and the final answer, no tool schema in the prompt), with the same verifiable reward.
+    """
     trainer_cls, config_cls, overrides = METHODS[method]
     model, tok = tiny_model_and_tokenizer()
     conversations = calculator_conversations(64, seed=0)
     torch.manual_seed(0)
-    warm_start(model, tok, conversations, tools=[calculator], steps=150)
+    if use_tools:
+        warm_start(model, tok, conversations, tools=[calculator], steps=warm_start_steps)
+    else:
+        warm_start(model, tok, [[c[0], c[-1]] for c in conversations], steps=warm_start_steps)
     ds = Dataset.from_dict({
         "prompt": [c[:1] for c in conversations[:8]],
         "answer": [c[-1]["content"].split()[-1].rstrip(".") for c in conversations[:8]],
@@ -57,12 +84,12 @@ def build_trainer(out: str, use_lora: bool = False, max_steps: int = 2, packing:
     tree_fields = {"num_initial_rollouts": 2, "num_branches": 1, **overrides}
     args = config_cls(
         output_dir=out, per_device_train_batch_size=1, gradient_accumulation_steps=1, steps_per_generation=2,
-        max_steps=max_steps, packing=packing, **tree_fields, max_turns=3, max_completion_length=96,
+        max_steps=max_steps, packing=packing, **tree_fields, max_turns=3, max_completion_length=max_completion_length,
         learning_rate=1e-2, logging_steps=1, report_to="none", bf16=False, gradient_checkpointing=False,
         save_strategy="no", use_cpu=not torch.cuda.is_available(), seed=0,
     )
     return trainer_cls(model=model, reward_funcs=correct_answer, args=args, train_dataset=ds,
-                       processing_class=tok, tools=[calculator], peft_config=peft_config)
+                       processing_class=tok, tools=[calculator] if use_tools else None, peft_config=peft_config)
 
 
 def main():

@@ -27,7 +27,12 @@ INVALID_TOOL_NAME = "invalid_tool_call"
 
 @dataclass
 class Branch:
-    """One trajectory being grown. `turn_starts[t]` / `message_starts[t]` mark where turn t begins."""
+    """One trajectory being grown. `turn_starts[t]` / `message_starts[t]` mark where turn t begins.
+
+    `pending` is the head of an assistant turn that is already in `prefix_ids` but not yet in `turns`: a branch
+    restarted inside a turn (`restart_inside`, TreeAdv's token-level branching) continues that turn, and the turn loop
+    then records and parses the whole turn, head and continuation together.
+    """
 
     tree: int
     prefix_ids: list[int]
@@ -42,6 +47,7 @@ class Branch:
     done: bool = False
     tool_calls: int = 0
     tool_failures: int = 0
+    pending: Turn | None = None
 
     @property
     def completion_len(self) -> int:
@@ -63,6 +69,33 @@ class Branch:
             turn_starts=list(self.turn_starts[:t]),
             message_starts=list(self.message_starts[:t]),
         )
+
+    def turn_at(self, position: int) -> int:
+        """The assistant turn whose action covers token `position` of `prefix_ids`."""
+        for t, (start, turn) in enumerate(zip(self.turn_starts, self.turns)):
+            if start <= position < start + len(turn.action_ids):
+                return t
+        raise ValueError(f"Token {position} lies in no action of this branch (prompt, observation or past its end).")
+
+    def restart_inside(self, position: int) -> Branch:
+        """A new branch that keeps the history up to token `position`, which lies inside turn t's action (not at its
+        first token), and regenerates turn t from that token on: the kept head of turn t becomes `pending`.
+
+        The environment is the one before turn t (no tool runs inside a turn), as in `restart_at(t)`.
+        """
+        t = self.turn_at(position)
+        offset = position - self.turn_starts[t]
+        if offset == 0:
+            raise ValueError(f"Token {position} starts turn {t}: branch at a turn boundary with restart_at({t}).")
+        turn = self.turns[t]
+        branch = self.restart_at(t)
+        branch.prefix_ids = branch.prefix_ids + turn.action_ids[:offset]
+        branch.pending = Turn(
+            turn.action_ids[:offset],
+            turn.action_logps[:offset],
+            entropies=None if turn.entropies is None else turn.entropies[:offset],
+        )
+        return branch
 
 
 def _bind_tools(tools: dict[str, Callable], env) -> dict[str, Callable]:
@@ -125,16 +158,18 @@ class TurnLoop:
     def _append_turn(self, branch: Branch, out) -> None:
         s = self.settings
         t = len(branch.turns)
-        branch.turn_starts.append(len(branch.prefix_ids))
+        head, branch.pending = branch.pending, None  # the turn's first tokens, when it continues a mid-turn prefix
+        ids, logps, entropies = _join_head(head, out)
+        branch.turn_starts.append(len(branch.prefix_ids) - (len(head.action_ids) if head is not None else 0))
         branch.message_starts.append(len(branch.messages))
         if branch.env is not None:
             branch.snapshots.append(fork_environment(branch.env))
-        message = self.parse(out.ids, branch.prefix_ids)
+        message = self.parse(ids, branch.prefix_ids[: branch.turn_starts[-1]])  # the whole assistant turn
         calls = message.get("tool_calls") or []
         malformed = not calls and bool(branch.tools) and _looks_like_tool_call(message)
         branch.messages.append(message)
         branch.prefix_ids = branch.prefix_ids + out.ids
-        turn = Turn(out.ids, out.logps, [], entropies=out.entropies, truncated=not out.finished)
+        turn = Turn(ids, logps, [], entropies=entropies, truncated=not out.finished)
         branch.turns.append(turn)
         last_turn_allowed = t + 1 >= s.max_turns
         if not out.finished or (not calls and not malformed) or last_turn_allowed:
@@ -157,6 +192,14 @@ class TurnLoop:
         turn.observation_ids = list(obs)
         branch.messages.extend(tool_messages)
         branch.prefix_ids = branch.prefix_ids + list(obs)
+
+
+def _join_head(head: Turn | None, out) -> tuple[list[int], list[float], list[float] | None]:
+    """A turn's ids, log-probs and entropies: the pending head (if any) followed by what the engine generated."""
+    if head is None:
+        return list(out.ids), list(out.logps), out.entropies
+    entropies = None if head.entropies is None or out.entropies is None else head.entropies + list(out.entropies)
+    return head.action_ids + list(out.ids), head.action_logps + list(out.logps), entropies
 
 
 def _looks_like_tool_call(message: dict) -> bool:

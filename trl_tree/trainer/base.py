@@ -106,7 +106,11 @@ class TreeTrainer(GRPOTrainer):
     def needs_entropies(self) -> bool:
         """Per-token entropies from generation are needed by entropy-guided expansion and the entropy backup (A1)."""
         a = self.args
-        return (a.sampler == "entropy_guided" and a.expansion_mode == "entropy") or a.credit == "child_softmax"
+        return (
+            (a.sampler == "entropy_guided" and a.expansion_mode == "entropy")
+            or a.sampler == "token_entropy"
+            or a.credit == "child_softmax"
+        )
 
     def _build_turn_loop(self) -> TurnLoop:
         settings = SamplerSettings(

@@ -25,6 +25,7 @@ import torch
 from .. import credit, losses
 from ..rollout.expansion import tree_turn_entropies
 from ..rollout.samplers import EntropyGuidedSampler, InitExpandSampler, TurnLoop
+from ..rollout.token_branching import TokenEntropySampler
 from ..tree import RolloutTree
 
 # ------------------------------------------------------------------------------------------------------ samplers
@@ -40,14 +41,22 @@ def build_sampler(args, loop: TurnLoop, seed: int):
             loop, args.num_initial_rollouts, args.expansion_rounds, args.branches_per_round,
             mode=args.expansion_mode, alpha=args.sibling_penalty, seed=seed,
         )
+    if args.sampler == "token_entropy":
+        return TokenEntropySampler(
+            loop, args.num_initial_rollouts, args.entropy_threshold, args.max_branches_per_tree,
+            min_segment_length=args.min_segment_length, rounds=args.branching_rounds,
+        )
     raise ValueError(f"Unknown sampler {args.sampler!r}; choose one of {SAMPLERS}.")
 
 
-SAMPLERS = ("init_expand", "flat", "entropy_guided")
+SAMPLERS = ("init_expand", "flat", "entropy_guided", "token_entropy")
 
 
 def leaves_per_tree(args) -> int:
-    """K for a configuration (every sampler here has a fixed leaf count)."""
+    """K for a configuration. Token-level branching ("token_entropy") has a variable K: this is its budget
+    M(1 + max_branches_per_tree), and the sampler guarantees K ≥ 2 whenever that budget is ≥ 2."""
+    if args.sampler == "token_entropy":
+        return args.num_initial_rollouts * (1 + args.max_branches_per_tree)
     if args.sampler == "init_expand":
         return args.num_initial_rollouts * (args.num_branches + 1)
     if args.sampler == "flat":
@@ -118,6 +127,34 @@ def _nothing(tree, A, args):
     return {}
 
 
+def _path_intervals(tree, A, args):
+    """GSPO-token's (path, turn) pairs as per-turn tensors, so they travel in the per-turn batch layout.
+
+    Numbering the K trajectories by the DFS index of their leaf, the paths through turn i are exactly those whose
+    leaf lies in i's subtree, a contiguous DFS range: the paths [path_lo_i, path_hi_i). `_path_pairs` expands the
+    ranges back into `credit.path_turn_pairs`'s layout (paths renumbered, which the loss does not depend on).
+    """
+    leaves = torch.bincount(torch.tensor(tree.leaf_of, dtype=torch.long), minlength=tree.num_turns)
+    lo = torch.cumsum(leaves, 0) - leaves
+    hi = lo + credit.leaf_counts_below(tree).long()
+    return {"path_lo": lo, "path_hi": hi, "num_paths": torch.tensor(tree.num_leaves)}
+
+
+def _path_pairs(f) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pair_paths, pair_turns, path_trees) of a micro-batch from the flattened per-turn ranges of `_path_intervals`,
+    with global path ids (tree x's paths follow those of trees 0..x−1)."""
+    lo, hi, num_paths = f["path_lo"].long(), f["path_hi"].long(), f["num_paths"].long()
+    tree_ids = f["tree_ids"].to(lo.device)
+    counts = hi - lo
+    first = lo + (torch.cumsum(num_paths, 0) - num_paths)[tree_ids]
+    starts = torch.cumsum(counts, 0) - counts
+    within = torch.arange(int(counts.sum()), device=lo.device) - torch.repeat_interleave(starts, counts)
+    pair_paths = torch.repeat_interleave(first, counts) + within
+    pair_turns = torch.repeat_interleave(torch.arange(lo.numel(), device=lo.device), counts)
+    path_trees = torch.repeat_interleave(torch.arange(num_paths.numel(), device=lo.device), num_paths)
+    return pair_paths, pair_turns, path_trees
+
+
 LOSSES: dict[str, LossSpec] = {
     "treeopsd": LossSpec(
         _teacher,
@@ -142,6 +179,13 @@ LOSSES: dict[str, LossSpec] = {
         _path_weights,
         lambda f, a: losses.clipped_token_loss(
             f["logps"], f["old_logps"], f["turn_ids"], f["A"], f["w"], f["tree_ids"],
+            epsilon_low=a.epsilon, epsilon_high=a.epsilon_high or a.epsilon, num_trees=f["num_trees"],
+        ),
+    ),
+    "gspo_token": LossSpec(  # TreeAdv D4: GSPO-token over the tree's K root-to-leaf sequences
+        _path_intervals,
+        lambda f, a: losses.gspo_token_loss(
+            f["logps"], f["old_logps"], f["turn_ids"], f["A"], *_path_pairs(f),
             epsilon_low=a.epsilon, epsilon_high=a.epsilon_high or a.epsilon, num_trees=f["num_trees"],
         ),
     ),

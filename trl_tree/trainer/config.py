@@ -28,9 +28,9 @@ ANCHOR_RULES = ("uniform",)
 class TreeConfig(GRPOConfig):
     """Fields shared by every tree trainer (the sampler budget, tools, packing).
 
-    Composition (see `trl_tree.trainer.components`): `sampler` ("init_expand", "flat", "entropy_guided"), `credit`
-    ("likelihood", "child_mean", "child_softmax", "leaf_mean", "path") and `loss` ("treeopsd", "treepo", "atpo",
-    "grpo") are chosen independently; the named configs below are presets.
+    Composition (see `trl_tree.trainer.components`): `sampler` ("init_expand", "flat", "entropy_guided",
+    "token_entropy"), `credit` ("likelihood", "child_mean", "child_softmax", "leaf_mean", "path") and `loss`
+    ("treeopsd", "treepo", "atpo", "grpo", "gspo_token") are chosen independently; the named configs are presets.
 
     Parameters:
         sampler (`str`, defaults to `"init_expand"`): how trees grow.
@@ -47,6 +47,14 @@ class TreeConfig(GRPOConfig):
         branches_per_round (`int`, defaults to `6`): K new branches per round ("entropy_guided").
         expansion_mode (`str`, defaults to `"entropy"`): `"entropy"` (A2 node scores) or `"random"` (ablation).
         sibling_penalty (`float`, defaults to `0.05`): α in S_i = H_i − α·max(0, siblings − 1).
+        entropy_threshold (`float`, defaults to `1.0`): τ_H in nats ("token_entropy", TreeAdv): action tokens whose
+            entropy exceeds it are branch points inside a completion. `float("inf")` turns branching off.
+        max_branches_per_tree (`int`, defaults to `2`): cap on branch points (new leaves) per tree ("token_entropy");
+            each of the M trees has 1 to 1 + this many leaves.
+        min_segment_length (`int`, defaults to `8`): both pieces of a segment split at a branch point keep at least
+            this many tokens ("token_entropy").
+        branching_rounds (`int`, defaults to `1`): rounds of token-level branching; a continuation may branch again
+            in a later round ("token_entropy").
         target_radius (`float`, defaults to `0.25`): ρ for the "treeopsd" loss: q ∈ [1/2 − ρ, 1/2 + ρ], 0 < ρ < 1/2.
         max_turns (`int`, defaults to `5`): assistant turns per trajectory, the final answer included (the paper's
             five for multi-hop QA). A tool call in the last allowed turn ends the trajectory unexecuted.
@@ -61,9 +69,11 @@ class TreeConfig(GRPOConfig):
         num_generations: not used: a tree's size is set by the sampler fields. Must stay 1 (one tree per prompt).
     """
 
-    sampler: str = field(default="init_expand", metadata={"help": "init_expand | flat | entropy_guided"})
+    sampler: str = field(
+        default="init_expand", metadata={"help": "init_expand | flat | entropy_guided | token_entropy"}
+    )
     credit: str = field(default="likelihood", metadata={"help": "likelihood | child_mean | child_softmax | leaf_mean | path"})
-    loss: str = field(default="treeopsd", metadata={"help": "treeopsd | treepo | atpo | grpo"})
+    loss: str = field(default="treeopsd", metadata={"help": "treeopsd | treepo | atpo | grpo | gspo_token"})
     reward_std: str = field(default="sample", metadata={"help": "sample (ddof=1) | population (ddof=0, +1e-6)"})
     num_initial_rollouts: int = field(default=4, metadata={"help": "M: full trajectories per prompt."})
     num_branches: int = field(default=2, metadata={"help": "N: continuations per initial trajectory."})
@@ -72,6 +82,10 @@ class TreeConfig(GRPOConfig):
     branches_per_round: int = field(default=6, metadata={"help": "K: new branches per expansion round."})
     expansion_mode: str = field(default="entropy", metadata={"help": "entropy | random"})
     sibling_penalty: float = field(default=0.05, metadata={"help": "α of the AT2PO node score."})
+    entropy_threshold: float = field(default=1.0, metadata={"help": "τ_H (nats): branch inside turns above it."})
+    max_branches_per_tree: int = field(default=2, metadata={"help": "Cap on token-level branch points per tree."})
+    min_segment_length: int = field(default=8, metadata={"help": "Fewest tokens per split segment."})
+    branching_rounds: int = field(default=1, metadata={"help": "Rounds of token-level branching."})
     target_radius: float = field(default=0.25, metadata={"help": "ρ: q ∈ [1/2 − ρ, 1/2 + ρ], 0 < ρ < 1/2."})
     max_turns: int = field(default=5, metadata={"help": "Assistant turns per trajectory, the final answer included."})
     packing: str = field(default="tree", metadata={"help": "'tree' (one packed row per tree) or 'paths'."})
@@ -147,10 +161,18 @@ class TreeConfig(GRPOConfig):
             raise ValueError(f"num_branches (N) must be ≥ 0; got {self.num_branches}.")
         if self.expansion_rounds < 0 or self.branches_per_round < 0:
             raise ValueError("expansion_rounds and branches_per_round must be ≥ 0.")
+        if self.max_branches_per_tree < 0 or self.min_segment_length < 1 or self.branching_rounds < 1:
+            raise ValueError(
+                "Token-level branching needs max_branches_per_tree ≥ 0, min_segment_length ≥ 1 and branching_rounds ≥ "
+                f"1; got {self.max_branches_per_tree}, {self.min_segment_length}, {self.branching_rounds}."
+            )
+        if self.entropy_threshold != self.entropy_threshold:
+            raise ValueError("entropy_threshold is NaN; use float('inf') to turn token-level branching off.")
         if self.leaves_per_tree < 2:
             raise ValueError(
                 f"A tree needs K ≥ 2 leaves to standardise rewards; this configuration gives K = {self.leaves_per_tree}"
-                f" (for init_expand K = M(N + 1): M = {self.num_initial_rollouts}, N = {self.num_branches})."
+                f" (for init_expand K = M(N + 1): M = {self.num_initial_rollouts}, N = {self.num_branches}; for "
+                "token_entropy at most M(1 + max_branches_per_tree))."
             )
         if self.loss == "treeopsd":
             if not 0.0 < self.target_radius < 0.5:

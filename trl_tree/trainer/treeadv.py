@@ -1,0 +1,74 @@
+"""`TreeAdvTrainer`: token-level branching at high-entropy tokens, segment advantages, GRPO or GSPO-token (TreeAdv;
+DESIGN §3 D1–D4).
+
+Per prompt, a forest of M trees (`num_initial_rollouts`): each is one complete trajectory that then branches *inside*
+its completions at the tokens whose entropy exceeds τ_H (`entropy_threshold`), at most `max_branches_per_tree`
+times, every split piece at least `min_segment_length` tokens (`trl_tree.rollout.token_branching`). A branch point
+splits the turn into segment nodes, so shared prefixes are stored and trained once.
+
+    A_k      = (R_k − mean R) / std_sample(R)   over every leaf of the prompt's forest            D1
+    A^tok(n) = mean of A_k over the leaf occurrences below segment n  (`credit.segment_advantages`)  D2
+    token t of segment n takes A^tok(n)                                                          D3
+    loss     = GRPO's clipped token surrogate, seq-mean-token-mean over the K root-to-leaf sequences
+               (`losses.clipped_token_loss` with `credit.path_token_weights`), or GSPO-token
+               (`losses.gspo_token_loss`, loss="gspo_token")                                        D4
+
+With no branching (τ_H above every entropy) the forest is M flat trajectories and TreeAdv is GRPO with G = M, the
+same loss and gradient as `TreeConfig(sampler="flat", credit="path", loss="grpo")`, as long as no two trajectories
+share a turn. It works for single-turn prompts (math with a verifiable reward, no tools) as for multi-turn tool use.
+A preset of `TreeTrainer` (sampler="token_entropy", credit="leaf_mean", loss="grpo").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .base import TreeTrainer
+from .config import TreeConfig
+
+
+@dataclass
+class TreeAdvConfig(TreeConfig):
+    """Configuration of `TreeAdvTrainer`: a forest of M = 4 trees per prompt, each branching inside its completions at
+    tokens with entropy above τ_H = 1 nat (at most 2 branch points per tree, pieces of at least 8 tokens, one
+    round), segment advantages (D1–D3, sample std) and GRPO's clipped token surrogate (D4).
+
+    Switches: `loss="gspo_token"` (GSPO-token; GSPO clips the sequence ratio tightly, e.g. `epsilon=3e-4,
+    epsilon_high=4e-4`), `entropy_threshold=float("inf")` (no branching: GRPO with G = M), `num_initial_rollouts`
+    (the paper's 1, 2, 4 trees), `branching_rounds` (deeper trees), `credit="path"` (no segment credit: each token
+    takes its trajectory's advantage, as in GRPO). See `TreeConfig` for every field."""
+
+    sampler: str = field(
+        default="token_entropy", metadata={"help": "init_expand | flat | entropy_guided | token_entropy"}
+    )
+    credit: str = field(default="leaf_mean", metadata={"help": "leaf_mean (D2 segment advantage) | path | ..."})
+    loss: str = field(default="grpo", metadata={"help": "grpo | gspo_token | ..."})
+    num_initial_rollouts: int = field(default=4, metadata={"help": "M: trees per prompt."})
+
+
+class TreeAdvTrainer(TreeTrainer):
+    """Drop-in `GRPOTrainer` replacement training with TreeAdv.
+
+    Example:
+        ```python
+        from trl_tree import TreeAdvConfig, TreeAdvTrainer
+
+        trainer = TreeAdvTrainer(
+            model="Qwen/Qwen3-4B-Instruct-2507",
+            reward_funcs=accuracy_reward,  # a verifiable math reward; add tools=[...] for tool use
+            args=TreeAdvConfig(num_initial_rollouts=4, max_branches_per_tree=2, entropy_threshold=1.0),
+            train_dataset=dataset,
+        )
+        trainer.train()
+        ```
+    """
+
+    _name = "TreeAdv"
+    _tag_names = ["trl", "trl-tree", "treeadv"]
+    config_class = TreeAdvConfig
+
+    def log_turn_credit(self, metrics, per_turn) -> None:
+        super().log_turn_credit(metrics, per_turn)
+        points = getattr(self.sampler, "last_branch_points", None)
+        if points:
+            metrics["treeadv/branch_points_per_tree"].append(self._mean_over_ranks([float(n) for n in points]))
