@@ -26,3 +26,6 @@ def test_three_steps_two_blocks_per_generation_change_every_parameter(tmp_path, 
     history = [e for e in trainer.state.log_history if "tree/unique_tokens" in e]
     # a tree shares its prefixes: unique tokens are fewer than the flat rollouts would have needed
     assert all(e["tree/unique_tokens"] < e["tree/flat_tokens"] for e in history)
+    # π_old is recomputed per micro-batch by the very packed forward that trains it: the first block starts at s = 0
+    first = [e for e in trainer.state.log_history if "tree/abs_log_ratio/block_0" in e][0]
+    assert first["tree/abs_log_ratio/block_0"] == 0.0

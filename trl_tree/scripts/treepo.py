@@ -1,8 +1,8 @@
 """`trl-tree treepo`: a HotpotQA search agent trained with TreePO, TreeOPSD's fixed-credit control."""
 
-from trl_tree.scripts.hotpot import make_parser, run
+from trl_tree.scripts.hotpot import run
 
-__all__ = ["make_parser", "run"]
+__all__ = ["run"]
 
 if __name__ == "__main__":
     run("treepo", prog="trl-tree treepo")

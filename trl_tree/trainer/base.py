@@ -32,7 +32,7 @@ from ..rollout.engine import HFEngine
 from ..rollout.env import environment_tools
 from ..rollout.samplers import SamplerSettings, TreeRoot, TurnLoop
 from ..tree import RolloutTree
-from . import components
+from . import components, model_card
 from .config import TreeConfig
 
 PER_TURN = "credit_"  # batch keys of per-turn tensors, padded to the largest tree: [N, max_turns]
@@ -49,6 +49,7 @@ class TreeTrainer(GRPOTrainer):
     _name = "Tree"
     _tag_names = ["trl", "trl-tree"]
     config_class = TreeConfig
+    create_model_card = model_card.create_tree_model_card
 
     def __init__(self, model, reward_funcs=None, args: TreeConfig | None = None, **kwargs):
         if args is None:
@@ -145,7 +146,24 @@ class TreeTrainer(GRPOTrainer):
 
     # ---------------------------------------------------------------- generation
 
+    def _prepare_inputs(self, generation_batch):
+        """GRPOTrainer's buffering of a generation batch into `steps_per_generation` micro-batches, with one change:
+        the split happens *before* π_old is recomputed, so each micro-batch's π_old comes from exactly the packed
+        forward (same trees, same padding) that will train it, and the first block's log-ratio is exactly 0. (A
+        whole-batch forward pads differently and leaves ~1e-9 of noise, which Adam can blow up when every reward of
+        a block is equal.) Trees are not shuffled again: the prompt sampler already shuffles."""
+        if not self.model.training:
+            return self._generate_and_score_completions(generation_batch)
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        if self._step % generate_every == 0 or self._buffered_inputs is None:
+            self._buffered_inputs = self._generate_micro_batches(generation_batch, self.args.steps_per_generation)
+        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        return self._generate_micro_batches(inputs, 1)[0]
+
+    def _generate_micro_batches(self, inputs: list[dict[str, Any]], num_chunks: int) -> list[dict[str, torch.Tensor]]:
+        """Grow and score one tree per prompt, then pack, recompute π_old and compute credit per micro-batch."""
         mode = "train" if self.model.training else "eval"
         if any("image" in x or "images" in x for x in inputs):
             raise ValueError(f"{type(self).__name__} supports text-only prompts; this batch has images.")
@@ -157,16 +175,22 @@ class TreeTrainer(GRPOTrainer):
             RolloutTree.from_trajectories(root.prompt_ids, [b.turns for b in branches], r.tolist())
             for root, branches, r in zip(roots, branches_per_tree, rewards)
         ]
-        packed = pack_trees(trees, self._tokenizer.pad_token_id, layout=self.args.packing)
-        old_logps = self._behaviour_logps(packed, trees)
-        if self.mask_truncated_completions:
-            _mask_truncated_turns(packed, trees)
-
-        per_turn = [self.turn_credit(tree) for tree in trees]
-        batch = {**packed.to(self.accelerator.device).to_dict(), "old_logps": old_logps}
-        batch.update(_pad_per_turn(per_turn, self.accelerator.device))
-        self._log_generation(mode, prompts, trees, branches_per_tree, rewards, per_turn, packed)
-        return batch
+        size = len(trees) // num_chunks
+        batches, per_turn, forward_tokens = [], [], 0
+        for start in range(0, len(trees), size):
+            chunk = trees[start : start + size]
+            packed = pack_trees(chunk, self._tokenizer.pad_token_id, layout=self.args.packing)
+            old_logps = self._behaviour_logps(packed, chunk)
+            if self.mask_truncated_completions:
+                _mask_truncated_turns(packed, chunk)
+            credit_of_chunk = [self.turn_credit(tree) for tree in chunk]
+            batch = {**packed.to(self.accelerator.device).to_dict(), "old_logps": old_logps}
+            batch.update(_pad_per_turn(credit_of_chunk, self.accelerator.device))
+            batches.append(batch)
+            per_turn += credit_of_chunk
+            forward_tokens += packed.num_forward_tokens
+        self._log_generation(mode, prompts, trees, branches_per_tree, rewards, per_turn, forward_tokens)
+        return batches
 
     def _prepare_roots(self, inputs):
         """Reset one environment per prompt (its tools and state are the tree's root) and render the prompts."""
@@ -292,7 +316,7 @@ class TreeTrainer(GRPOTrainer):
         total = self.accelerator.reduce(t, reduction="sum")
         return (total[0] / total[1].clamp(min=1)).item()
 
-    def _log_generation(self, mode, prompts, trees, branches_per_tree, rewards, per_turn, packed):
+    def _log_generation(self, mode, prompts, trees, branches_per_tree, rewards, per_turn, forward_tokens: int):
         metrics = self._metrics[mode]
         all_rewards = self._gather_uneven(torch.cat(rewards))
         metrics["reward"].append(all_rewards.mean().item())
@@ -305,7 +329,7 @@ class TreeTrainer(GRPOTrainer):
         metrics["tree/unique_turns"].append(self._mean_over_ranks([t.num_turns for t in trees]))
         metrics["tree/unique_tokens"].append(self._mean_over_ranks([t.num_unique_tokens for t in trees]))
         metrics["tree/flat_tokens"].append(self._mean_over_ranks([t.num_path_tokens for t in trees]))
-        metrics["tree/forward_tokens"].append(self._mean_over_ranks([packed.num_forward_tokens / len(trees)]))
+        metrics["tree/forward_tokens"].append(self._mean_over_ranks([forward_tokens / len(trees)]))
         metrics["tree/turns_per_leaf"].append(self._mean_over_ranks([len(b.turns) for b in leaves]))
         metrics["completions/mean_length"].append(self._mean_over_ranks([b.completion_len for b in leaves]))
         calls = sum(b.tool_calls for b in leaves)
@@ -317,7 +341,7 @@ class TreeTrainer(GRPOTrainer):
             metrics["tools/failure_frequency"].append((total[0] / total[1].clamp(min=1)).item())
         self.log_turn_credit(metrics, per_turn)
         if mode == "train":
-            tokens = torch.tensor(float(packed.num_forward_tokens), device=self.accelerator.device)
+            tokens = torch.tensor(float(forward_tokens), device=self.accelerator.device)
             self.state.num_input_tokens_seen += int(self.accelerator.reduce(tokens, reduction="sum").item())
         if self.log_completions:
             self._log_tree_completions(prompts, trees, branches_per_tree)

@@ -19,26 +19,33 @@ import re
 
 TRL_TREE_NAME = "trl-tree"
 
-# (config attribute, label in the card); rows whose attribute a config lacks are left out, so trainers with other
-# samplers (AT2PO, TreeAdv, TreeFlex) get the rows that apply to them.
+# (config attribute, label in the card, when it applies). A tree trainer is a sampler x credit x loss choice
+# (`TreeConfig.sampler/credit/loss`); only the fields the chosen components read are listed, so a card never shows,
+# say, a teacher radius for a loss without a teacher. A config without those fields gets every row it has.
 _TREE_FIELDS = (
-    ("num_initial_rollouts", "M: complete trajectories sampled per prompt"),
-    ("num_branches", "N: continuations branched from each trajectory"),
-    ("target_radius", "ρ: teacher radius, q ∈ [1/2 − ρ, 1/2 + ρ]"),
-    ("num_optimizer_blocks", "E: sequential optimizer blocks per generation batch"),
-    ("max_turns", "assistant turns per trajectory (final answer included)"),
-    ("anchor_rule", "branch points"),
-    ("packing", "training layout of a tree"),
+    ("sampler", "how the tree is grown", None),
+    ("credit", "how terminal rewards become turn credit", None),
+    ("loss", "turn-level loss", None),
+    ("num_initial_rollouts", "M: complete trajectories sampled per prompt", None),
+    ("num_branches", "N: continuations branched from each trajectory", ("sampler", {"init_expand"})),
+    ("anchor_rule", "branch points", ("sampler", {"init_expand"})),
+    ("expansion_rounds", "L: entropy-guided expansion rounds", ("sampler", {"entropy_guided"})),
+    ("branches_per_round", "K: branches added per expansion round", ("sampler", {"entropy_guided"})),
+    ("entropy_threshold", "τ_H: branch inside turns above this token entropy", ("sampler", {"token_entropy"})),
+    ("target_radius", "ρ: teacher radius, q ∈ [1/2 − ρ, 1/2 + ρ]", ("loss", {"treeopsd"})),
+    ("num_optimizer_blocks", "E: sequential optimizer blocks per generation batch", None),
+    ("max_turns", "assistant turns per trajectory (final answer included)", None),
+    ("packing", "training layout of a tree", None),
 )
 _RUN_FIELDS = (
-    ("generation_batch_size", "prompts (trees) per generation batch, all processes"),
-    ("learning_rate", "learning rate"),
-    ("lr_scheduler_type", "learning-rate schedule"),
-    ("max_steps", "optimizer steps"),
-    ("max_completion_length", "token budget of one trajectory"),
-    ("max_observation_chars", "characters kept of a tool observation"),
-    ("temperature", "sampling temperature"),
-    ("top_p", "sampling top-p"),
+    ("generation_batch_size", "prompts (trees) per generation batch, all processes", None),
+    ("learning_rate", "learning rate", None),
+    ("lr_scheduler_type", "learning-rate schedule", None),
+    ("max_steps", "optimizer steps", None),
+    ("max_completion_length", "token budget of one trajectory", None),
+    ("max_observation_chars", "characters kept of a tool observation", None),
+    ("temperature", "sampling temperature", None),
+    ("top_p", "sampling top-p", None),
 )
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
@@ -49,14 +56,24 @@ def _trl_tree_version() -> str:
     return __version__
 
 
+def _applies(args, condition) -> bool:
+    if condition is None:
+        return True
+    component, choices = condition
+    if not hasattr(args, component):  # a config that predates the component fields: show what it has
+        return not (component == "loss" and "treepo" in type(args).__name__.lower())
+    return getattr(args, component) in choices
+
+
 def _rows(args, fields) -> list[str]:
     rows = []
-    for name, label in fields:
+    for name, label, condition in fields:
         value = getattr(args, name, None)
-        if value is None or (name == "target_radius" and "treepo" in type(args).__name__.lower()):
-            continue  # TreePO's fixed-credit loss has no teacher: ρ would be a misleading row
+        if value is None or not _applies(args, condition):
+            continue
         if isinstance(value, float):
             value = f"{value:g}"
+        value = getattr(value, "value", value)  # enums (lr_scheduler_type) as their plain value
         rows.append(f"| `{name}` | {value} | {label} |")
     return rows
 
@@ -67,18 +84,17 @@ def tree_section(trainer, dataset_name: str | None = None) -> str:
     name = getattr(trainer, "_name", type(trainer).__name__)
     paper = getattr(trainer, "_paper", {}) or {}
     lines = ["## Tree-structured training", ""]
-    intro = f"This model was trained with **{name}** in [{TRL_TREE_NAME}](https://pypi.org/project/{TRL_TREE_NAME}/)"
-    intro += f" {_trl_tree_version()}, tree-structured agentic RL on top of TRL's `GRPOTrainer`"
+    intro = f"This model was trained with **{name}** in {TRL_TREE_NAME} {_trl_tree_version()}"
+    intro += ", tree-structured agentic RL on top of TRL's `GRPOTrainer`"
     if paper.get("id"):
-        intro += f" ([{paper.get('title', name)}](https://arxiv.org/abs/{paper['id']}), arXiv:{paper['id']})"
+        intro += f" (paper: [arXiv:{paper['id']}](https://arxiv.org/abs/{paper['id']}))"
     lines += [intro + ".", ""]
     if dataset_name:
-        link = f"[{dataset_name}](https://huggingface.co/datasets/{dataset_name})" if _is_hub_id(dataset_name) else (
-            f"`{dataset_name}`"
-        )
+        hub_link = f"[{dataset_name}](https://huggingface.co/datasets/{dataset_name})"
+        link = hub_link if _is_hub_id(dataset_name) else f"`{dataset_name}`"
         lines += [f"Training data: {link}.", ""]
     M, N = getattr(args, "num_initial_rollouts", None), getattr(args, "num_branches", None)
-    if M is not None and N is not None:
+    if M is not None and N is not None and getattr(args, "sampler", "init_expand") == "init_expand":
         lines += [
             f"Each prompt grows one rollout tree: M = {M} complete multi-turn trajectories, then N = {N} "
             f"continuations of each from uniformly drawn turn prefixes, K = M(N + 1) = {M * (N + 1)} leaves; "

@@ -415,6 +415,13 @@ class TreeFlexTrainer(TreeTrainer):
 
     # ---------------------------------------------------------------- generation
 
+    def _generate_micro_batches(self, inputs: list[dict[str, Any]], num_chunks: int) -> list[dict[str, Tensor]]:
+        """One generation batch of whole groups, split along dim 0 like GRPOTrainer does (π_old is recomputed once
+        for the whole batch here, so the first block's log-ratio is ~1e-9 rather than exactly 0)."""
+        from trl.trainer.utils import split_tensor_dict
+
+        return split_tensor_dict(self._generate_and_score_completions(inputs), num_chunks)
+
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Tensor]:
         mode = "train" if self.model.training else "eval"
         if any("image" in x or "images" in x for x in inputs):

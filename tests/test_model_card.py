@@ -1,0 +1,119 @@
+"""The model card of a tree-trained model records the method, the tree, the data and the paper; push_to_hub uploads it.
+
+Offline: the Hub API is replaced by a recorder (no network).
+"""
+
+import re
+import types
+
+from scripted import arithmetic_dataset, config, contains_answer, tiny
+
+from trl_tree import TreeOPSDConfig, TreeOPSDTrainer, TreePOConfig, TreePOTrainer
+from trl_tree.testing import calculator
+from trl_tree.trainer.base import TreeTrainer
+from trl_tree.trainer.model_card import create_tree_model_card, tree_model_card_text
+
+
+class CardTreeOPSDTrainer(TreeOPSDTrainer):
+    """TreeOPSDTrainer with the card hook wired, as `TreeTrainer` is meant to have it."""
+
+    create_model_card = create_tree_model_card
+
+
+def _trainer(cls, config_cls, tmp_path, **overrides):
+    model, tok = tiny()
+    args = config(
+        config_cls,
+        tmp_path,
+        num_initial_rollouts=4,
+        num_branches=2,
+        target_radius=0.2,
+        max_turns=5,
+        steps_per_generation=4,
+        **overrides,
+    )
+    return cls(
+        model=model,
+        reward_funcs=contains_answer,
+        args=args,
+        train_dataset=arithmetic_dataset(4),
+        processing_class=tok,
+        tools=[calculator],
+    )
+
+
+def _table(text):
+    """`| `name` | value | meaning |` rows of the card as {name: value}."""
+    return dict(re.findall(r"^\| `(\w+)` \| ([^|]+?) \|", text, flags=re.MULTILINE))
+
+
+def test_treeopsd_card_gives_method_tree_hyperparameters_dataset_and_paper(tmp_path):
+    trainer = _trainer(TreeOPSDTrainer, TreeOPSDConfig, tmp_path)
+    text = tree_model_card_text(trainer, model_name="tiny-treeopsd", dataset_name="hotpotqa/hotpot_qa")
+    assert text.startswith("---\n")  # Hub metadata first
+    metadata = text.split("---\n")[1]
+    assert "hotpotqa/hotpot_qa" in metadata and "trl-tree" in metadata and "treeopsd" in metadata
+    assert "trained with **TreeOPSD** in trl-tree" in text
+    assert "arXiv:2610.23181" in text and "https://huggingface.co/papers/2610.23181" in text
+    assert "@article{zou2026treeopsd" in text  # TRL's citation block with the method's BibTeX
+    assert "[hotpotqa/hotpot_qa](https://huggingface.co/datasets/hotpotqa/hotpot_qa)" in text
+    rows = _table(text)
+    assert rows["num_initial_rollouts"] == "4" and rows["num_branches"] == "2"
+    assert rows["target_radius"] == "0.2" and rows["num_optimizer_blocks"] == "4" and rows["max_turns"] == "5"
+    assert (rows["sampler"], rows["credit"], rows["loss"]) == ("init_expand", "likelihood", "treeopsd")
+    assert "K = M(N + 1) = 12 leaves" in text
+    assert rows["lr_scheduler_type"] == "linear"
+    assert re.search(r"- trl-tree: \d", text)  # framework versions list trl-tree next to TRL
+    assert text.index("## Tree-structured training") < text.index("### Framework versions")
+
+
+def test_treepo_card_names_treepo_and_has_no_teacher_radius(tmp_path):
+    trainer = _trainer(TreePOTrainer, TreePOConfig, tmp_path)
+    text = tree_model_card_text(trainer, dataset_name="synthetic")
+    assert "trained with **TreePO**" in text and "target_radius" not in _table(text)
+    assert _table(text)["loss"] == "treepo"
+    assert "Training data: `synthetic`." in text  # not a Hub id: no dataset link, no card metadata
+    assert "datasets:" not in text.split("---\n")[1]
+
+
+def test_an_entropy_guided_tree_lists_its_own_sampler_fields_only(tmp_path):
+    from trl_tree import AT2POConfig
+    from trl_tree.trainer.model_card import tree_section
+
+    args = AT2POConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none")
+    rows = _table(tree_section(types.SimpleNamespace(args=args, _name="AT2PO")))
+    assert rows["sampler"] == "entropy_guided" and "expansion_rounds" in rows and "branches_per_round" in rows
+    assert "num_branches" not in rows and "target_radius" not in rows
+
+
+def test_push_to_hub_uploads_the_folder_with_the_tree_card(tmp_path, monkeypatch):
+    uploads = []
+
+    class FakeHfApi:
+        def create_repo(self, repo_id, **kwargs):
+            return types.SimpleNamespace(repo_id=repo_id)
+
+        def upload_folder(self, repo_id, folder_path, **kwargs):
+            with open(f"{folder_path}/README.md") as f:
+                uploads.append({"repo_id": repo_id, "readme": f.read(), **kwargs})
+            return "https://huggingface.co/me/tiny-treeopsd"
+
+    monkeypatch.setattr("transformers.trainer.hf_api", FakeHfApi)
+    trainer = _trainer(CardTreeOPSDTrainer, TreeOPSDConfig, tmp_path, hub_model_id="me/tiny-treeopsd")
+    trainer.push_to_hub(dataset_name="hotpotqa/hotpot_qa")
+    (upload,) = uploads
+    assert upload["repo_id"] == "me/tiny-treeopsd"
+    assert "trained with **TreeOPSD** in trl-tree" in upload["readme"]
+    assert _table(upload["readme"])["num_branches"] == "2"
+    assert "hotpotqa/hotpot_qa" in upload["readme"]
+
+
+def test_only_the_main_process_writes_the_card(tmp_path, monkeypatch):
+    trainer = _trainer(TreeOPSDTrainer, TreeOPSDConfig, tmp_path)
+    monkeypatch.setattr(trainer, "is_world_process_zero", lambda: False)
+    create_tree_model_card(trainer)
+    assert not (tmp_path / "README.md").exists()
+
+
+def test_tree_trainers_use_the_tree_card():
+    assert TreeTrainer.create_model_card is create_tree_model_card

@@ -1,0 +1,98 @@
+"""The `trl-tree` console command, in the style of `trl grpo`: `trl-tree <method> [accelerate args] [script args]`.
+
+    trl-tree treeopsd                                   # the offline default of examples/train_hotpot.py
+    trl-tree treeopsd --config examples/recipes/treeopsd_hotpot_qwen3_4b.yaml --num_processes 8
+    trl-tree treepo --config recipe.yaml --accelerate_config accelerate_configs/deepspeed_zero3.yaml
+
+Each method runs `trl_tree/scripts/<method>.py` (the same entry point as `examples/train_hotpot.py`) through
+`accelerate launch`. Arguments the script does not know (`--num_processes`, `--config_file`, `--mixed_precision`, ...)
+go to `accelerate launch`; `--accelerate_config NAME_OR_PATH` picks one of `accelerate_configs/` by name or a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.resources
+import sys
+from pathlib import Path
+
+COMMANDS = {
+    "treeopsd": "Train a HotpotQA search agent with TreeOPSD (tree rollouts, turn-level Bernoulli forward-KL).",
+    "treepo": "Train a HotpotQA search agent with TreePO (TreeOPSD's trees and credit, fixed-credit loss).",
+}
+# accelerate_configs/ at the root of a source checkout (it is not part of the installed package)
+_REPO_CONFIGS = Path(__file__).resolve().parent.parent / "accelerate_configs"
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trl-tree",
+        description="Tree-structured agentic RL on top of TRL. Run `trl-tree <command> --help` for a command's options.",
+        allow_abbrev=False,
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
+    for name, help_text in COMMANDS.items():
+        subparsers.add_parser(name, help=help_text, add_help=False)  # the script's own parser prints its help
+    return parser
+
+
+def resolve_accelerate_config(launch_args: list[str]) -> list[str]:
+    """`--accelerate_config NAME_OR_PATH` -> `--config_file PATH`, NAME being a file of `accelerate_configs/`."""
+    if "--accelerate_config" not in launch_args:
+        return launch_args
+    i = launch_args.index("--accelerate_config")
+    if i + 1 >= len(launch_args):
+        raise SystemExit("trl-tree: expected a config name or path after --accelerate_config.")
+    name = launch_args[i + 1]
+    candidates = [Path(name), _REPO_CONFIGS / name, _REPO_CONFIGS / f"{name}.yaml"]
+    path = next((p for p in candidates if p.is_file()), None)
+    if path is None:
+        available = sorted(p.stem for p in _REPO_CONFIGS.glob("*.yaml")) if _REPO_CONFIGS.is_dir() else []
+        raise SystemExit(f"trl-tree: accelerate config {name!r} is neither a file nor one of {available}.")
+    return ["--config_file", str(path), *launch_args[:i], *launch_args[i + 2 :]]
+
+
+def _split_known(all_args: list[str], unknown: list[str]) -> list[str]:
+    """`all_args` without the ordered subsequence `unknown` (the arguments the script parser did not consume)."""
+    pending = iter(unknown)
+    current = next(pending, None)
+    kept = []
+    for item in all_args:
+        if current is not None and item == current:
+            current = next(pending, None)
+        else:
+            kept.append(item)
+    return kept
+
+
+def launch(command: str, all_args: list[str]) -> int:
+    """Validate the script arguments here (so `--help` and typos answer at once), then `accelerate launch` the
+    command's script with them and everything else as launcher arguments."""
+    from accelerate.commands.launch import launch_command, launch_command_parser
+
+    from trl_tree.scripts.hotpot import prepared_parser
+
+    parser = prepared_parser(command, all_args, prog=f"trl-tree {command}")
+    *_, config_remaining, cli_remaining = parser.parse_args_and_config(
+        all_args, return_remaining_strings=True, separate_remaining_strings=True
+    )
+    launch_args = resolve_accelerate_config(config_remaining + cli_remaining)
+    script_args = _split_known(all_args, cli_remaining)
+    script = importlib.resources.files("trl_tree.scripts").joinpath(f"{command}.py")
+    launch_command(launch_command_parser().parse_args([*launch_args, str(script), *script_args]))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _build_parser()
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0
+    if argv[0] not in COMMANDS:
+        parser.error(f"unknown command {argv[0]!r}; choose one of: {', '.join(COMMANDS)}.")
+    return launch(argv[0], argv[1:])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
