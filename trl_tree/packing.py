@@ -21,7 +21,8 @@ index range [start, subtree_end), so key k is visible to query q iff ``k <= q < 
 k and still lies inside k's subtree, i.e. k's node is q's node (and k <= q within it) or one of q's ancestors. Prompt
 tokens are ancestors of everything (their subtree ends at the row's valid length); a padding token sees only itself
 (its subtree ends at its own index + 1), so no query row is fully masked and sdpa never produces NaNs. A path row is
-the special case where every node's subtree runs to the row's end, i.e. plain causal attention.
+the special case where every node's subtree runs to the row's end, i.e. plain causal attention, so such rows are
+forwarded without a custom mask (any attention kernel; sdpa's causal fast path).
 
 Position ids are positions in the token's own root-to-leaf path, so the rotary embedding sees what it would see on
 the path alone. The log-prob of a node's first action token is read from the hidden state of its parent's last token
@@ -250,9 +251,8 @@ def dense_attention_mask(subtree_end: Tensor, valid: Tensor | None = None) -> Te
         valid: [B] valid lengths; positions past them are treated as padding (they see only themselves).
     """
     subtree_end = _padding_sees_itself(subtree_end, valid)
-    index = torch.arange(subtree_end.shape[-1], device=subtree_end.device)
-    query, key = index[:, None], index[None, :]
-    return ((key <= query) & (query < subtree_end[:, None, :]))[:, None]
+    query = torch.arange(subtree_end.shape[-1], device=subtree_end.device)[:, None]
+    return (query < subtree_end[:, None, :]).tril_()[:, None]  # tril: key <= query (one [T, T] pass, in place)
 
 
 def additive_attention_mask(
@@ -266,21 +266,60 @@ def additive_attention_mask(
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
-def block_mask(subtree_end: Tensor, valid: Tensor | None = None):
+def block_mask(subtree_end: Tensor, valid: Tensor | None = None, block_size: int = 128):
     """A flex_attention `BlockMask` with mask_mod (kv <= q) & (q < subtree_end[b, kv]).
 
-    Only the block-sparse summary is materialised, not the [T, T] mask: the GPU path for long trees. Blocks that lie
-    entirely outside every ancestor chain are skipped by the kernel.
+    Only the block-sparse summary is built, from the DFS intervals (`ancestor_blocks`), never the [T, T] mask that
+    `create_block_mask` would evaluate first: the GPU path for long trees. Blocks that lie entirely outside every
+    ancestor chain are skipped by the kernel; blocks where every pair is visible skip the mask_mod.
     """
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import BlockMask
 
     subtree_end = _padding_sees_itself(subtree_end, valid)
 
     def ancestor_mask(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (q_idx < subtree_end[b, kv_idx])
 
+    length = subtree_end.shape[-1]
+    partial, full = ancestor_blocks(subtree_end, block_size)
+    return BlockMask.from_kv_blocks(
+        *_ordered_blocks(partial), *_ordered_blocks(full), BLOCK_SIZE=block_size, mask_mod=ancestor_mask,
+        seq_lengths=(length, length),
+    )
+
+
+def ancestor_blocks(subtree_end: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
+    """Which (query block, key block) pairs hold some but not all visible pairs (`partial`), or only visible pairs
+    (`full`): bool [B, 1, n, n] with n = ceil(T / block_size), in O(B·n² + B·T) instead of the O(B·T²) mask.
+
+    Key k is visible to query q iff q ∈ [k, subtree_end[k]). For key block j strictly before query block i (every key
+    precedes every query), some pair is visible iff max(subtree_end over block j) > the first query of block i, and
+    every pair iff min(subtree_end over block j) ≥ the end of block i. A diagonal block always holds a visible pair
+    (k = q) and never only visible ones (k > q is masked); key blocks after the query block hold none. Positions past
+    T (rounding T up to a multiple of `block_size`) count as masked, as in `create_block_mask`, so a truncated last
+    block is never full.
+    """
+    if block_size < 2:
+        raise ValueError(f"block_size must be at least 2; got {block_size}.")
     batch, length = subtree_end.shape
-    return create_block_mask(ancestor_mask, batch, None, length, length, device=subtree_end.device)
+    n = -(-length // block_size)
+    ends = nn.functional.pad(subtree_end, (0, n * block_size - length), value=0).view(batch, n, block_size)
+    max_end, min_end = ends.amax(-1), ends.amin(-1)  # [B, n] over each key block; padded keys: 0
+    block = torch.arange(n, device=subtree_end.device)
+    first_query = (block * block_size)[None, :, None]  # [1, n (query block), 1]
+    stop_query = first_query + block_size
+    before = (block[None, :] < block[:, None])[None]  # [1, n (query), n (key)]: key block before the query block
+    some = (before & (max_end[:, None, :] > first_query)) | torch.eye(n, dtype=torch.bool, device=block.device)
+    full = before & (min_end[:, None, :] >= stop_query)
+    return (some & ~full)[:, None], full[:, None]
+
+
+def _ordered_blocks(blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """(number of marked key blocks, key block indices with the marked ones first) per query block, as BlockMask
+    takes them."""
+    blocks = blocks.to(torch.int32)
+    indices = torch.argsort(blocks, dim=-1, descending=True, stable=True)
+    return blocks.sum(-1).to(torch.int32), indices.to(torch.int32)
 
 
 def attention_mask_for(attn_implementation: str | None, subtree_end: Tensor, valid: Tensor, dtype: torch.dtype):
@@ -301,6 +340,12 @@ def attention_mask_for(attn_implementation: str | None, subtree_end: Tensor, val
 # ----------------------------------------------------------------------------------------------------------------
 # The forward
 # ----------------------------------------------------------------------------------------------------------------
+
+
+def _rows_are_causal(subtree_end: Tensor, valid: Tensor) -> bool:
+    """Whether every valid token's subtree ends at its row's valid length, i.e. the ancestor mask is the causal one."""
+    index = torch.arange(subtree_end.shape[-1], device=subtree_end.device)
+    return bool(((subtree_end == valid[:, None]) | (index >= valid[:, None])).all())
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -401,8 +446,16 @@ def packed_token_logps(
     valid = packed.valid.reshape(-1)
     kept = valid > 0  # fully padded rows (short trees in the "paths" layout) are not forwarded
     width = int(valid.max())  # TRL's splits can leave trailing padding shared by every row
-    mask = attention_mask_for(base.config._attn_implementation, subtree_end[kept, :width], valid[kept], base.dtype)
-    hidden = _forward_hidden(model, base, input_ids[kept, :width], position_ids[kept, :width], mask)
+    if _rows_are_causal(subtree_end[kept, :width], valid[kept]):
+        # Every node's subtree runs to its row's end (the "paths" layout, or trees that are single paths): plain causal
+        # attention, which every kernel runs without a [T, T] mask (sdpa's is_causal, flash-attention). Positions are
+        # then the row index; letting them run on over the padding keeps transformers from reading the padding as
+        # further packed sequences (which would build a full mask again).
+        mask, positions = None, torch.arange(width, device=input_ids.device).expand(int(kept.sum()), width)
+    else:
+        mask = attention_mask_for(base.config._attn_implementation, subtree_end[kept, :width], valid[kept], base.dtype)
+        positions = position_ids[kept, :width]
+    hidden = _forward_hidden(model, base, input_ids[kept, :width], positions, mask)
 
     row, col = (turn_ids >= 0).nonzero(as_tuple=True)
     scoring = hidden[kept.long().cumsum(0)[row] - 1, score_index[row, col]]  # row index among the kept rows

@@ -1,0 +1,254 @@
+"""Packed against path-wise training of long trees on a GPU: one row per tree with a flex_attention BlockMask, against
+one causal row per root-to-leaf path.
+
+A TreeOPSD tree of a search agent has long shared prefixes: the prompt, and turns whose observations run to
+thousands of tokens, are shared by every leaf below them. `packing="tree"` forwards each unique token once (a row of
+`tree.num_unique_tokens`, the ancestor-only mask as a BlockMask built from the DFS intervals); `packing="paths"`
+forwards every leaf's whole history (`tree.num_path_tokens`) with plain causal attention. This script measures one
+training forward + backward of `trl_tree.packing.packed_token_logps` (loss = sum of the trained tokens' log-probs) on
+synthetic (M, N) trees of growing turn length, for:
+
+    tree_flex     packing="tree", flex_attention with the BlockMask (the GPU path)
+    tree_sdpa     packing="tree", sdpa with the dense [T, T] boolean mask (skipped past --dense_max_tokens)
+    paths_sdpa    packing="paths", sdpa causal (no mask: flash / memory-efficient kernels)
+
+and reports seconds, tokens forwarded, leaf tokens trained per second (the trees' root-to-leaf tokens, the same
+work for every variant, over the seconds) and peak memory per variant, the paths/tree speed-up, and the largest
+log-prob difference from paths_sdpa (the two layouts compute the same log-probs; bf16 rounding differs).
+
+The model is randomly initialised from a config (default: Qwen3-0.6B's shape; nothing is downloaded), so only its
+shape matters. On a machine without a GPU the script exits with a message; `--cpu` runs the sdpa variants on CPU in
+float32 at the sizes given, and `--cpu-smoke` a tiny model on tiny trees, to check that the script works
+(`--variants tree_flex,paths_sdpa` adds a forward-only flex_attention check: flex has no CPU backward, and its CPU
+compile takes a minute).
+
+Usage:
+    python benchmarks/bench_packing_gpu.py --output packing_gpu.json
+    python benchmarks/bench_packing_gpu.py --observation_tokens 1024,4096,8192 --layers 8
+    python benchmarks/bench_packing_gpu.py --cpu --hidden_size 256 --layers 2 --prompt_tokens 256 \
+        --action_tokens 32 --observation_tokens 64,256,1024
+    python benchmarks/bench_packing_gpu.py --cpu-smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+
+import torch
+from common import environment, markdown_table, write_json
+
+from trl_tree.packing import pack_trees, packed_token_logps
+from trl_tree.tree import RolloutTree, Turn
+
+# Qwen3-0.6B's shape (config.json of Qwen/Qwen3-0.6B), written out so that nothing is downloaded
+QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144,
+                  rope_theta=1_000_000.0, tie_word_embeddings=True)
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, tie_word_embeddings=True)
+SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "tiny": TINY}
+VARIANTS = {"tree_flex": ("tree", "flex_attention"), "tree_sdpa": ("tree", "sdpa"), "paths_sdpa": ("paths", "sdpa")}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--observation_tokens", default="512,2048,4096",
+                   help="comma-separated sweep: tokens of each tool observation (one tree size per value)")
+    p.add_argument("--action_tokens", type=int, default=256, help="tokens of each assistant turn")
+    p.add_argument("--prompt_tokens", type=int, default=1024, help="tokens of the prompt")
+    p.add_argument("--turns", type=int, default=3, help="assistant turns per trajectory")
+    p.add_argument("--num_initial_rollouts", type=int, default=4, help="M")
+    p.add_argument("--num_branches", type=int, default=2, help="N")
+    p.add_argument("--trees", type=int, default=1, help="trees per micro-batch")
+    p.add_argument("--variants", default=None,
+                   help=f"comma-separated subset of {list(VARIANTS)} (default: all; --cpu-smoke: no tree_flex, whose "
+                        "CPU compile takes a minute)")
+    p.add_argument("--dense_max_tokens", type=int, default=32768,
+                   help="skip tree_sdpa above this many tokens per row (its [T, T] mask is T² bytes per tree)")
+    p.add_argument("--model", choices=sorted(SHAPES), default=None,
+                   help="model shape, randomly initialised (default: qwen3-0.6b on a GPU, tiny with --cpu-smoke)")
+    p.add_argument("--layers", type=int, default=None, help="override the model's number of layers")
+    p.add_argument("--hidden_size", type=int, default=None,
+                   help="override the model's width (MLP 3x, 64-dim heads, half as many KV heads)")
+    p.add_argument("--gradient_checkpointing", action=argparse.BooleanOptionalAction, default=True,
+                   help="recompute layer activations in backward (long rows do not fit otherwise)")
+    p.add_argument("--repeats", type=int, default=3, help="timed forward + backward passes per variant")
+    p.add_argument("--warmup", type=int, default=1, help="untimed passes first (flex_attention compiles here)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpu", action="store_true",
+                   help="run on CPU in float32 (sdpa variants; flex_attention has no CPU backward)")
+    p.add_argument("--cpu-smoke", dest="cpu_smoke", action="store_true",
+                   help="--cpu with a tiny model and tiny trees, one pass: checks that the script works")
+    p.add_argument("--output", default=None, help="write the results as JSON here")
+    args = p.parse_args(argv)
+    args.observation_tokens = [int(x) for x in args.observation_tokens.split(",")]
+    args.cpu = args.cpu or args.cpu_smoke
+    default = [v for v in VARIANTS if not (args.cpu and v == "tree_flex")]
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else default
+    if set(args.variants) - set(VARIANTS):
+        p.error(f"unknown variants {sorted(set(args.variants) - set(VARIANTS))}; choose from {list(VARIANTS)}")
+    if args.cpu_smoke:
+        args.observation_tokens, args.action_tokens, args.prompt_tokens = [16, 48], 8, 24
+        args.repeats, args.warmup, args.gradient_checkpointing = 1, 0, False
+    args.model = args.model or ("tiny" if args.cpu_smoke else "qwen3-0.6b")
+    return args
+
+
+def synthetic_tree(args, observation_tokens: int, vocab_size: int, rng: random.Random) -> RolloutTree:
+    """An init-expand (M, N) tree of random tokens: M trajectories of `turns` turns (the last one a final answer
+    without observation), and N continuations of each from anchors drawn uniformly from turns 1..T-1, as TreeOPSD's
+    sampler draws them. Continuations are fresh random turns, so nothing below an anchor is shared."""
+
+    def tokens(n):
+        return [rng.randrange(1, vocab_size) for _ in range(n)]
+
+    def turn(last: bool) -> Turn:
+        return Turn(tokens(args.action_tokens), [0.0] * args.action_tokens, [] if last else tokens(observation_tokens))
+
+    def continue_from(prefix: list[Turn]) -> list[Turn]:
+        return prefix + [turn(t == args.turns - 1) for t in range(len(prefix), args.turns)]
+
+    trajectories = []
+    for _ in range(args.num_initial_rollouts):
+        initial = continue_from([])
+        trajectories.append(initial)
+        for _ in range(args.num_branches):
+            anchor = rng.randint(1, args.turns - 1) if args.turns > 1 else 0
+            trajectories.append(continue_from(initial[:anchor]))
+    rewards = [rng.random() for _ in trajectories]
+    return RolloutTree.from_trajectories(tokens(args.prompt_tokens), trajectories, rewards)
+
+
+def build_model(args):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    shape = dict(SHAPES[args.model])
+    if args.layers:
+        shape["num_hidden_layers"] = args.layers
+    if args.hidden_size:
+        heads = max(1, args.hidden_size // 64)
+        shape.update(hidden_size=args.hidden_size, intermediate_size=3 * args.hidden_size, head_dim=64,
+                     num_attention_heads=heads, num_key_value_heads=max(1, heads // 2))
+    torch.manual_seed(args.seed)
+    model = Qwen3ForCausalLM(Qwen3Config(**shape))
+    if not args.cpu:
+        model = model.to(device="cuda", dtype=torch.bfloat16)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return model.train()
+
+
+def measure(model, packed, attn_implementation: str, args) -> tuple[dict, torch.Tensor]:
+    """Seconds of one forward + backward (mean over repeats; CPU seconds on CPU), peak memory, and the log-probs of
+    the last pass.
+
+    On CPU flex_attention runs the forward only: it checks that the BlockMask path runs and agrees.
+    """
+    model.set_attn_implementation(attn_implementation)
+    cuda = not args.cpu
+    backward = cuda or attn_implementation != "flex_attention"  # flex_attention has no backward on CPU
+    # on CPU the run is single-threaded: its CPU time does not count the other jobs of a shared machine
+    clock = time.perf_counter if cuda else time.process_time
+    seconds = []
+    for i in range(args.warmup + args.repeats):
+        model.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = clock()
+        with torch.set_grad_enabled(backward):
+            logps, _ = packed_token_logps(model, packed)
+        if backward:
+            logps.sum().backward()
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= args.warmup:
+            seconds.append(clock() - start)
+    stats = {"seconds": sum(seconds) / len(seconds)}
+    if cuda:
+        stats["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return stats, logps.detach().float()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not args.cpu and not torch.cuda.is_available():
+        sys.exit("bench_packing_gpu.py measures flex_attention training on a GPU, and no CUDA device is visible. "
+                 "Run it on a GPU machine, or pass --cpu-smoke for a tiny sdpa version on CPU (--cpu for sdpa at "
+                 "the sizes given).")
+    device = "cpu" if args.cpu else "cuda"
+    if args.cpu:
+        torch.set_num_threads(1)  # the tiny matrices do not split; shared cores make OpenMP threads spin
+    model = build_model(args)
+    rng = random.Random(args.seed)
+    runs = []
+    for observation_tokens in args.observation_tokens:
+        trees = [synthetic_tree(args, observation_tokens, model.config.vocab_size, rng) for _ in range(args.trees)]
+        size = {"observation_tokens": observation_tokens, "unique_tokens": sum(t.num_unique_tokens for t in trees),
+                "path_tokens": sum(t.num_path_tokens for t in trees), "leaves": sum(t.num_leaves for t in trees)}
+        reference = None
+        for variant in sorted(args.variants, key=lambda v: v != "paths_sdpa"):  # paths first: the reference
+            layout, attn_implementation = VARIANTS[variant]
+            packed = pack_trees(trees, pad_token_id=0, layout=layout).to(device)
+            row_tokens = int(packed.valid.max())
+            if variant == "tree_sdpa" and row_tokens > args.dense_max_tokens:
+                print(f"skip {variant} at {row_tokens} tokens per row (> --dense_max_tokens)", flush=True)
+                continue
+            try:
+                stats, logps = measure(model, packed, attn_implementation, args)
+            except torch.OutOfMemoryError:
+                print(f"{variant}: out of memory at {size}", flush=True)
+                torch.cuda.empty_cache()
+                continue
+            trained = packed.turn_ids >= 0
+            values = logps[trained]  # the same trained tokens in both layouts, in DFS order of their turns
+            if reference is None and layout == "paths":
+                reference = _by_turn(packed, values)
+            mine = _by_turn(packed, values)
+            difference = max((mine[k] - reference[k]).abs().max().item() for k in mine) if reference else None
+            forward = int(packed.valid.sum())
+            runs.append({**size, "variant": variant, **stats, "forward_tokens": forward,
+                         "padded_tokens": int((packed.valid > 0).sum()) * row_tokens,
+                         "leaf_tokens_per_second": size["path_tokens"] / stats["seconds"],
+                         "max_abs_logp_diff_vs_paths": difference})
+            print(f"{variant:>10} obs={observation_tokens}: {stats['seconds']:.3f} s", flush=True)
+            del packed, logps
+
+    speedups = {}
+    for observation_tokens in args.observation_tokens:
+        by_variant = {r["variant"]: r for r in runs if r["observation_tokens"] == observation_tokens}
+        for variant in ("tree_flex", "tree_sdpa"):
+            if variant in by_variant and "paths_sdpa" in by_variant:
+                speedups[f"{observation_tokens}/{variant}"] = (
+                    by_variant["paths_sdpa"]["seconds"] / by_variant[variant]["seconds"])
+    columns = ["observation_tokens", "variant", "unique_tokens", "path_tokens", "forward_tokens", "seconds",
+               "leaf_tokens_per_second", "peak_memory_gib", "max_abs_logp_diff_vs_paths"]
+    print(f"\nOne forward + backward per variant ({device}, {model.config.num_hidden_layers} layers, hidden "
+          f"{model.config.hidden_size}; M = {args.num_initial_rollouts}, N = {args.num_branches}, {args.turns} turns "
+          f"of {args.action_tokens} action tokens + the observation, prompt {args.prompt_tokens})\n")
+    print(markdown_table(runs, columns))
+    print("\nspeed-up of packing (paths seconds / tree seconds): "
+          + ", ".join(f"{k}: {v:.2f}x" for k, v in speedups.items()))
+    if args.output:
+        write_json(args.output, {"config": vars(args), "environment": environment(), "runs": runs,
+                                 "speedup_paths_over_tree": speedups})
+
+
+def _by_turn(packed, values: torch.Tensor) -> dict[tuple[int, int], torch.Tensor]:
+    """Trained log-probs grouped by (tree, turn), each turn's tokens in order: comparable across layouts."""
+    turn_ids = packed.turn_ids
+    tree_of = torch.arange(turn_ids.shape[0], device=turn_ids.device).view(-1, 1, 1).expand_as(turn_ids)
+    trained = turn_ids >= 0
+    keys = list(zip(tree_of[trained].tolist(), turn_ids[trained].tolist()))
+    grouped: dict[tuple[int, int], list[float]] = {}
+    for key, value in zip(keys, values.tolist()):
+        grouped.setdefault(key, []).append(value)
+    return {k: torch.tensor(v) for k, v in grouped.items()}
+
+
+if __name__ == "__main__":
+    main()

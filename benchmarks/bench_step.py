@@ -1,0 +1,211 @@
+"""What a generation batch costs: GRPOTrainer (G = 8) against TreeOPSDTrainer ((M, N) = (4, 2)), packed and path-wise.
+
+All three variants start from the same warm-started model, train on the same prompts with the same tools, reward,
+turn and token limits, and take the same E optimizer steps per generation batch of P prompts:
+
+    grpo             GRPOTrainer, G = 8 completions per prompt (TRL's own tool loop)
+    treeopsd_tree    TreeOPSDTrainer, one (4, 2) tree per prompt (K = 12 leaves), packing="tree" (one row per tree)
+    treeopsd_paths   the same trees, packing="paths" (one causal row per root-to-leaf path)
+    flat_grpo        GRPO's loss on trl-tree's agent loop: G = 8 unbranched trajectories per prompt (TreeConfig
+                     sampler="flat"), packed as one row. TRL's tool loop ends a trajectory at a malformed tool call,
+                     trl-tree's answers it with an error observation and goes on, so trajectories differ in length
+                     between the two loops; this variant separates what branching saves from what the loops do.
+
+M(1 + N/2) = G: a (4, 2) tree is expected to cost as many generated trajectories as GRPO's group, for 12 leaves
+instead of 8. After `--warmup` generation batches, each of `--batches` batches records: tokens generated, leaves,
+unique tokens in the trees, tokens forwarded in the loss passes, generation / training / step seconds (wall and CPU)
+and peak memory (RSS on CPU, `torch.cuda.max_memory_allocated` on a GPU). Nothing in the library is modified: the
+trainer instance's methods are wrapped (`common.BatchMeter`).
+
+Each variant runs in a fresh process by default (`--no-isolate` to run them in this one), so that one variant's
+memory and allocator state do not leak into the next one's numbers.
+
+Usage:
+    python benchmarks/bench_step.py                                   # tiny model, calculator tool, CPU
+    python benchmarks/bench_step.py --task search --output step_search.json
+    python benchmarks/bench_step.py --model_name_or_path Qwen/Qwen3-0.6B --warm_start_steps 0 --task search
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import random
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict
+
+import torch
+from common import (
+    BatchMeter,
+    BatchRecord,
+    Budget,
+    build_trainer,
+    environment,
+    load_model,
+    make_task,
+    markdown_table,
+    summarize,
+    warm_started_model,
+    write_json,
+)
+from transformers.trainer_callback import PrinterCallback
+
+VARIANTS = {  # name -> (method, packing)
+    "grpo": ("grpo", None),
+    "treeopsd_tree": ("treeopsd", "tree"),
+    "treeopsd_paths": ("treeopsd", "paths"),
+    "flat_grpo": ("flat_grpo", "tree"),
+}
+
+TASK_LIMITS = {"calculator": {"max_turns": 3, "max_completion_length": 96},
+               "search": {"max_turns": 4, "max_completion_length": 384}}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model_name_or_path", default=None, help="model to train (default: the tiny offline Qwen3)")
+    p.add_argument("--task", choices=sorted(TASK_LIMITS), default="calculator",
+                   help="calculator: one tool call, short turns; search: synthetic multi-hop QA with BM25 search")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {list(VARIANTS)}")
+    p.add_argument("--prompts", type=int, default=4, help="prompts per generation batch (P)")
+    p.add_argument("--blocks", type=int, default=2, help="optimizer steps per generation batch (E)")
+    p.add_argument("--group_size", type=int, default=8, help="GRPO's G")
+    p.add_argument("--num_initial_rollouts", type=int, default=4, help="the trees' M")
+    p.add_argument("--num_branches", type=int, default=2, help="the trees' N")
+    p.add_argument("--batches", type=int, default=3, help="measured generation batches per variant")
+    p.add_argument("--warmup", type=int, default=1, help="generation batches run before measuring")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every variant this many times, round-robin, and pool the measured batches")
+    p.add_argument("--max_turns", type=int, default=None, help="assistant turns per trajectory (default per task)")
+    p.add_argument("--max_completion_length", type=int, default=None, help="tokens per trajectory (default per task)")
+    p.add_argument("--learning_rate", type=float, default=1e-5)
+    p.add_argument("--warm_start_steps", type=int, default=150,
+                   help="SFT steps on the task's scripted tool calls before RL (cached; 0 = none)")
+    p.add_argument("--num_train", type=int, default=None, help="training questions (default: the task's)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: 1 on CPU, where the tiny model's matrices are too small to split)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True,
+                   help="run each variant in a fresh process (default) or all in this one")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 2 prompts, 1 block, 1 batch, no warm-up batch, 20 warm-start steps, in-process")
+    p.add_argument("--output", default=None, help="write the results as JSON here")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.prompts, args.blocks, args.batches, args.warmup = 2, 1, 1, 0
+        args.warm_start_steps, args.num_train, args.isolate = 20, 16, False
+    limits = TASK_LIMITS[args.task]
+    args.max_turns = args.max_turns or limits["max_turns"]
+    args.max_completion_length = args.max_completion_length or limits["max_completion_length"]
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = set(args.variants) - set(VARIANTS)
+    if unknown:
+        p.error(f"unknown variants {sorted(unknown)}; choose from {list(VARIANTS)}")
+    return args
+
+
+def run_variant(variant: str, model_path: str, args: argparse.Namespace) -> list[BatchRecord]:
+    """Train one variant for warmup + batches generation batches; return the record of every batch.
+
+    Runs in a fresh process when `--isolate`: everything it needs is rebuilt from `args` (tools are closures over a
+    retriever and do not pickle).
+    """
+    if args.threads or not torch.cuda.is_available():
+        torch.set_num_threads(args.threads or 1)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    task = make_task(args.task, args.num_train, seed=args.seed)
+    budget = Budget(
+        prompts=args.prompts, blocks=args.blocks, group_size=args.group_size,
+        num_initial_rollouts=args.num_initial_rollouts, num_branches=args.num_branches,
+        generation_batches=args.warmup + args.batches, learning_rate=args.learning_rate,
+        max_turns=args.max_turns, max_completion_length=args.max_completion_length, seed=args.seed,
+    )
+    method, packing = VARIANTS[variant]
+    model, tokenizer = load_model(model_path)
+    with tempfile.TemporaryDirectory() as output_dir:
+        trainer = build_trainer(method, model, tokenizer, task, budget, output_dir, packing=packing or "tree")
+        trainer.remove_callback(PrinterCallback)  # the trainer's own log lines; the table below is the output
+        meter = BatchMeter(trainer)
+        trainer.train()
+        meter.memory.close()
+    for batch in meter.batches[: args.warmup]:
+        batch.warmup = True
+    print(f"[{variant}] {len(meter.batches)} generation batches, the first {args.warmup} not measured", flush=True)
+    return meter.batches
+
+
+def ratio(results: dict, numerator: str, denominator: str) -> float | None:
+    """results[a][b] / results[c][d] for dotted names "a.b", None when a side is missing or zero."""
+    (a, b), (c, d) = numerator.split("."), denominator.split(".")
+    top, bottom = results.get(a, {}).get(b), results.get(c, {}).get(d)
+    return top / bottom if top is not None and bottom else None
+
+
+# (numerator, denominator, target, comparison): the issue's targets (ratios from one run)
+TARGETS = [
+    ("treeopsd_tree.forward_tokens", "treeopsd_tree.unique_tokens", 1.0, "=="),
+    ("treeopsd_tree.step_seconds", "grpo.step_seconds", 1.0, "<="),
+    ("treeopsd_tree.step_cpu_seconds", "grpo.step_cpu_seconds", 1.0, "<="),
+    ("treeopsd_tree.generated_tokens_per_leaf", "grpo.generated_tokens_per_leaf", 0.7, "<="),
+    ("treeopsd_tree.generated_fraction", "grpo.generated_fraction", 0.7, "<="),
+    ("treeopsd_tree.generated_tokens_per_leaf", "flat_grpo.generated_tokens_per_leaf", 0.7, "<="),
+    ("treeopsd_tree.step_cpu_seconds", "flat_grpo.step_cpu_seconds", 1.0, "<="),
+    ("treeopsd_tree.step_seconds", "treeopsd_paths.step_seconds", 1.0, "<"),
+    ("treeopsd_tree.training_seconds", "treeopsd_paths.training_seconds", 1.0, "<"),
+    ("treeopsd_tree.forward_tokens", "treeopsd_paths.forward_tokens", 1.0, "<"),
+]
+
+
+def ratios(results: dict) -> dict:
+    out = {}
+    for numerator, denominator, target, comparison in TARGETS:
+        value = ratio(results, numerator, denominator)
+        if value is None:
+            continue
+        met = {"==": abs(value - target) < 5e-3, "<=": value <= target, "<": value < target}[comparison]
+        out[f"{numerator} / {denominator}"] = {"value": value, "target": f"{comparison} {target:g}", "met": met}
+    return out
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    task = make_task(args.task, args.num_train, seed=args.seed)
+    model_path = warm_started_model(task, args.model_name_or_path, args.warm_start_steps, seed=args.seed)
+    batches: dict[str, list[BatchRecord]] = {v: [] for v in args.variants}
+    for _ in range(args.repeats):  # round-robin, so a change in the machine's load hits every variant alike
+        for variant in args.variants:
+            if args.isolate:
+                context = multiprocessing.get_context("spawn")
+                with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+                    batches[variant] += pool.submit(run_variant, variant, model_path, args).result()
+            else:
+                batches[variant] += run_variant(variant, model_path, args)
+    results = {v: {**summarize([b for b in runs if not b.warmup]), "per_batch": [asdict(b) for b in runs]}
+               for v, runs in batches.items()}
+
+    columns = ["variant", "step_seconds", "step_cpu_seconds", "generation_seconds", "training_seconds",
+               "generated_tokens", "leaves", "generated_tokens_per_leaf", "generated_fraction", "unique_tokens",
+               "flat_tokens",
+               "forward_tokens", "padded_forward_tokens", "forward_tokens_per_unique_token", "peak_memory_mib"]
+    headers = {"step_seconds": "step s", "step_cpu_seconds": "step CPU s", "generation_seconds": "gen s",
+               "training_seconds": "train s", "generated_tokens": "generated tok", "generated_tokens_per_leaf":
+               "gen tok/leaf", "generated_fraction": "gen/leaf tok", "unique_tokens": "unique tok", "flat_tokens": "flat tok", "forward_tokens":
+               "loss fwd tok", "padded_forward_tokens": "padded fwd tok", "forward_tokens_per_unique_token":
+               "fwd/unique", "peak_memory_mib": "peak MiB"}
+    print(f"\nPer generation batch ({args.prompts} prompts, E = {args.blocks}; mean of {args.repeats} x {args.batches} "
+          f"after {args.warmup} warm-up), task={args.task}, device={'cuda' if torch.cuda.is_available() else 'cpu'}\n")
+    print(markdown_table([{"variant": v, **results[v]} for v in args.variants], columns, headers))
+    targets = ratios(results)
+    print("\n" + markdown_table(
+        [{"ratio": k, "measured": v["value"], "target": v["target"], "met": "yes" if v["met"] else "no"}
+         for k, v in targets.items()], ["ratio", "measured", "target", "met"]))
+    if args.output:
+        config = {k: v for k, v in vars(args).items() if k != "output"}
+        write_json(args.output, {"config": {**config, "model_path": model_path}, "environment": environment(),
+                                 **results, "ratios": targets})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,571 @@
+"""What the benchmarks share: the tasks, warm-started models, trainers at a matched budget, and the measurements.
+
+- **Tasks.** `calculator_task` (one `calculator` call, then the number; `trl_tree.testing`) and `search_task` (the
+  synthetic multi-hop world of `trl_tree.envs.synthetic` with a BM25 `search` tool, two searches then
+  `<answer>…</answer>`). Each carries its dataset, held-out rows, tools, reward and the scripted conversations that
+  warm-start a model.
+- **Models.** `warm_started_model` teaches a model the task's tool-call format with a short SFT
+  (`trl_tree.testing.warm_start`) and caches the result on disk, so every variant and every seed of a benchmark starts
+  from the same weights and the SFT is paid once.
+- **Trainers.** `build_trainer` makes GRPO with G completions per prompt, or a tree trainer with (M, N) trees, from one
+  `Budget`: the same prompts per generation batch, the same E optimizer steps per generation batch, the same turn and
+  token limits, the same tools and rewards.
+- **Measurements.** `BatchMeter` measures a trainer per generation batch without touching library code: it wraps the
+  trainer instance's generation (`_generate_and_score_completions`), its loss (`compute_loss`) and its token sampler,
+  and times the optimizer steps with `TrainerCallback` events. `PeakMemory` gives the peak memory of a batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# tree methods -> the prefix of their trl_tree Config / Trainer classes. "flat_grpo" is GRPO's loss on trl-tree's own
+# agent loop (sampler="flat": G independent trajectories, no branching), the control for the tree's sampling alone.
+TREE_METHODS = {"treeopsd": "TreeOPSD", "treepo": "TreePO", "at2po": "AT2PO", "treeadv": "TreeAdv", "flat_grpo": "Tree"}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tasks
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Task:
+    """A tool-use task: what a trainer trains on and what an evaluation asks.
+
+    `train_rows` and `test_rows` are dataset rows with a conversational `prompt` and a gold `answer`.
+    """
+
+    name: str
+    train_rows: list[dict[str, Any]]
+    test_rows: list[dict[str, Any]]
+    tools: list[Callable]
+    reward_funcs: list[Callable]
+    warm_start_conversations: list[list[dict]]
+
+    def train_dataset(self):
+        from datasets import Dataset
+
+        return Dataset.from_list(self.train_rows)
+
+    def fingerprint(self) -> str:
+        """A short hash of the warm-start data and the tool schemas: the key of a cached warm start."""
+        payload = json.dumps(
+            [self.name, self.warm_start_conversations, [t.__name__ + (t.__doc__ or "") for t in self.tools]],
+            sort_keys=True,
+            default=str,
+        )
+        return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+def calculator_reward(completions, answer, **kwargs) -> list[float]:
+    """1.0 when the final assistant message is exactly the gold number, else 0.0."""
+    rewards = []
+    for completion, gold in zip(completions, answer):
+        final = [m for m in completion if m.get("role") == "assistant"][-1:] if isinstance(completion, list) else []
+        text = (final[0].get("content") or "").strip() if final else str(completion).strip()
+        rewards.append(float(text == gold))
+    return rewards
+
+
+def calculator_task(num_train: int = 64, num_test: int = 32, seed: int = 0) -> Task:
+    """Arithmetic questions answered with one `calculator` call: prompts are short, trajectories two turns."""
+    from trl_tree.testing import calculator, calculator_conversations
+
+    conversations = calculator_conversations(num_train + num_test, seed=seed)
+    rows = [{"prompt": c[:1], "answer": c[-1]["content"]} for c in conversations]
+    return Task(
+        name="calculator",
+        train_rows=rows[:num_train],
+        test_rows=rows[num_train:],
+        tools=[calculator],
+        reward_funcs=[calculator_reward],
+        warm_start_conversations=conversations[:num_train],
+    )
+
+
+def search_task(
+    num_train: int = 200, num_test: int = 50, seed: int = 0, topk: int = 2, cache_dir: str | None = None
+) -> Task:
+    """The synthetic multi-hop world with BM25 search (HotpotQA's schema and prompt, Search-R1's instruction).
+
+    Warm-start conversations are the scripted ideal trajectories (one search per hop, then the answer) with the
+    observations the real BM25 tool returns, so the warm start shows the model the observations RL will show it.
+    The reward is TreeOPSD's: token F1 of the `<answer>` span, thresholded at 0.3.
+    """
+    from trl_tree.envs import BM25Retriever, build_corpus, make_search_tool, scripted_search_conversation
+    from trl_tree.envs.hotpot import build_prompt
+    from trl_tree.envs.synthetic import synthetic_splits
+    from trl_tree.rewards import f1_reward
+
+    train, test = synthetic_splits(num_train, num_test, seed=seed)
+    retriever = BM25Retriever(build_corpus(train + test), cache_dir=cache_dir or cache_root() / "bm25")
+    search = make_search_tool(retriever, topk=topk)
+
+    def rows(examples):
+        return [{"prompt": build_prompt(e["question"]), "answer": e["answer"], "question": e["question"]}
+                for e in examples]
+
+    return Task(
+        name="search",
+        train_rows=rows(train),
+        test_rows=rows(test),
+        tools=[search],
+        reward_funcs=[f1_reward],
+        warm_start_conversations=[scripted_search_conversation(e, search=search) for e in train],
+    )
+
+
+TASK_SIZES = {"calculator": (64, 32), "search": (200, 48)}  # default (train, test) questions
+
+
+def make_task(name: str, num_train: int | None = None, num_test: int | None = None, seed: int = 0) -> Task:
+    """A task by name, with the default sizes unless given (the synthetic world depends on the total number of
+    questions, so equal sizes are what lets two benchmarks share a cached warm start)."""
+    if name not in TASK_SIZES:
+        raise ValueError(f"Unknown task {name!r}; choose one of {list(TASK_SIZES)}.")
+    num_train = num_train or TASK_SIZES[name][0]
+    num_test = num_test or TASK_SIZES[name][1]
+    build = calculator_task if name == "calculator" else search_task
+    return build(num_train, num_test, seed)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def cache_root() -> Path:
+    """Where warm-started models and indexes are cached: `$TRL_TREE_CACHE/benchmarks` (as `trl_tree.testing`)."""
+    return Path(os.environ.get("TRL_TREE_CACHE") or Path.home() / ".cache" / "trl_tree") / "benchmarks"
+
+
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_model(path: str, attn_implementation: str = "sdpa"):
+    """Model (float32 on CPU, bfloat16 on a GPU) and tokenizer from a local folder or Hub name."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    return model.to(device()), tokenizer
+
+
+def warm_started_model(task: Task, model_name_or_path: str | None, steps: int, seed: int = 0, lr: float = 3e-3,
+                       batch_size: int = 8) -> str:
+    """Folder of `model_name_or_path` (default: the tiny Qwen3) after `steps` SFT steps on the task's scripted
+    conversations; built once and cached under `cache_root()` (keyed by model, task data, steps, seed, lr)."""
+    from trl_tree.testing import tiny_model_path, warm_start
+
+    base = model_name_or_path or tiny_model_path()
+    if steps <= 0:
+        return base
+    key = hashlib.sha256(json.dumps([base, task.fingerprint(), steps, seed, lr, batch_size]).encode()).hexdigest()
+    path = cache_root() / f"warm-{task.name}-{steps}steps-{key[:12]}"
+    if path.is_dir():
+        return str(path)
+    model, tokenizer = load_model(base)
+    torch.manual_seed(seed)
+    started = time.perf_counter()
+    losses = warm_start(model, tokenizer, task.warm_start_conversations, tools=task.tools, steps=steps, lr=lr,
+                        batch_size=batch_size, seed=seed)
+    print(f"[warm start] {task.name}: {steps} steps in {time.perf_counter() - started:.0f} s, "
+          f"loss {losses[0]:.2f} -> {sum(losses[-10:]) / len(losses[-10:]):.2f}", flush=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        os.rename(staging, path)
+    except OSError:
+        if not path.is_dir():  # another process finished the same build first: use its copy
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return str(path)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Trainers at a matched rollout budget
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Budget:
+    """One generation batch: `prompts` prompts, split into `blocks` optimizer steps (E); GRPO samples
+    `group_size` completions per prompt, a tree trainer grows one (M, N) tree per prompt. M(1 + N/2) = G matches
+    the expected number of generated trajectories (DESIGN §3)."""
+
+    prompts: int = 4
+    blocks: int = 2
+    group_size: int = 8
+    num_initial_rollouts: int = 4
+    num_branches: int = 2
+    generation_batches: int = 4
+    learning_rate: float = 1e-5
+    temperature: float = 1.0
+    max_turns: int = 3
+    max_completion_length: int = 96
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.prompts % self.blocks:
+            raise ValueError(f"prompts ({self.prompts}) must be a multiple of blocks ({self.blocks}): whole trees "
+                             "per optimizer step.")
+
+
+def build_trainer(method: str, model, tokenizer, task: Task, budget: Budget, output_dir: str, packing: str = "tree",
+                  **overrides):
+    """GRPO (`method="grpo"`) or a tree trainer (`"treeopsd"`, `"treepo"`) on `task` at `budget`."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    common = dict(
+        output_dir=output_dir,
+        steps_per_generation=budget.blocks,
+        gradient_accumulation_steps=1,
+        max_steps=budget.generation_batches * budget.blocks,
+        learning_rate=budget.learning_rate,
+        temperature=budget.temperature,
+        max_completion_length=budget.max_completion_length,
+        beta=0.0,
+        seed=budget.seed,
+        data_seed=budget.seed,
+        logging_steps=budget.blocks,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        bf16=torch.cuda.is_available(),
+        use_cpu=not torch.cuda.is_available(),
+        dataloader_num_workers=0,
+    )
+    common.update(overrides)
+    kwargs = dict(model=model, reward_funcs=task.reward_funcs, train_dataset=task.train_dataset(),
+                  processing_class=tokenizer, tools=task.tools)
+    if method == "grpo":
+        args = GRPOConfig(
+            **common,
+            num_generations=budget.group_size,
+            per_device_train_batch_size=budget.prompts * budget.group_size // budget.blocks,
+            max_tool_calling_iterations=budget.max_turns - 1,  # the same number of assistant turns as max_turns
+        )
+        return GRPOTrainer(args=args, **kwargs)
+    if method not in TREE_METHODS:
+        raise ValueError(f"Unknown method {method!r}; choose grpo or one of {list(TREE_METHODS)}.")
+    import trl_tree
+
+    name = TREE_METHODS[method]
+    config_class, trainer_class = getattr(trl_tree, f"{name}Config"), getattr(trl_tree, f"{name}Trainer")
+    args = config_class(
+        **common,
+        **matched_sampler_fields(method, budget),
+        per_device_train_batch_size=budget.prompts // budget.blocks,
+        max_turns=budget.max_turns,
+        packing=packing,
+    )
+    return trainer_class(args=args, **kwargs)
+
+
+def matched_sampler_fields(method: str, budget: Budget) -> dict[str, int]:
+    """Sampler fields giving `method` GRPO's expected cost: M full trajectories plus M·N new leaves that each
+    regenerate about half a trajectory (from a uniform turn for init-expand; from an entropy-selected turn (AT2PO) or
+    token (TreeAdv) for the others, which is only approximately half)."""
+    M, new_leaves = budget.num_initial_rollouts, budget.num_initial_rollouts * budget.num_branches
+    if method == "flat_grpo":
+        return {"sampler": "flat", "num_initial_rollouts": budget.group_size, "credit": "path", "loss": "grpo"}
+    if method in ("treeopsd", "treepo"):
+        return {"num_initial_rollouts": M, "num_branches": budget.num_branches}
+    if method == "at2po":
+        return {"num_initial_rollouts": M, "expansion_rounds": 2, "branches_per_round": new_leaves // 2}
+    return {"num_initial_rollouts": M, "max_branches_per_tree": new_leaves}  # treeadv
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Measurements
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class PeakMemory:
+    """Peak memory (MiB) since the last `reset()`.
+
+    On a GPU: `torch.cuda.max_memory_allocated`. On CPU: the process's resident set size, sampled every `interval`
+    seconds by a daemon thread (the kernel's `ru_maxrss` is a lifetime maximum and cannot be reset per batch).
+    """
+
+    def __init__(self, interval: float = 0.01):
+        self.cuda = torch.cuda.is_available()
+        self._peak = 0
+        self._stop = threading.Event()
+        if not self.cuda:
+            import psutil
+
+            self._process = psutil.Process()
+            self._thread = threading.Thread(target=self._sample, args=(interval,), daemon=True)
+            self._thread.start()
+
+    def _sample(self, interval: float):
+        while not self._stop.wait(interval):
+            self._peak = max(self._peak, self._process.memory_info().rss)
+
+    def reset(self):
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            self._peak = self._process.memory_info().rss
+
+    def peak_mib(self) -> float:
+        if self.cuda:
+            return torch.cuda.max_memory_allocated() / 2**20
+        return max(self._peak, self._process.memory_info().rss) / 2**20
+
+    def close(self):
+        self._stop.set()
+
+
+@dataclass
+class BatchRecord:
+    """What one generation batch cost. Token counts exclude padding unless the name says `padded`."""
+
+    step_seconds: float = 0.0  # wall clock of the batch's E optimizer steps: generation, forwards, backwards, steps
+    step_cpu_seconds: float = 0.0  # CPU time of this process over the same span (less sensitive to other jobs)
+    generation_seconds: float = 0.0  # inside `_generate_and_score_completions` (sampling, tools, rewards, π_old)
+    sampling_seconds: float = 0.0  # inside the token sampler alone (model.generate calls)
+    training_seconds: float = 0.0  # step_seconds - generation_seconds: loss forwards, backwards, optimizer steps
+    generated_tokens: int = 0  # tokens the policy sampled (actions; observations are not generated)
+    leaf_action_tokens: int = 0  # action tokens summed over every leaf's own trajectory (shared turns once per leaf)
+    leaves: int = 0  # finished trajectories: G per prompt for GRPO, K = M(N + 1) per tree
+    unique_tokens: int = 0  # trees: prompt + every unique turn once; GRPO: distinct prefixes of the group (a trie)
+    flat_tokens: int = 0  # every trajectory as its own sequence (prompt + completion per leaf)
+    forward_tokens: int = 0  # tokens forwarded in the loss passes (all micro-batches), padding excluded
+    padded_forward_tokens: int = 0  # the same with the padding each forward actually computes
+    trained_tokens: int = 0  # action tokens that carry a loss
+    peak_memory_mib: float = 0.0
+    warmup: bool = False  # a warm-up batch: recorded, left out of the summary
+
+
+
+class BatchMeter(TrainerCallback):
+    """Per-generation-batch measurements of a GRPOTrainer or a trl-tree trainer (one process).
+
+    Wraps, on the trainer *instance*, the generation phase (`_generate_micro_batches` of a tree trainer,
+    `_generate_and_score_completions` of GRPO: generation time and the batch's token counts), `compute_loss` (tokens
+    forwarded in the loss passes) and the token sampler (`generation_engine.generate` of a tree trainer,
+    `_generate_single_turn` of GRPO), and opens/closes a batch on the optimizer steps that start and end a generation
+    batch. A batch in which no generation was seen is an error: the trainer's methods changed and this needs updating.
+    """
+
+    def __init__(self, trainer, memory: PeakMemory | None = None):
+        self.trainer = trainer
+        self.is_tree = hasattr(trainer, "generation_engine")
+        self.steps_per_batch = trainer.args.steps_per_generation // trainer.args.gradient_accumulation_steps
+        self.memory = memory or PeakMemory()
+        self.batches: list[BatchRecord] = []
+        self._batch: BatchRecord | None = None
+        self._start = (0.0, 0.0)
+        # the generation phase: tree trainers grow, score and pack a whole generation batch in one call (split into
+        # micro-batches before π_old is recomputed); GRPOTrainer in `_generate_and_score_completions`
+        generation = next(name for name in ("_generate_micro_batches", "_generate_and_score_completions")
+                          if hasattr(trainer, name))
+        self._wrap(trainer, generation, self._after_generation)
+        self._wrap(trainer, "compute_loss", self._after_loss)
+        if self.is_tree:
+            self._wrap(trainer.generation_engine, "generate", self._after_tree_sampling)
+            if hasattr(trainer, "_score_leaves"):  # sees every leaf's branch (its turns) before the tree merges them
+                self._wrap(trainer, "_score_leaves", self._after_tree_scoring)
+        else:
+            self._wrap(trainer, "_generate_single_turn", self._after_grpo_sampling)
+        trainer.add_callback(self)
+
+    def _wrap(self, owner, name: str, after: Callable):
+        """Replace `owner.name` by a timed call that hands (args, kwargs, result, seconds) to `after`."""
+        original = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            result = original(*args, **kwargs)
+            if self._batch is not None:
+                after(args, kwargs, result, time.perf_counter() - start)
+            return result
+
+        setattr(owner, name, timed)
+
+    # -- batch boundaries ---------------------------------------------------------------------------------------------
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step % self.steps_per_batch == 0:
+            self._batch = BatchRecord()
+            self.memory.reset()
+            self._start = (time.perf_counter(), time.process_time())
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % self.steps_per_batch == 0 and self._batch is not None:
+            batch, (wall, cpu) = self._batch, self._start
+            _synchronize()
+            batch.step_seconds = time.perf_counter() - wall
+            batch.step_cpu_seconds = time.process_time() - cpu
+            batch.training_seconds = batch.step_seconds - batch.generation_seconds
+            batch.peak_memory_mib = self.memory.peak_mib()
+            if batch.leaves == 0 or batch.generated_tokens == 0 or batch.forward_tokens == 0:
+                raise RuntimeError(
+                    f"BatchMeter saw a generation batch without leaves, generated or forwarded tokens ({batch}): "
+                    f"{type(self.trainer).__name__}'s generation or loss methods changed; update benchmarks/common.py."
+                )
+            self.batches.append(batch)
+            self._batch = None
+
+    # -- what each wrapped call tells -----------------------------------------------------------------------------------
+
+    def _after_tree_sampling(self, args, kwargs, continuations, seconds):
+        self._batch.sampling_seconds += seconds
+        self._batch.generated_tokens += sum(len(c.ids) for c in continuations)
+
+    def _after_grpo_sampling(self, args, kwargs, result, seconds):
+        completion_ids, _ = result
+        self._batch.sampling_seconds += seconds
+        self._batch.generated_tokens += sum(len(ids) for ids in completion_ids)
+
+    def _after_tree_scoring(self, args, kwargs, rewards, seconds):
+        branches_per_tree = args[2] if len(args) > 2 else kwargs["branches_per_tree"]
+        self._batch.leaf_action_tokens += sum(
+            len(turn.action_ids) for branches in branches_per_tree for branch in branches for turn in branch.turns)
+
+    def _after_generation(self, args, kwargs, batches, seconds):
+        record = self._batch
+        record.generation_seconds += seconds
+        if self.is_tree:
+            # the trainer logs per-tree means of these (DESIGN: tree/* metrics); one process, so mean × trees
+            metrics = self.trainer._metrics["train" if self.trainer.model.training else "eval"]
+            batches = batches if isinstance(batches, list) else [batches]
+            trees = sum(batch["input_ids"].shape[0] for batch in batches)
+            record.unique_tokens += round(metrics["tree/unique_tokens"][-1] * trees)
+            record.flat_tokens += round(metrics["tree/flat_tokens"][-1] * trees)
+            record.leaves += round(metrics["tree/leaves_per_tree"][-1] * trees)
+        else:
+            batch = batches
+            prompt = batch["prompt_ids"].masked_select(batch["prompt_mask"].bool()).split(
+                batch["prompt_mask"].sum(1).tolist())
+            completion = batch["completion_ids"].masked_select(batch["completion_mask"].bool()).split(
+                batch["completion_mask"].sum(1).tolist())
+            sequences = [p.tolist() + c.tolist() for p, c in zip(prompt, completion)]
+            group = self.trainer.num_generations
+            record.leaves += len(sequences)
+            record.leaf_action_tokens += int((batch["completion_mask"] * batch.get("tool_mask", 1)).sum())
+            record.flat_tokens += sum(len(s) for s in sequences)
+            record.unique_tokens += sum(distinct_prefixes(sequences[i : i + group])
+                                        for i in range(0, len(sequences), group))
+
+    def _after_loss(self, args, kwargs, loss, seconds):
+        inputs = args[1] if len(args) > 1 else kwargs["inputs"]
+        record = self._batch
+        if self.is_tree:
+            valid = inputs["valid"].reshape(-1)
+            record.forward_tokens += int(valid.sum())
+            record.padded_forward_tokens += int((valid > 0).sum()) * int(valid.max())
+            record.trained_tokens += int((inputs["turn_ids"] >= 0).sum())
+        else:
+            mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+            record.forward_tokens += int(mask.sum())
+            record.padded_forward_tokens += mask.numel()
+            action = inputs["completion_mask"] * inputs.get("tool_mask", 1)
+            record.trained_tokens += int(action.sum())
+
+
+def distinct_prefixes(sequences: list[list[int]]) -> int:
+    """Nodes of the token trie of `sequences`: the tokens a perfectly prefix-sharing forward would process."""
+    nodes: dict[tuple[int, int], int] = {}  # (parent node, token) -> node; node ids in order of insertion, root 0
+    for sequence in sequences:
+        node = 0
+        for token in sequence:
+            node = nodes.setdefault((node, token), len(nodes) + 1)
+    return len(nodes)
+
+
+def _synchronize():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def summarize(batches: list[BatchRecord]) -> dict[str, float]:
+    """Mean over the measured generation batches of every `BatchRecord` field, plus generated tokens per leaf."""
+    if not batches:
+        return {}
+    rows = [asdict(b) for b in batches]
+    summary = {k: statistics.fmean(r[k] for r in rows) for k in rows[0] if k != "warmup"}
+    for k in ("step_seconds", "step_cpu_seconds"):
+        summary[f"{k}_std"] = statistics.stdev(r[k] for r in rows) if len(rows) > 1 else 0.0
+    summary["generated_tokens_per_leaf"] = summary["generated_tokens"] / max(summary["leaves"], 1)
+    # the share of the leaves' action tokens that had to be sampled: 1 for GRPO; for an (M, N) tree with uniform
+    # anchors, (1 + N/2) / (N + 1) in expectation (2/3 for (4, 2)), whatever the trajectories' lengths
+    summary["generated_fraction"] = summary["generated_tokens"] / max(summary["leaf_action_tokens"], 1)
+    summary["forward_tokens_per_unique_token"] = summary["forward_tokens"] / max(summary["unique_tokens"], 1)
+    summary["batches"] = len(rows)
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def markdown_table(rows: list[dict[str, Any]], columns: list[str], headers: dict[str, str] | None = None) -> str:
+    """A Markdown table of `rows` (floats to 3 significant digits, large numbers with thousands separators)."""
+    headers = headers or {}
+
+    def cell(value):
+        if isinstance(value, float):
+            return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
+        return f"{value:,}" if isinstance(value, int) else str(value)
+
+    lines = ["| " + " | ".join(headers.get(c, c) for c in columns) + " |",
+             "|" + "|".join("---" for _ in columns) + "|"]
+    lines += ["| " + " | ".join(cell(row.get(c, "")) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_json(path: str | os.PathLike, payload: dict[str, Any]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=_jsonable) + "\n")
+    print(f"wrote {path}", flush=True)
+
+
+def _jsonable(value):
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if hasattr(value, "__dataclass_fields__"):
+        return asdict(value)
+    return str(value)
+
+
+def environment() -> dict[str, Any]:
+    """The versions and hardware a result was measured on."""
+    import platform
+
+    import transformers
+    import trl
+
+    info = {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
+            "python": platform.python_version(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+

@@ -1,0 +1,124 @@
+"""The benchmarks still run, and the packing paths they rely on are exact.
+
+Each benchmark runs once with its tiny settings, as a subprocess (exactly as a reader would run it), and must write
+JSON with the keys its README and readers use. The figures themselves depend on the machine and are never asserted.
+The last tests cover the two packing fixes the benchmarks motivated: the flex_attention `BlockMask` is built from the
+DFS intervals (never the [T, T] mask) with exactly the blocks `create_block_mask` finds, and path rows are forwarded
+without a custom mask, so the "paths" layout runs on kernels that only do causal attention.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_packing import PAD, branching_tree, tiny_model
+
+from trl_tree.packing import _padding_sees_itself, block_mask, pack_trees, packed_token_logps
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_benchmark(script: str, *args: str, tmp_path: Path) -> dict:
+    output = tmp_path / f"{Path(script).stem}.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
+    process = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args, "--output", str(output)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert process.returncode == 0, f"{script} failed:\n{process.stdout[-4000:]}\n{process.stderr[-4000:]}"
+    return json.loads(output.read_text())
+
+
+def dotted(result: dict, key: str):
+    value = result
+    for part in key.split("."):
+        value = value[part]
+    return value
+
+
+def test_bench_step_quick_writes_the_keys_of_the_issue(tmp_path):
+    result = run_benchmark("bench_step.py", "--quick", tmp_path=tmp_path)
+    for key in ("grpo.step_seconds", "treeopsd_tree.step_seconds", "treeopsd_paths.step_seconds",
+                "treeopsd_tree.forward_tokens", "treeopsd_tree.unique_tokens", "grpo.generated_tokens_per_leaf",
+                "treeopsd_tree.generated_tokens_per_leaf", "grpo.peak_memory_mib", "treeopsd_tree.generation_seconds",
+                "treeopsd_tree.training_seconds", "treeopsd_paths.forward_tokens"):
+        assert isinstance(dotted(result, key), (int, float)), key
+    assert "treeopsd_tree.forward_tokens / treeopsd_tree.unique_tokens" in result["ratios"]
+    assert all(len(result[v]["per_batch"]) == 1 for v in ("grpo", "treeopsd_tree", "treeopsd_paths", "flat_grpo"))
+
+
+def test_bench_learning_quick_writes_curves_and_a_summary_per_method(tmp_path):
+    result = run_benchmark("bench_learning.py", "--quick", "--plot", str(tmp_path / "plot.png"), tmp_path=tmp_path)
+    assert set(result["summary"]) == set(result["runs"]) == {"grpo", "treepo", "treeopsd"}
+    for method, seeds in result["runs"].items():
+        assert len(seeds) == 1
+        curve = seeds[0]["curve"]
+        assert [p["generation_batches"] for p in curve] == [0, 1], method
+        assert {"exact_match", "f1", "format_rate", "rollout_tokens"} <= set(curve[-1])
+        for key in ("final_exact_match_mean", "final_exact_match_std", "rollout_tokens_mean"):
+            assert isinstance(result["summary"][method][key], float)
+
+
+def test_bench_packing_gpu_cpu_smoke_writes_runs(tmp_path):
+    result = run_benchmark("bench_packing_gpu.py", "--cpu-smoke", tmp_path=tmp_path)
+    assert {r["variant"] for r in result["runs"]} == {"tree_sdpa", "paths_sdpa"}
+    for run in result["runs"]:
+        assert {"seconds", "forward_tokens", "unique_tokens", "path_tokens", "max_abs_logp_diff_vs_paths"} <= set(run)
+    assert result["speedup_paths_over_tree"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Packing paths used by the benchmarks
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pad_to_multiple_of", [None, 7, 64])
+@pytest.mark.parametrize("block_size", [2, 3, 16, 128])
+def test_block_mask_from_intervals_has_the_blocks_create_block_mask_finds(block_size, pad_to_multiple_of):
+    """Same partial and full blocks, in the same order, as evaluating the mask_mod on every pair (what
+    `create_block_mask` does, O(T²)), for lengths that are and are not multiples of the block size."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    packed = pack_trees([branching_tree(seed=s) for s in range(3)], PAD, pad_to_multiple_of=pad_to_multiple_of)
+    subtree_end, valid = packed.subtree_end[:, 0], packed.valid[:, 0]
+    ends = _padding_sees_itself(subtree_end, valid)
+
+    def ancestor_mask(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx < ends[b, kv_idx])
+
+    length = subtree_end.shape[-1]
+    want = create_block_mask(ancestor_mask, 3, None, length, length, device="cpu", BLOCK_SIZE=block_size)
+    got = block_mask(subtree_end, valid, block_size=block_size)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                 "q_indices", "full_q_num_blocks", "full_q_indices"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert got.seq_lengths == want.seq_lengths and torch.equal(got.to_dense(), want.to_dense())
+
+
+def test_path_rows_run_on_a_kernel_without_custom_masks():
+    """The "paths" layout is the fallback for kernels that only do causal attention (e.g. flash-attention): its
+    rows reach the kernel without a mask and give the same log-probs as sdpa with the ancestor mask."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    masks = []
+
+    def causal_only(module, query, key, value, attention_mask, **kwargs):
+        masks.append(attention_mask)
+        kwargs.pop("is_causal", None)
+        return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
+
+    AttentionInterface.register("test_causal_only", causal_only)
+    AttentionMaskInterface.register("test_causal_only", lambda *args, **kwargs: None)
+    model = tiny_model("sdpa")
+    packed = pack_trees([branching_tree(seed=s) for s in range(2)], PAD, layout="paths")
+    with torch.no_grad():
+        want, _ = packed_token_logps(model, packed)
+        model.set_attn_implementation("test_causal_only")
+        got, _ = packed_token_logps(model, packed)
+    assert masks and all(mask is None for mask in masks)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
