@@ -226,7 +226,8 @@ def main(argv=None):
           f"{args.generation_batches} generation batches of {args.prompts} prompts\n")
     print(markdown_table(rows, list(rows[0])))
     title = (f"synthetic multi-hop search, tiny Qwen3; P={args.prompts}, E={args.blocks}, G={args.group_size} vs "
-             f"(M,N)=({args.num_initial_rollouts},{args.num_branches}); {args.seeds} seeds")
+             f"(M,N)=({args.num_initial_rollouts},{args.num_branches}); {args.seeds} seeds; reward F1>=0.3"
+             + (f" + {args.format_reward_weight:g} x format" if args.format_reward_weight else ""))
     if args.plot:
         plot(runs, args.plot, title)
     if args.output:

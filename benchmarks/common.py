@@ -11,8 +11,8 @@
   `Budget`: the same prompts per generation batch, the same E optimizer steps per generation batch, the same turn and
   token limits, the same tools and rewards.
 - **Measurements.** `BatchMeter` measures a trainer per generation batch without touching library code: it wraps the
-  trainer instance's generation (`_generate_and_score_completions`), its loss (`compute_loss`) and its token sampler,
-  and times the optimizer steps with `TrainerCallback` events. `PeakMemory` gives the peak memory of a batch.
+  trainer instance's generation phase, its loss (`compute_loss`) and its token sampler, and times the optimizer steps
+  with `TrainerCallback` events. `PeakMemory` gives the peak memory of a batch.
 """
 
 from __future__ import annotations
