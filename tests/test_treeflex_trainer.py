@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 from scripted import CALL_1_PLUS_1, arithmetic_dataset, config, contains_answer, tiny, tool_call
+from test_trainer_scripted import CounterEnv  # the same stateful counter world
 from trl.trainer.utils import split_tensor_dict
 
 from trl_tree import TreeFlexConfig, TreeFlexTrainer, Turn, losses
@@ -141,25 +142,6 @@ def test_rejected_resume_and_malformed_call_are_penalised_on_their_own_turn(scri
     reflection, _, second = s1.blocks
     assert [t.penalty for t in reflection.turns] == [0.0, -1.0, 0.0]  # <resume>7</resume>: no such node
     assert [t.penalty for t in second.turns] == [-1.0, 0.0] and s1.tool_failures == 1
-
-
-class CounterEnv:
-    """A stateful environment: a resumed node must see the counter as it was when that node was saved."""
-
-    def __init__(self):
-        self.n = 0
-
-    def reset(self, **kwargs):
-        self.n = 0
-
-    def increment(self) -> str:
-        """Adds one to the counter.
-
-        Returns:
-            The counter's new value.
-        """
-        self.n += 1
-        return str(self.n)
 
 
 def test_resuming_a_node_restores_its_environment_snapshot(tmp_path):
