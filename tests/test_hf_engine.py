@@ -1,0 +1,150 @@
+"""`HFEngine` with a static or a dynamic KV cache: the same turns, the static one sized per call (issue: cpu-speed)."""
+
+import copy
+import logging
+
+import pytest
+import torch
+from scripted import arithmetic_dataset, config, contains_answer, tiny
+from transformers import StaticCache
+
+from trl_tree import TreeConfig, TreeOPSDConfig, TreeOPSDTrainer
+from trl_tree.rollout.engine import HFEngine
+
+# Left-padded batch of different widths; one budget shorter than the others (a per-row cut inside the call).
+LENGTHS = (7, 33, 64, 121)
+BUDGETS = [24, 24, 9, 24]
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    model, tok = tiny()
+    args = config(TreeOPSDConfig, tmp_path_factory.mktemp("hf_engine"))
+    return TreeOPSDTrainer(model=model, reward_funcs=contains_answer, args=args,
+                           train_dataset=arithmetic_dataset(1), processing_class=tok)
+
+
+@pytest.fixture
+def prefixes(trainer):
+    g = torch.Generator().manual_seed(0)
+    vocab = trainer.model.config.vocab_size
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def _engine(trainer, monkeypatch, cache, with_scores=False, **generation):
+    monkeypatch.setattr(trainer.args, "generation_cache", cache)
+    gen_config = copy.deepcopy(trainer.generation_config)
+    for key, value in generation.items():
+        setattr(gen_config, key, value)
+    monkeypatch.setattr(trainer, "generation_config", gen_config)
+    return HFEngine(trainer, with_scores=with_scores)
+
+
+def _sample(engine, prefixes, budgets=BUDGETS, seed=0):
+    torch.manual_seed(seed)
+    return engine.generate(prefixes, budgets)
+
+
+def _spy_generate(monkeypatch, model):
+    """Record the `cache` each `model.generate` call receives."""
+    seen, original = [], model.generate
+
+    def generate(*args, **kwargs):
+        seen.append(kwargs.get("cache"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", generate)
+    return seen
+
+
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampling"])
+@pytest.mark.parametrize("with_scores", [False, True], ids=["ids", "scores"])
+def test_static_and_dynamic_caches_generate_the_same_turns(trainer, prefixes, monkeypatch, do_sample, with_scores):
+    results = {}
+    for cache in ("dynamic", "static"):
+        engine = _engine(trainer, monkeypatch, cache, with_scores=with_scores, do_sample=do_sample)
+        results[cache] = [_sample(engine, prefixes, seed=seed) for seed in (0, 1)]
+    for dynamic, static in zip(results["dynamic"], results["static"]):
+        assert [c.ids for c in static] == [c.ids for c in dynamic]
+        assert [c.finished for c in static] == [c.finished for c in dynamic]
+        assert [len(c.ids) for c in static] == [min(b, len(c.ids)) for b, c in zip(BUDGETS, static)]
+        if with_scores:
+            for s, d in zip(static, dynamic):
+                torch.testing.assert_close(torch.tensor(s.logps), torch.tensor(d.logps), atol=1e-5, rtol=0)
+                torch.testing.assert_close(torch.tensor(s.entropies), torch.tensor(d.entropies), atol=1e-5, rtol=0)
+    if do_sample:  # the seed matters: the comparison is not between two constant outputs
+        assert [c.ids for c in results["static"][0]] != [c.ids for c in results["static"][1]]
+
+
+def test_end_of_turn_cut_and_budget_flags_are_the_same_with_both_caches(trainer, prefixes, monkeypatch):
+    """Make a token that the first turn samples early an end-of-turn token: that turn finishes on it, the others
+    hit their budget, identically with both caches."""
+    sampled = _sample(_engine(trainer, monkeypatch, "dynamic"), prefixes)
+    stop = sampled[0].ids[3]
+    eos_ids = [*trainer.eos_token_ids, stop]
+    monkeypatch.setattr(trainer, "eos_token_ids", eos_ids)
+    results = {
+        cache: _sample(_engine(trainer, monkeypatch, cache, eos_token_id=eos_ids), prefixes)
+        for cache in ("dynamic", "static")
+    }
+    assert results["static"] == results["dynamic"]
+    turns = results["static"]
+    assert turns[0].finished and turns[0].ids == sampled[0].ids[: sampled[0].ids.index(stop) + 1]
+    assert any(not t.finished for t in turns)
+    for turn, budget in zip(turns, BUDGETS):
+        ends = [j for j, tok in enumerate(turn.ids) if tok in eos_ids]
+        if turn.finished:  # cut right after its first end-of-turn token
+            assert ends == [len(turn.ids) - 1] and len(turn.ids) <= budget
+        else:
+            assert not ends and len(turn.ids) == budget
+
+
+def test_static_cache_is_fresh_and_sized_to_each_call(trainer, prefixes, monkeypatch):
+    seen = _spy_generate(monkeypatch, trainer.model)
+    engine = _engine(trainer, monkeypatch, "static")
+    engine.generate(prefixes, BUDGETS)
+    engine.generate(prefixes[:1], [5])  # a narrower call after a wide one gets a smaller cache (no ratchet)
+    engine.generate([], [])  # the dummy call of an idle rank
+    assert all(isinstance(c, StaticCache) for c in seen)
+    assert [c.layers[0].max_cache_len for c in seen] == [max(LENGTHS) + max(BUDGETS), LENGTHS[0] + 5, 2]
+    assert len({id(c) for c in seen}) == 3
+
+    seen.clear()
+    _engine(trainer, monkeypatch, "dynamic").generate(prefixes, BUDGETS)
+    # a cache_implementation asked for explicitly (GRPOConfig.cache_implementation) is left to transformers
+    _engine(trainer, monkeypatch, "static", cache_implementation="dynamic").generate(prefixes, BUDGETS)
+    assert seen == [None, None]
+
+
+def test_model_without_static_cache_support_falls_back_with_one_warning(trainer, prefixes, monkeypatch, caplog):
+    expected = _sample(_engine(trainer, monkeypatch, "dynamic"), prefixes)
+    monkeypatch.setattr(type(trainer.model), "_can_compile_fullgraph", False)
+    seen = _spy_generate(monkeypatch, trainer.model)
+    engine = _engine(trainer, monkeypatch, "static")
+    with caplog.at_level(logging.WARNING, logger="trl_tree.rollout.engine"):
+        results = [_sample(engine, prefixes) for _ in range(2)]
+    assert seen == [None, None]
+    assert results == [expected, expected]
+    warnings = [r for r in caplog.records if "generation_cache='static' is not supported" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_peft_model_gets_a_static_cache_and_the_same_turns(trainer, prefixes, monkeypatch):
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(copy.deepcopy(trainer.model), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    monkeypatch.setattr(trainer, "model_wrapped", lora)
+    seen = _spy_generate(monkeypatch, lora.get_base_model())
+    results = {c: _sample(_engine(trainer, monkeypatch, c), prefixes) for c in ("dynamic", "static")}
+    assert results["static"] == results["dynamic"]
+    assert seen[0] is None and isinstance(seen[1], StaticCache)
+
+
+def test_generation_cache_defaults_to_static_and_rejects_unknown_values(tmp_path, trainer, monkeypatch):
+    assert config(TreeConfig, tmp_path).generation_cache == "static"
+    assert config(TreeConfig, tmp_path, generation_cache="dynamic").generation_cache == "dynamic"
+    with pytest.raises(ValueError, match=r"generation_cache must be one of \('static', 'dynamic'\); got 'paged'"):
+        config(TreeConfig, tmp_path, generation_cache="paged")
+    monkeypatch.setattr(trainer.args, "generation_cache", "offloaded")
+    with pytest.raises(ValueError, match="generation_cache must be 'static' or 'dynamic'"):
+        HFEngine(trainer)
