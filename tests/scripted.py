@@ -1,7 +1,11 @@
-"""Scripted generation for trainer tests: the way TRL tests its tool loop, generation returns fixed token ids."""
+"""Scripted generation for trainer tests: the way TRL tests its tool loop, generation returns fixed token ids.
+
+Also the small pieces every trainer test shares: the tiny model, a one-step CPU config, a reward, a training check.
+"""
 
 import json
 
+import torch
 from datasets import Dataset
 
 from trl_tree.rollout.engine import ScriptedEngine
@@ -74,3 +78,10 @@ def config(cls, tmp_path, **overrides):
     )
     defaults.update(overrides)
     return cls(**defaults)
+
+
+def unchanged_after_training(trainer) -> list[str]:
+    """Run `trainer.train()` and return the names of the trainable parameters it left exactly as they were."""
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    return [n for n, p in trainer.model.named_parameters() if p.requires_grad and torch.equal(p, before[n])]

@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from scripted import tiny
+from scripted import config, tiny
 
 from trl_tree import TreeOPSDConfig, TreeOPSDTrainer
 from trl_tree.envs import build_corpus, examples_to_dataset, make_search_tool, scripted_search_conversation
@@ -23,20 +23,10 @@ def world(tmp_path_factory):
 def test_prompt_observation_and_parsing_match_the_trainers(world, tmp_path):
     examples, rows, search = world
     model, tok = tiny()
-    args = TreeOPSDConfig(
-        output_dir=str(tmp_path),
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        max_steps=1,
-        per_device_train_batch_size=1,
-        num_initial_rollouts=2,
-        num_branches=1,
-    )
     trainer = TreeOPSDTrainer(
         model=model,
         reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-        args=args,
+        args=config(TreeOPSDConfig, tmp_path),
         train_dataset=examples_to_dataset(examples),
         processing_class=tok,
         tools=[search],
@@ -76,13 +66,16 @@ def _oracle_engine(tok, examples):
     return ScriptedEngine(script, [eos])
 
 
-def test_an_agent_that_searches_both_hops_and_answers_scores_one(world):
+def _oracle_result(world, max_turns):
+    """The oracle's evaluation on every question of the world, under a turn limit."""
     examples, rows, search = world
     _, tok = tiny()
-    engine = _oracle_engine(tok, examples)
-    result = evaluate_agent(
-        None, tok, rows, [search], AgentSettings(max_turns=5, max_completion_length=2048), engine=engine
-    )
+    settings = AgentSettings(max_turns=max_turns, max_completion_length=2048)
+    return evaluate_agent(None, tok, rows, [search], settings, engine=_oracle_engine(tok, examples))
+
+
+def test_an_agent_that_searches_both_hops_and_answers_scores_one(world):
+    result = _oracle_result(world, max_turns=5)
     assert (result.exact_match, result.f1, result.format_rate) == (1.0, 1.0, 1.0)
     assert (result.mean_turns, result.mean_tool_calls) == (3.0, 2.0)
     searched = [m["content"] for m in result.records[0]["completion"] if m["role"] == "tool"]
@@ -90,12 +83,7 @@ def test_an_agent_that_searches_both_hops_and_answers_scores_one(world):
 
 
 def test_the_turn_limit_cuts_the_agent_before_its_answer(world):
-    examples, rows, search = world
-    _, tok = tiny()
-    engine = _oracle_engine(tok, examples)
-    result = evaluate_agent(
-        None, tok, rows, [search], AgentSettings(max_turns=2, max_completion_length=2048), engine=engine
-    )
+    result = _oracle_result(world, max_turns=2)
     assert result.exact_match == 0.0 and result.mean_turns == 2.0 and result.mean_tool_calls == 1.0
 
 

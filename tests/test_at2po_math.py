@@ -5,28 +5,10 @@ import random
 
 import pytest
 import torch
-from trees import deep_tree, hotpot_like_tree
+from trees import deep_tree, flatten, grad, hotpot_like_tree, perturbed
 
 from trl_tree import RolloutTree, Turn, credit, losses
 from trl_tree.rollout import expansion
-
-
-def _flatten(tree):
-    """Unique turns' action tokens in DFS order: (turn id per token, old log-probs, token index ranges per turn)."""
-    turn_ids, old, spans, start = [], [], [], 0
-    for i, turn in enumerate(tree.turns):
-        n = len(turn.action_ids)
-        turn_ids += [i] * n
-        old += turn.action_logps
-        spans.append(range(start, start + n))
-        start += n
-    return torch.tensor(turn_ids), torch.tensor(old, dtype=torch.float64), spans
-
-
-def _grad(loss_fn, logps):
-    logps = logps.clone().requires_grad_(True)
-    (g,) = torch.autograd.grad(loss_fn(logps), logps)
-    return g
 
 
 def _turn(token, entropy=None, obs=(9,)):
@@ -59,7 +41,7 @@ def test_tree_turn_entropies_match_the_per_token_definition():
     a = Turn([1, 2], [-1.0, -1.0], [9], entropies=[0.2, 0.6])
     b, c = Turn([3], [-1.0], entropies=[1.5]), Turn([4, 5, 6], [-1.0] * 3, entropies=[0.0, 0.3, 0.9])
     tree = RolloutTree.from_trajectories([0], [[a, b], [a, c]], [1, 0])
-    turn_ids, _, _ = _flatten(tree)
+    turn_ids, _, _ = flatten(tree)
     flat = torch.tensor([h for t in tree.turns for h in t.entropies], dtype=torch.float64)
     assert torch.allclose(expansion.tree_turn_entropies(tree), losses.turn_entropy(flat, turn_ids, tree.num_turns))
     with pytest.raises(ValueError, match="no per-token entropies"):
@@ -200,11 +182,9 @@ def _flat_path_loss(tree, logps, old, spans, per_path_token_terms):
 
 def _random_setup(tree_fn, seed, scale=0.3):
     tree = tree_fn()
-    turn_ids, old, spans = _flatten(tree)
-    gen = torch.Generator().manual_seed(seed)
-    logps = old + scale * torch.randn(old.shape, generator=gen, dtype=torch.float64)
+    turn_ids, old, spans = flatten(tree)
     A = credit.child_mean_backup(tree, credit.standardize(torch.tensor(tree.rewards, dtype=torch.float64), ddof=0))
-    return tree, turn_ids, old, spans, logps, A
+    return tree, turn_ids, old, spans, perturbed(old, seed, scale), A
 
 
 @pytest.mark.parametrize("tree_fn", [hotpot_like_tree, deep_tree])
@@ -229,7 +209,7 @@ def test_atpo_with_path_weights_equals_grpo_style_aggregation_over_flat_paths(tr
         return _flat_path_loss(tree, lp, old, spans, terms)
 
     assert torch.allclose(tree_loss(logps), flat_loss(logps), atol=1e-12)
-    assert torch.allclose(_grad(tree_loss, logps), _grad(flat_loss, logps), atol=1e-12)
+    assert torch.allclose(grad(tree_loss, logps), grad(flat_loss, logps), atol=1e-12)
 
 
 def test_atpo_gradient_vanishes_exactly_on_clipped_turns():
@@ -243,14 +223,14 @@ def test_atpo_gradient_vanishes_exactly_on_clipped_turns():
     # its tokens' own ratios (e^0.6, e^-0.5) lie outside [0.8, 1.2].
     w = torch.full((4,), 1 / 8, dtype=torch.float64)
     tree_ids = torch.zeros(4, dtype=torch.long)
-    g = _grad(lambda lp: losses.atpo_loss(lp, old, turn_ids, A, w, tree_ids), log_ratio)
+    g = grad(lambda lp: losses.atpo_loss(lp, old, turn_ids, A, w, tree_ids), log_ratio)
     assert torch.equal(g[:4], torch.zeros(4, dtype=torch.float64)) and g[8] == 0
     r = torch.tensor([math.exp(0.4), math.exp(0.05)], dtype=torch.float64)
     expected = -(1 / 8) * A[[2, 3]] * r  # per token: −w_i A_i r_i (the 1/L_i of the mean cancels the L_i tokens)
     assert torch.allclose(g[4:6], expected[0].expand(2), atol=1e-12)
     assert torch.allclose(g[6:8], expected[1].expand(2), atol=1e-12)
     # the token-level GRPO surrogate clips turn 3's tokens one by one instead: its first token gets no gradient
-    g_tok = _grad(lambda lp: losses.clipped_token_loss(lp, old, turn_ids, A, w, tree_ids), log_ratio)
+    g_tok = grad(lambda lp: losses.clipped_token_loss(lp, old, turn_ids, A, w, tree_ids), log_ratio)
     assert g_tok[6] == 0 and g_tok[7] != 0
 
 
@@ -259,10 +239,18 @@ def test_atpo_and_grpo_losses_agree_at_the_behaviour_policy(tree_fn):
     """At θ = θ_old every ratio is 1, nothing is clipped and both gradients are −w_i A_i per token."""
     tree, turn_ids, old, _, _, A = _random_setup(tree_fn, 0)
     w, tree_ids = credit.path_token_weights(tree), torch.zeros(tree.num_turns, dtype=torch.long)
-    g_atpo = _grad(lambda lp: losses.atpo_loss(lp, old, turn_ids, A, w, tree_ids), old)
-    g_grpo = _grad(lambda lp: losses.clipped_token_loss(lp, old, turn_ids, A, w, tree_ids), old)
+    g_atpo = grad(lambda lp: losses.atpo_loss(lp, old, turn_ids, A, w, tree_ids), old)
+    g_grpo = grad(lambda lp: losses.clipped_token_loss(lp, old, turn_ids, A, w, tree_ids), old)
     assert torch.allclose(g_atpo, -(w * A)[turn_ids], atol=1e-12)
     assert torch.allclose(g_grpo, g_atpo, atol=1e-12)
+
+
+@pytest.mark.parametrize("loss_fn", [losses.atpo_loss, losses.clipped_token_loss])
+def test_turn_weighted_losses_reject_weights_of_another_length(loss_fn):
+    turn_ids, lp = torch.tensor([0, 0, 1]), torch.zeros(3, dtype=torch.float64)
+    A, w, tree_ids = torch.ones(2, dtype=torch.float64), torch.ones(3, dtype=torch.float64), torch.zeros(2).long()
+    with pytest.raises(ValueError, match="turn_weights has 3 entries but the batch has 2 unique turns"):
+        loss_fn(lp, lp, turn_ids, A, w, tree_ids)
 
 
 def test_atpo_batch_loss_is_the_mean_over_trees():

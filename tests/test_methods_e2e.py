@@ -4,7 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+from scripted import unchanged_after_training
 
 sys.path.insert(0, str(Path(__file__).parent / "launch"))
 from tiny_tree_run import build_trainer  # noqa: E402
@@ -13,10 +13,7 @@ from tiny_tree_run import build_trainer  # noqa: E402
 @pytest.mark.parametrize("method", ["at2po", "opsd_on_entropy_tree", "atpo_on_init_expand", "flat_grpo", "treeflex"])
 def test_method_trains_every_parameter(tmp_path, method):
     trainer = build_trainer(str(tmp_path), max_steps=2, method=method)
-    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
-    trainer.train()
-    unchanged = [n for n, p in trainer.model.named_parameters() if p.requires_grad and torch.equal(p, before[n])]
-    assert not unchanged
+    assert not unchanged_after_training(trainer)
     logged = [e for e in trainer.state.log_history if "tree/leaves_per_tree" in e]
     assert logged and logged[0]["tree/leaves_per_tree"] == trainer.args.leaves_per_tree
 
@@ -28,10 +25,7 @@ def test_method_trains_every_parameter(tmp_path, method):
 def test_treeadv_branches_inside_completions_and_trains_every_parameter(tmp_path, method, use_tools):
     trainer = build_trainer(str(tmp_path), max_steps=2, method=method, use_tools=use_tools,
                             warm_start_steps=150 if use_tools else 60, max_completion_length=96 if use_tools else 32)
-    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
-    trainer.train()
-    unchanged = [n for n, p in trainer.model.named_parameters() if p.requires_grad and torch.equal(p, before[n])]
-    assert not unchanged
+    assert not unchanged_after_training(trainer)
     logged = next(e for e in trainer.state.log_history if "tree/leaves_per_tree" in e)
     # K varies with the entropies: between M (no branch point) and M(1 + max_branches_per_tree); here it branched
     assert trainer.args.num_initial_rollouts < logged["tree/leaves_per_tree"] <= trainer.args.leaves_per_tree

@@ -4,27 +4,9 @@ import math
 
 import pytest
 import torch
-from trees import deep_tree, hotpot_like_tree
+from trees import deep_tree, flatten, grad, hotpot_like_tree, perturbed
 
 from trl_tree import RolloutTree, Turn, credit, losses
-
-
-def _flatten(tree):
-    """Unique turns' action tokens in DFS order: (turn id per token, old log-probs, token index ranges per turn)."""
-    turn_ids, old, spans, start = [], [], [], 0
-    for i, turn in enumerate(tree.turns):
-        n = len(turn.action_ids)
-        turn_ids += [i] * n
-        old += turn.action_logps
-        spans.append(list(range(start, start + n)))
-        start += n
-    return torch.tensor(turn_ids), torch.tensor(old, dtype=torch.float64), spans
-
-
-def _grad(loss_fn, logps):
-    logps = logps.clone().requires_grad_(True)
-    (g,) = torch.autograd.grad(loss_fn(logps), logps)
-    return g
 
 
 def _chains(rewards, seed=0):
@@ -43,11 +25,9 @@ def _chains(rewards, seed=0):
 
 def _setup(tree_fn, seed, scale):
     tree = tree_fn()
-    turn_ids, old, spans = _flatten(tree)
-    gen = torch.Generator().manual_seed(seed)
-    logps = old + scale * torch.randn(old.shape, generator=gen, dtype=torch.float64)
+    turn_ids, old, spans = flatten(tree)
     A = credit.segment_advantages(tree, credit.standardize(torch.tensor(tree.rewards, dtype=torch.float64)))
-    return tree, turn_ids, old, spans, logps, A
+    return tree, turn_ids, old, spans, perturbed(old, seed, scale), A
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -60,7 +40,7 @@ def test_without_branching_segment_advantages_are_grpos_standardised_rewards_per
     tree = _chains(rewards)
     assert tree.num_turns == sum(1 + k % 3 for k in range(len(rewards)))  # nothing merged
     A = credit.standardize(torch.tensor(rewards, dtype=torch.float64))  # D1: sample std, as GRPO
-    turn_ids, _, _ = _flatten(tree)
+    turn_ids, _, _ = flatten(tree)
     per_token = credit.token_advantages(credit.segment_advantages(tree, A), turn_ids)
     trajectory_of_turn = torch.empty(tree.num_turns, dtype=torch.long)
     for k, path in enumerate(tree.paths):
@@ -127,7 +107,7 @@ def test_grpo_surrogate_with_path_weights_equals_flat_grpo_over_the_k_sequences(
         return _flat_grpo(tree, lp, old, spans, A, 0.2, 0.28)
 
     assert torch.allclose(ours(logps), flat(logps), atol=1e-12)
-    assert torch.allclose(_grad(ours, logps), _grad(flat, logps), atol=1e-12)
+    assert torch.allclose(grad(ours, logps), grad(flat, logps), atol=1e-12)
 
 
 @pytest.mark.parametrize("tree_fn", [hotpot_like_tree, deep_tree])
@@ -149,17 +129,16 @@ def test_gspo_token_on_unique_tokens_equals_gspo_token_over_the_k_sequences(tree
     inside = [1 - eps[0] < x.item() < 1 + eps[1] for x in s]
     assert any(inside) and not all(inside)  # the check covers both clipped and unclipped paths
     assert torch.allclose(ours(logps), flat(logps), atol=1e-12)
-    assert torch.allclose(_grad(ours, logps), _grad(flat, logps), atol=1e-12)
+    assert torch.allclose(grad(ours, logps), grad(flat, logps), atol=1e-12)
 
 
 def test_gspo_token_with_one_advantage_per_sequence_is_gspo():
     """GSPO §4.3: with A_{i,t} = A_i, GSPO-token equals sequence-level GSPO in value and gradient."""
     rewards = [1.0, 0.0, 0.5, 0.0, 1.0]
     tree = _chains(rewards, seed=3)
-    turn_ids, old, spans = _flatten(tree)
+    turn_ids, old, spans = flatten(tree)
     A = credit.segment_advantages(tree, credit.standardize(torch.tensor(rewards, dtype=torch.float64)))
-    gen = torch.Generator().manual_seed(4)
-    logps = old + 0.2 * torch.randn(old.shape, generator=gen, dtype=torch.float64)
+    logps = perturbed(old, seed=4, scale=0.2)
     pairs = credit.path_turn_pairs(tree)
 
     def gspo(lp):
@@ -174,15 +153,15 @@ def test_gspo_token_with_one_advantage_per_sequence_is_gspo():
         return losses.gspo_token_loss(lp, old, turn_ids, A, *pairs, epsilon_low=0.1, epsilon_high=0.1)
 
     assert torch.allclose(ours(logps), gspo(logps), atol=1e-12)
-    assert torch.allclose(_grad(ours, logps), _grad(gspo, logps), atol=1e-12)
+    assert torch.allclose(grad(ours, logps), grad(gspo, logps), atol=1e-12)
 
 
 @pytest.mark.parametrize("tree_fn", [hotpot_like_tree, deep_tree])
 def test_gspo_token_and_grpo_gradients_agree_at_the_behaviour_policy(tree_fn):
     tree, turn_ids, old, _, _, A = _setup(tree_fn, 0, scale=0.0)
     w, tree_ids = credit.path_token_weights(tree), torch.zeros(tree.num_turns, dtype=torch.long)
-    g_gspo = _grad(lambda lp: losses.gspo_token_loss(lp, old, turn_ids, A, *credit.path_turn_pairs(tree)), old)
-    g_grpo = _grad(lambda lp: losses.clipped_token_loss(lp, old, turn_ids, A, w, tree_ids), old)
+    g_gspo = grad(lambda lp: losses.gspo_token_loss(lp, old, turn_ids, A, *credit.path_turn_pairs(tree)), old)
+    g_grpo = grad(lambda lp: losses.clipped_token_loss(lp, old, turn_ids, A, w, tree_ids), old)
     assert torch.allclose(g_gspo, g_grpo, atol=1e-12)
     assert torch.allclose(g_grpo, -(w * A)[turn_ids], atol=1e-12)
 

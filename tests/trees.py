@@ -1,6 +1,9 @@
-"""Hand-built rollout trees shared by the tests (values worked out by hand in the docstrings)."""
+"""Hand-built rollout trees shared by the tests (values worked out by hand in the docstrings), and the few helpers
+the loss tests use to feed a tree to a loss the way the trainer does and to differentiate it."""
 
 import math
+
+import torch
 
 from trl_tree import RolloutTree, Turn
 
@@ -62,3 +65,36 @@ def deep_tree() -> RolloutTree:
     g = t([46, 47], [0.5, 0.5])
     trajectories = [[a, b, c, d], [a, b, c, d2], [a, b, c2, e], [a, b2, e], [f, g], [a, b, c, d]]
     return RolloutTree.from_trajectories([1, 2, 3, 4, 5], trajectories, [1.0, 0.0, 0.5, 0.0, 1.0, 1.0])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Feeding a tree to the losses
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def flatten(tree: RolloutTree):
+    """One token per entry, unique turns only, in DFS order: how the trainer feeds the losses.
+
+    Returns (turn id per token, old log-probs [float64], the token indices of each turn as a list).
+    """
+    turn_ids, old, spans, start = [], [], [], 0
+    for i, turn in enumerate(tree.turns):
+        n = len(turn.action_ids)
+        turn_ids += [i] * n
+        old += turn.action_logps
+        spans.append(list(range(start, start + n)))
+        start += n
+    return torch.tensor(turn_ids), torch.tensor(old, dtype=torch.float64), spans
+
+
+def perturbed(old: torch.Tensor, seed: int, scale: float) -> torch.Tensor:
+    """Log-probs of a policy near the behaviour policy: old + scale · N(0, 1), reproducible from the seed."""
+    gen = torch.Generator().manual_seed(seed)
+    return old + scale * torch.randn(old.shape, generator=gen, dtype=torch.float64)
+
+
+def grad(loss_fn, logps: torch.Tensor) -> torch.Tensor:
+    """∂ loss_fn(logps) / ∂ logps, by autograd at the given log-probs."""
+    logps = logps.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(loss_fn(logps), logps)
+    return g

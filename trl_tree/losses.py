@@ -123,9 +123,19 @@ def clipped_surrogate(ratio: Tensor, advantages: Tensor, epsilon_low: float, eps
     return torch.minimum(ratio * advantages, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * advantages)
 
 
-def _check_per_turn(name: str, values: Tensor, num_turns: int) -> None:
-    if values.numel() != num_turns:
-        raise ValueError(f"{name} has {values.numel()} entries but the batch has {num_turns} unique turns.")
+def _num_weighted_turns(advantages: Tensor, turn_weights: Tensor) -> int:
+    """The batch's unique-turn count for the turn-weighted surrogates (`atpo_loss`, `clipped_token_loss`).
+
+    It is read off A_i, one entry per unique turn; w_i must match it, since both are indexed by the tokens' turn ids.
+    The two losses share their parameter list on purpose: the trainer swaps one for the other (the "atpo" and "grpo"
+    entries of `trainer.components.LOSSES`), which is AT2PO's ablation.
+    """
+    num_turns = advantages.numel()
+    if turn_weights.numel() != num_turns:
+        raise ValueError(
+            f"turn_weights has {turn_weights.numel()} entries but the batch has {num_turns} unique turns."
+        )
+    return num_turns
 
 
 def _weighted_tree_mean(per_turn_total: Tensor, tree_ids: Tensor, num_trees: int | None) -> Tensor:
@@ -184,8 +194,7 @@ def atpo_loss(
         advantages: A_i per unique turn (detached here).
         turn_weights: w_i per unique turn, the weight of each of its tokens in its tree (sum_i w_i L_i = 1 per tree).
     """
-    num_turns = advantages.numel()
-    _check_per_turn("turn_weights", turn_weights, num_turns)
+    num_turns = _num_weighted_turns(advantages, turn_weights)
     r = turn_mean_log_ratio(logps, old_logps, turn_ids, num_turns).exp()
     term = clipped_surrogate(r, advantages.detach().to(r), epsilon_low, epsilon_high)
     lengths = turn_token_counts(turn_ids, num_turns).to(r)
@@ -218,8 +227,7 @@ def clipped_token_loss(
     token taking its segment's advantage (TreeAdv D3–D4, GRPO variant); with per-turn values as advantages it is the
     "GRPO loss" arm of AT2PO's ablation against `atpo_loss`.
     """
-    num_turns = advantages.numel()
-    _check_per_turn("turn_weights", turn_weights, num_turns)
+    num_turns = _num_weighted_turns(advantages, turn_weights)
     mask = _trained(turn_ids)
     ids = turn_ids[mask]
     ratio = (logps[mask] - old_logps[mask].detach()).exp()

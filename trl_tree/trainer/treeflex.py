@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from .. import credit, losses
-from ..packing import PackedTrees, pack_trees, packed_token_logps
+from ..packing import PackedTrees, pack_trees, packed_token_logps, pad_rows
 from ..rollout.flex_harness import FlexBlock, FlexHarness, FlexKit, FlexSearch, FlexTask, TwoRoleHarness
 from ..tree import RolloutTree
 from .base import TreeTrainer, _pad_per_turn
@@ -182,34 +182,27 @@ class FlexGroup:
 def pack_groups(groups: list[FlexGroup], pad_token_id: int) -> PackedTrees:
     """[groups, max blocks, T]: row r of group n is its r-th block (a single causal path), turn ids group-wide.
 
-    Each block is packed by `pack_trees` as a one-path tree; rows past a group's block count are padding (valid = 0,
-    skipped by the forward). Masked turns (`FlexGroup.masked_turns`) get turn id and score index −1.
+    Each block is packed by `pack_trees` as a one-path tree, its turn ids shifted to group-wide ones, and the rows
+    are stacked per group by `packing.pad_rows` (the padding convention of every packed layout); rows past a group's
+    block count are padding (valid = 0, skipped by the forward). Masked turns (`FlexGroup.masked_turns`) get turn id
+    and score index −1.
     """
     flat = pack_trees([tree for g in groups for tree in g.trees], pad_token_id, layout="tree")
-    rows, length = max(len(g.trees) for g in groups), flat.input_ids.shape[-1]
-    shape = (len(groups), rows, length)
-    out = {
-        "input_ids": torch.full(shape, pad_token_id, dtype=torch.long),
-        "position_ids": torch.zeros(shape, dtype=torch.long),
-        "subtree_end": (torch.arange(length) + 1).expand(shape).clone(),
-        "score_index": torch.full(shape, -1, dtype=torch.long),
-        "turn_ids": torch.full(shape, -1, dtype=torch.long),
-    }
-    valid = torch.zeros(shape[:2], dtype=torch.long)
-    j = 0
+    blocks = iter(range(flat.num_trees))  # the trees in group order, one per block
+    rows = []
+    for group in groups:
+        rows.append([])
+        for offset in group.block_offsets:
+            row = flat.row(next(blocks))
+            row["turn_ids"] = torch.where(row["turn_ids"] >= 0, row["turn_ids"] + offset, row["turn_ids"])
+            rows[-1].append(row)
+    packed = pad_rows(rows, pad_token_id)
     for n, group in enumerate(groups):
-        for r, offset in enumerate(group.block_offsets):
-            for name in out:
-                out[name][n, r] = getattr(flat, name)[j, 0]
-            ids = out["turn_ids"][n, r]
-            out["turn_ids"][n, r] = torch.where(ids >= 0, ids + offset, ids)
-            valid[n, r] = flat.valid[j, 0]
-            j += 1
         if group.masked_turns:
-            hit = torch.isin(out["turn_ids"][n], torch.tensor(group.masked_turns))
-            out["turn_ids"][n][hit] = -1
-            out["score_index"][n][hit] = -1
-    return PackedTrees(**out, valid=valid)
+            hit = torch.isin(packed.turn_ids[n], torch.tensor(group.masked_turns))
+            packed.turn_ids[n][hit] = -1
+            packed.score_index[n][hit] = -1
+    return packed
 
 
 # ---------------------------------------------------------------------------------------------------------------
