@@ -8,7 +8,7 @@ import types
 
 from scripted import arithmetic_dataset, config, contains_answer, tiny
 
-from trl_tree import TreeOPSDConfig, TreeOPSDTrainer, TreePOConfig, TreePOTrainer
+from trl_tree import TreeFlexConfig, TreeFlexTrainer, TreeOPSDConfig, TreeOPSDTrainer, TreePOConfig, TreePOTrainer
 from trl_tree.testing import calculator
 from trl_tree.trainer.base import TreeTrainer
 from trl_tree.trainer.model_card import create_tree_model_card, tree_model_card_text
@@ -40,6 +40,13 @@ def _trainer(cls, config_cls, tmp_path, **overrides):
         processing_class=tok,
         tools=[calculator],
     )
+
+
+# The rows only TreeFlex has: its group of complete searches, harness, process penalties, aggregation and dual clip.
+TREEFLEX_FIELDS = (
+    "num_searches", "max_blocks", "max_card_chars", "penalty_mode", "tool_failure_penalty", "aggregation",
+    "role_lambda", "dual_clip_c",
+)  # fmt: skip
 
 
 def _table(text):
@@ -84,6 +91,55 @@ def test_an_entropy_guided_tree_lists_its_own_sampler_fields_only(tmp_path):
     rows = _table(tree_section(types.SimpleNamespace(args=args, _name="AT2PO")))
     assert rows["sampler"] == "entropy_guided" and "expansion_rounds" in rows and "branches_per_round" in rows
     assert "num_branches" not in rows and "target_radius" not in rows
+    assert (rows["expansion_mode"], rows["sibling_penalty"], rows["reward_std"]) == ("entropy", "0.05", "population")
+    assert rows["epsilon"] == "0.2"  # ATPO clips its per-turn ratio
+    assert not {"entropy_threshold", "min_segment_length", *TREEFLEX_FIELDS} & set(rows)
+
+
+def test_a_token_branching_forest_lists_its_branching_fields(tmp_path):
+    from trl_tree import TreeAdvConfig
+    from trl_tree.trainer.model_card import tree_section
+
+    args = TreeAdvConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", min_segment_length=5)
+    text = tree_section(types.SimpleNamespace(args=args, _name="TreeAdv"))
+    rows = _table(text)
+    assert (rows["sampler"], rows["credit"], rows["loss"]) == ("token_entropy", "leaf_mean", "grpo")
+    assert rows["entropy_threshold"] == "1" and rows["max_branches_per_tree"] == "2"
+    assert rows["min_segment_length"] == "5" and rows["branching_rounds"] == "1"
+    assert "at most 2 branch points per tree (1 to 3 leaves per tree, at most 12 per prompt)" in text
+    assert not {"num_branches", "expansion_rounds", "sibling_penalty", "target_radius", *TREEFLEX_FIELDS} & set(rows)
+
+
+def test_treeflex_card_lists_its_searches_penalties_aggregation_and_clip(tmp_path):
+    model, tok = tiny()
+    args = config(
+        TreeFlexConfig, tmp_path, num_searches=3, max_blocks=5, penalty_mode="post_norm", aggregation="block",
+        role_lambda=0.25, dual_clip_c=2.5, tool_failure_penalty=-0.5, epsilon_high=0.28, max_card_chars=800,
+    )  # fmt: skip
+    trainer = TreeFlexTrainer(
+        model=model, reward_funcs=contains_answer, args=args, train_dataset=arithmetic_dataset(2),
+        processing_class=tok, tools=[calculator],
+    )  # fmt: skip
+    text = tree_model_card_text(trainer, dataset_name="synthetic")
+    rows = _table(text)
+    assert "trained with **TreeFlex**" in text
+    assert "a group of K = 3 complete searches, each of at most 5 causal blocks (one Reflection block" in text
+    assert (rows["sampler"], rows["credit"], rows["loss"]) == ("two_role", "search", "dual_clip")
+    assert (rows["num_searches"], rows["max_blocks"], rows["max_card_chars"]) == ("3", "5", "800")
+    assert (rows["penalty_mode"], rows["tool_failure_penalty"]) == ("post_norm", "-0.5")
+    assert (rows["aggregation"], rows["role_lambda"], rows["dual_clip_c"]) == ("block", "0.25", "2.5")
+    assert (rows["epsilon"], rows["epsilon_high"]) == ("0.2", "0.28")
+    assert "per Execution segment" in text and "token budget of one block" in text
+    # the tree fields TreeFlex does not read stay out, even where the config holds a value (config() sets M and N)
+    assert not {"num_initial_rollouts", "num_branches", "target_radius", "reward_std", "packing"} & set(rows)
+
+
+def test_treeopsd_card_shows_no_treeflex_fields(tmp_path):
+    text = tree_model_card_text(_trainer(TreeOPSDTrainer, TreeOPSDConfig, tmp_path))
+    rows = _table(text)
+    assert not set(TREEFLEX_FIELDS) & set(rows)
+    assert "epsilon" not in rows  # the treeopsd loss has no clip
+    assert "complete searches" not in text and "per Execution segment" not in text
 
 
 def test_push_to_hub_uploads_the_folder_with_the_tree_card(tmp_path, monkeypatch):

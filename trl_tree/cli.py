@@ -3,10 +3,27 @@
     trl-tree treeopsd                                   # the offline default of examples/train_hotpot.py
     trl-tree treeopsd --config examples/recipes/treeopsd_hotpot_qwen3_4b.yaml --num_processes 8
     trl-tree treepo --config recipe.yaml --accelerate_config accelerate_configs/deepspeed_zero3.yaml
+    trl-tree at2po --num_processes 2 --accelerate_config multi_cpu
+    trl-tree treeadv --entropy_threshold 0.8 --max_branches_per_tree 3
 
 Each method runs `trl_tree/scripts/<method>.py` (the same entry point as `examples/train_hotpot.py`) through
 `accelerate launch`. Arguments the script does not know (`--num_processes`, `--config_file`, `--mixed_precision`, ...)
 go to `accelerate launch`; `--accelerate_config NAME_OR_PATH` picks one of `accelerate_configs/` by name or a file.
+
+Every method trains the same HotpotQA search agent (`trl_tree.scripts.hotpot`): same data, retriever, reward, warm
+start and before/after evaluation; only the config and trainer class differ. Their offline defaults share one tree
+budget, at most 12 leaves per prompt (4 complete trajectories and 8 continuations): TreeOPSD/TreePO (M, N) = (4, 2),
+AT2PO M = 4 with 2 rounds of 4 branches (its library default, M = 10 and 2 rounds of 6, would be 22 leaves), TreeAdv
+4 trees of at most 1 + 2 leaves (`trl_tree.scripts.hotpot.OFFLINE_METHOD_DEFAULTS`).
+
+There is no `treeflex` command. `TreeFlexTrainer` rolls out with a two-role harness (`trl_tree.rollout.flex_harness`):
+a Reflection block without tools writes instructions or the `<answer>`, and Execution segments restart from restored
+checkpoint cards. This script's warm start teaches, and its before/after evaluation and `examples/eval_hotpot.py` run,
+the single-role tool loop of the other trainers (one conversation that searches and answers; `max_turns` and
+`max_completion_length` per trajectory, where TreeFlex reads them per segment and per block), and its prompt is that
+loop's single-agent instruction. Trained through this script, TreeFlex would optimise an agent that the script never
+warm-starts nor evaluates, so its EM/F1 would not measure what it trained. Use `TreeFlexTrainer` from Python
+(README, "Use it like GRPOTrainer") until an evaluation of the two-role agent exists.
 """
 
 from __future__ import annotations
@@ -19,6 +36,8 @@ from pathlib import Path
 COMMANDS = {
     "treeopsd": "Train a HotpotQA search agent with TreeOPSD (tree rollouts, turn-level Bernoulli forward-KL).",
     "treepo": "Train a HotpotQA search agent with TreePO (TreeOPSD's trees and credit, fixed-credit loss).",
+    "at2po": "Train a HotpotQA search agent with AT2PO (entropy-guided expansion, turn credit, ATPO loss).",
+    "treeadv": "Train a HotpotQA search agent with TreeAdv (branching at high-entropy tokens, segment advantages).",
 }
 # accelerate_configs/ at the root of a source checkout (it is not part of the installed package)
 _REPO_CONFIGS = Path(__file__).resolve().parent.parent / "accelerate_configs"

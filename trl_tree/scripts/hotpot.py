@@ -4,8 +4,9 @@ Two settings share this code:
 
 - **Offline default** (no `--dataset_name`, no `--model_name_or_path`): the tiny Qwen3 of `trl_tree.testing`, briefly
   warm-started (SFT) on scripted search conversations so that it emits parseable tool calls, a synthetic multi-hop
-  world (`trl_tree.envs.synthetic`) with BM25 over its paragraphs, and a few TreeOPSD steps. Runs on 2 CPU cores in a
-  few minutes, without the Hub.
+  world (`trl_tree.envs.synthetic`) with BM25 over its paragraphs, and a few steps of the method (TreeOPSD, TreePO,
+  AT2PO or TreeAdv, each at the same tree budget: `OFFLINE_METHOD_DEFAULTS`). Runs on 2 CPU cores in a few minutes,
+  without the Hub.
 - **The paper's setting**: `--model_name_or_path Qwen/Qwen3-4B-Thinking-2507 --dataset_name hotpotqa/hotpot_qa`, no warm
   start, the dataset's own distractor paragraphs (or `--corpus_path`, or `--retriever remote`), and the hyperparameters
   of `examples/recipes/treeopsd_hotpot_qwen3_4b.yaml`.
@@ -150,22 +151,36 @@ class HotpotScriptArguments(HotpotDataArguments):
 def method_classes(method: str) -> tuple[type, type]:
     """(config class, trainer class) of a method name. The trainers are imported only when needed: parsing (and
     `--help`) needs the configs alone."""
-    from trl_tree import TreeOPSDTrainer, TreePOTrainer
+    import trl_tree
 
     config_class = method_config(method)
-    return config_class, {"treeopsd": TreeOPSDTrainer, "treepo": TreePOTrainer}[method]
+    return config_class, getattr(trl_tree, _TRAINERS[method])
+
+
+# method -> trainer class name in `trl_tree`. TreeFlex is not a method of this script: its two-role harness
+# (Reflection plans without tools, Execution segments restart from checkpoint cards) is not the single-role tool loop
+# that the warm start teaches and that the before/after evaluation (`trl_tree.envs.agent_eval`) and eval_hotpot.py
+# run, so its numbers here would not measure the policy it trains (see `trl_tree.cli`).
+_TRAINERS = {
+    "treeopsd": "TreeOPSDTrainer",
+    "treepo": "TreePOTrainer",
+    "at2po": "AT2POTrainer",
+    "treeadv": "TreeAdvTrainer",
+}
+METHODS = tuple(_TRAINERS)
 
 
 def method_config(method: str) -> type:
-    from trl_tree.trainer.config import TreeOPSDConfig, TreePOConfig
+    if method not in _TRAINERS:
+        raise ValueError(f"Unknown method {method!r}; choose one of {sorted(_TRAINERS)}.")
+    if method == "treeadv":  # TreeAdvConfig lives next to its trainer
+        from trl_tree.trainer.treeadv import TreeAdvConfig
 
-    configs = {"treeopsd": TreeOPSDConfig, "treepo": TreePOConfig}
-    if method not in configs:
-        raise ValueError(f"Unknown method {method!r}; choose one of {sorted(configs)}.")
-    return configs[method]
+        return TreeAdvConfig
+    from trl_tree.trainer.config import AT2POConfig, TreeOPSDConfig, TreePOConfig
 
+    return {"treeopsd": TreeOPSDConfig, "treepo": TreePOConfig, "at2po": AT2POConfig}[method]
 
-METHODS = ("treeopsd", "treepo")
 
 # The offline run: the 2-layer tiny model of `trl_tree.testing` on 32 synthetic training questions. What was measured
 # on 2 CPU cores (see the reasons next to each value): the tiny model cannot learn to copy unseen made-up names into
@@ -202,6 +217,24 @@ OFFLINE_TRAINING_DEFAULTS: dict[str, Any] = {
     "bf16": False,
     "gradient_checkpointing": False,
 }
+# Per method, on top of OFFLINE_TRAINING_DEFAULTS: the same tree budget as TreeOPSD's (M, N) = (4, 2), i.e. at most
+# K = 12 leaves per prompt: 4 complete trajectories and 8 continuations of their prefixes. Unused fields (AT2PO's and
+# TreeAdv's num_branches and target_radius) stay as set above and are ignored by those trainers. Measured on 2 CPU
+# cores with everything else as above: AT2PO 12 leaves per tree, training reward per generation batch 0.19 0.28 0.29
+# 0.24 (~8 min, cores shared with other jobs); TreeAdv 9.4-10.5 leaves (1.3-1.6 of its 2 branch points used), reward
+# 0.13 0.22 0.32 0.19 (~4 min). Held-out EM stays near 0 as for TreeOPSD.
+OFFLINE_METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
+    "treeopsd": {},
+    "treepo": {},
+    # AT2PO's own default, M = 10 plus L = 2 rounds of K = 6 (22 leaves), is almost twice TreeOPSD's budget: keep
+    # L = 2 rounds and add 4 branches per round, so M + L·K = 4 + 2·4 = 12 (the ratio of new branches to initial
+    # trajectories, 2, is also TreeOPSD's N).
+    "at2po": {"num_initial_rollouts": 4, "expansion_rounds": 2, "branches_per_round": 4},
+    # TreeAdv's own defaults already fit: M = 4 trees of at most 1 + 2 leaves each (2 branch points per tree at tokens
+    # above τ_H = 1 nat, pieces of at least 8 tokens), K ≤ 12. Set here so the offline budget does not follow changes
+    # of the library defaults.
+    "treeadv": {"num_initial_rollouts": 4, "max_branches_per_tree": 2, "entropy_threshold": 1.0},
+}
 
 
 def _cpu_only() -> bool:
@@ -216,7 +249,12 @@ def machine_defaults() -> dict[str, Any]:
 
 
 def offline_defaults(method: str) -> dict[str, Any]:
-    return {**OFFLINE_SCRIPT_DEFAULTS, **OFFLINE_TRAINING_DEFAULTS, "output_dir": f"outputs/{method}-hotpot-offline"}
+    return {
+        **OFFLINE_SCRIPT_DEFAULTS,
+        **OFFLINE_TRAINING_DEFAULTS,
+        **OFFLINE_METHOD_DEFAULTS.get(method, {}),
+        "output_dir": f"outputs/{method}-hotpot-offline",
+    }
 
 
 def make_parser(method: str = "treeopsd", prog: str | None = None) -> TrlParser:
@@ -361,7 +399,8 @@ def main(script_args: HotpotScriptArguments, training_args, model_args: ModelCon
     """Warm start (optional), evaluate, train, save, evaluate again; returns (and saves) the summary.
 
     The trainer is chosen by the type of `training_args` (`TreeOPSDConfig` -> `TreeOPSDTrainer`, `TreePOConfig` ->
-    `TreePOTrainer`). The summary is written to `output_dir/hotpot_results.json` (`RESULTS_FILE`).
+    `TreePOTrainer`, `AT2POConfig` -> `AT2POTrainer`, `TreeAdvConfig` -> `TreeAdvTrainer`). The summary is written to
+    `output_dir/hotpot_results.json` (`RESULTS_FILE`).
     """
     from accelerate import PartialState
     from trl import get_peft_config
@@ -505,9 +544,10 @@ def _print_summary(summary: dict[str, Any]) -> None:
         if max(curve) == 0.0:
             lines.append(
                 "note: no leaf of any tree earned a reward, so every tree's rewards were equal and its turn credit "
-                "was 0 (TreeOPSD's teachers sat at q = 1/2): the policy had nothing to learn from. A model that never "
-                "answers correctly, even by chance, cannot be improved by outcome rewards; warm-start it longer "
-                "(--warm_start_steps) or start from a capable model (--model_name_or_path)."
+                "was 0 (TreeOPSD's teachers sat at q = 1/2; the clipped losses had no advantage to follow): the "
+                "policy had nothing to learn from. A model that never answers correctly, even by chance, cannot be "
+                "improved by outcome rewards; warm-start it longer (--warm_start_steps) or start from a capable model "
+                "(--model_name_or_path)."
             )
     for prefix, what in (("", "held-out"), ("train_", "training")):
         for name in ("before", "after"):

@@ -4,8 +4,9 @@ TRL writes a card (``README.md`` in ``output_dir``) whenever a trainer saves a c
 its template and the trainer's ``_name``, ``_paper`` and ``_tag_names``. That card says which method trained the model
 but not with which tree, and a tree-trained model is not reproducible without its tree: the number of initial
 rollouts M, the branches N per rollout, the teacher radius ρ, the optimizer blocks E per generation batch and the turn
-limit. So the tree trainers keep TRL's card (metadata, quick start, framework versions, the method's and TRL's
-citations) and add a section with those hyperparameters, the dataset, and trl-tree itself.
+limit (for TreeFlex, which grows no tree: the group of K searches, the blocks per search, the process penalties, the
+aggregation and the dual clip). So the tree trainers keep TRL's card (metadata, quick start, framework versions, the
+method's and TRL's citations) and add a section with those hyperparameters, the dataset, and trl-tree itself.
 
 Wiring (one line in ``TreeTrainer``'s class body)::
 
@@ -21,29 +22,56 @@ TRL_TREE_NAME = "trl-tree"
 
 # (config attribute, label in the card, when it applies). A tree trainer is a sampler x credit x loss choice
 # (`TreeConfig.sampler/credit/loss`); only the fields the chosen components read are listed, so a card never shows,
-# say, a teacher radius for a loss without a teacher. A config without those fields gets every row it has.
+# say, a teacher radius for a loss without a teacher. A condition is (component, choices): the row applies when the
+# component is one of the choices, or (component, choices, False): when it is none of them. A config without those
+# fields gets every row it has. TreeFlex (sampler "two_role", credit "search", loss "dual_clip") has no tree: its rows
+# are its group of complete searches, the harness, the process penalties, the aggregation and the dual clip.
+_FLEX_SAMPLERS = {"two_role"}
+_FLEX = ("sampler", _FLEX_SAMPLERS)
+_NOT_FLEX = ("sampler", _FLEX_SAMPLERS, False)
+_CLIPPED_LOSSES = {"atpo", "grpo", "gspo_token", "dual_clip"}
 _TREE_FIELDS = (
-    ("sampler", "how the tree is grown", None),
+    ("sampler", "how the tree is grown", _NOT_FLEX),
+    ("sampler", "the rollout harness (complete searches made of causal blocks)", _FLEX),
     ("credit", "how terminal rewards become turn credit", None),
     ("loss", "turn-level loss", None),
-    ("num_initial_rollouts", "M: complete trajectories sampled per prompt", None),
+    ("reward_std", "standardisation of the leaf rewards", ("credit", {"search"}, False)),
+    ("num_initial_rollouts", "M: complete trajectories sampled per prompt", _NOT_FLEX),
     ("num_branches", "N: continuations branched from each trajectory", ("sampler", {"init_expand"})),
     ("anchor_rule", "branch points", ("sampler", {"init_expand"})),
     ("expansion_rounds", "L: entropy-guided expansion rounds", ("sampler", {"entropy_guided"})),
     ("branches_per_round", "K: branches added per expansion round", ("sampler", {"entropy_guided"})),
+    ("expansion_mode", "which turns are re-sampled: by node score or at random", ("sampler", {"entropy_guided"})),
+    ("sibling_penalty", "α: node score S = H − α·max(0, siblings − 1)", ("sampler", {"entropy_guided"})),
     ("entropy_threshold", "τ_H: branch inside turns above this token entropy", ("sampler", {"token_entropy"})),
+    ("max_branches_per_tree", "branch points (new leaves) per tree at most", ("sampler", {"token_entropy"})),
+    ("min_segment_length", "fewest tokens of either piece of a split segment", ("sampler", {"token_entropy"})),
+    ("branching_rounds", "rounds of token-level branching", ("sampler", {"token_entropy"})),
+    ("num_searches", "K: complete searches per task (the group)", ("credit", {"search"})),
+    ("max_blocks", "causal blocks per search at most", ("credit", {"search"})),
+    ("max_card_chars", "characters kept of a checkpoint card copied into another block", ("sampler", {"two_role"})),
+    ("penalty_mode", "where turn penalties enter: pre_norm (R + Q − mean)/σ or post_norm", ("credit", {"search"})),
+    ("tool_failure_penalty", "Q: process penalty per failed or malformed tool call", ("credit", {"search"})),
+    ("aggregation", "the unit given equal weight in a group's loss", ("loss", {"dual_clip"})),
+    ("role_lambda", "λ: weight of the role mean mixed into the aggregation", ("loss", {"dual_clip"})),
     ("target_radius", "ρ: teacher radius, q ∈ [1/2 − ρ, 1/2 + ρ]", ("loss", {"treeopsd"})),
+    ("epsilon", "ε: clip range of the ratio (lower side)", ("loss", _CLIPPED_LOSSES)),
+    ("epsilon_high", "ε_high: upper clip range (default: ε)", ("loss", _CLIPPED_LOSSES)),
+    ("dual_clip_c", "c: dual clip at −c·A for negative advantages", ("loss", {"dual_clip"})),
     ("num_optimizer_blocks", "E: sequential optimizer blocks per generation batch", None),
-    ("max_turns", "assistant turns per trajectory (final answer included)", None),
-    ("packing", "training layout of a tree", None),
+    ("max_turns", "assistant turns per trajectory (final answer included)", _NOT_FLEX),
+    ("max_turns", "assistant turns per Execution segment (per block of a custom harness)", _FLEX),
+    ("packing", "training layout of a tree", _NOT_FLEX),
 )
 _RUN_FIELDS = (
     ("generation_batch_size", "prompts (trees) per generation batch, all processes", None),
     ("learning_rate", "learning rate", None),
     ("lr_scheduler_type", "learning-rate schedule", None),
     ("max_steps", "optimizer steps", None),
-    ("max_completion_length", "token budget of one trajectory", None),
+    ("max_completion_length", "token budget of one trajectory", _NOT_FLEX),
+    ("max_completion_length", "token budget of one block after its context", _FLEX),
     ("max_observation_chars", "characters kept of a tool observation", None),
+    ("malformed_tool_calls", "after an unparseable tool call: error observation, or end the trajectory", None),
     ("temperature", "sampling temperature", None),
     ("top_p", "sampling top-p", None),
 )
@@ -59,18 +87,19 @@ def _trl_tree_version() -> str:
 def _applies(args, condition) -> bool:
     if condition is None:
         return True
-    component, choices = condition
+    component, choices, *inside = condition
     if not hasattr(args, component):  # a config that predates the component fields: show what it has
         return not (component == "loss" and "treepo" in type(args).__name__.lower())
-    return getattr(args, component) in choices
+    return (getattr(args, component) in choices) == (inside[0] if inside else True)
 
 
 def _rows(args, fields) -> list[str]:
-    rows = []
+    rows, seen = [], set()
     for name, label, condition in fields:
         value = getattr(args, name, None)
-        if value is None or not _applies(args, condition):
+        if name in seen or value is None or not _applies(args, condition):
             continue
+        seen.add(name)
         if isinstance(value, float):
             value = f"{value:g}"
         value = getattr(value, "value", value)  # enums (lr_scheduler_type) as their plain value
@@ -99,6 +128,36 @@ def tree_section(trainer, dataset_name: str | None = None) -> str:
             f"Each prompt grows one rollout tree: M = {M} complete multi-turn trajectories, then N = {N} "
             f"continuations of each from uniformly drawn turn prefixes, K = M(N + 1) = {M * (N + 1)} leaves; "
             "shared turns are merged and trained once.",
+            "",
+        ]
+    elif getattr(args, "sampler", None) == "entropy_guided" and M is not None:
+        L, K = args.expansion_rounds, args.branches_per_round
+        how = "those of highest node score" if args.expansion_mode == "entropy" else "chosen at random"
+        lines += [
+            f"Each prompt grows one rollout tree: M = {M} complete multi-turn trajectories, then L = {L} rounds that "
+            f"each re-sample K = {K} turns ({how}) from their pre-turn history, M + L·K = "
+            f"{M + L * K} leaves; shared turns are merged and trained once.",
+            "",
+        ]
+    elif getattr(args, "sampler", None) == "token_entropy" and M is not None:
+        B = args.max_branches_per_tree
+        lines += [
+            f"Each prompt grows a forest of M = {M} trees: one complete trajectory each, branched inside its turns at "
+            f"tokens whose entropy exceeds τ_H = {args.entropy_threshold:g}, at most {B} branch points per tree (1 to "
+            f"{1 + B} leaves per tree, at most {M * (1 + B)} per prompt); shared prefixes are trained once.",
+            "",
+        ]
+    elif getattr(args, "sampler", None) in _FLEX_SAMPLERS and getattr(args, "num_searches", None) is not None:
+        harness = getattr(trainer, "_harness", None)  # a custom harness passed to TreeFlexTrainer(harness=...)
+        blocks = (
+            "one Reflection block, then Execution segments that restart from restored checkpoint cards"
+            if harness is None
+            else f"grown by the custom harness `{type(harness).__name__}`"
+        )
+        lines += [
+            f"Each task gets a group of K = {args.num_searches} complete searches, each of at most "
+            f"{args.max_blocks} causal blocks ({blocks}); every generated token is trained once, in the block that "
+            "generated it, and each search's score is compared within its group.",
             "",
         ]
     lines += ["| hyperparameter | value | meaning |", "|---|---|---|"]
