@@ -34,7 +34,8 @@ import time
 import torch
 from common import (
     BatchMeter,
-    Budget,
+    add_budget_arguments,
+    budget_from_args,
     build_trainer,
     environment,
     load_model,
@@ -59,14 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, default=3, help="seeds per method (0, 1, ...)")
     p.add_argument("--generation_batches", type=int, default=10, help="generation batches per run")
     p.add_argument("--eval_every", type=int, default=2, help="evaluate every this many generation batches")
-    p.add_argument("--prompts", type=int, default=4, help="prompts per generation batch (P)")
-    p.add_argument("--blocks", type=int, default=2, help="optimizer steps per generation batch (E)")
-    p.add_argument("--group_size", type=int, default=8, help="GRPO's G")
-    p.add_argument("--num_initial_rollouts", type=int, default=4, help="the trees' M")
-    p.add_argument("--num_branches", type=int, default=2, help="the trees' N")
-    p.add_argument("--max_turns", type=int, default=4, help="assistant turns per trajectory")
-    p.add_argument("--max_completion_length", type=int, default=384, help="tokens per trajectory")
-    p.add_argument("--learning_rate", type=float, default=2e-4)
+    add_budget_arguments(p, learning_rate=2e-4, max_turns=4, max_completion_length=384)
     p.add_argument("--format_reward_weight", type=float, default=0.0,
                    help="add the well-formed-answer reward with this weight (0: the paper's reward alone)")
     p.add_argument("--num_train", type=int, default=200, help="training questions")
@@ -129,12 +123,7 @@ def run(method: str, seed: int, model_path: str, task, args) -> dict:
 
     random.seed(seed)
     torch.manual_seed(seed)
-    budget = Budget(
-        prompts=args.prompts, blocks=args.blocks, group_size=args.group_size,
-        num_initial_rollouts=args.num_initial_rollouts, num_branches=args.num_branches,
-        generation_batches=args.generation_batches, learning_rate=args.learning_rate,
-        max_turns=args.max_turns, max_completion_length=args.max_completion_length, seed=seed,
-    )
+    budget = budget_from_args(args, generation_batches=args.generation_batches, seed=seed)
     settings = AgentSettings(max_turns=args.max_turns, max_completion_length=args.max_completion_length)
     model, tokenizer = load_model(model_path)
     with tempfile.TemporaryDirectory() as output_dir:

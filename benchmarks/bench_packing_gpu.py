@@ -40,7 +40,7 @@ import time
 import torch
 from common import environment, markdown_table, write_json
 
-from trl_tree.packing import pack_trees, packed_token_logps
+from trl_tree.packing import forward_cost, pack_trees, packed_token_logps, token_weight
 from trl_tree.tree import RolloutTree, Turn
 
 # Qwen3-0.6B's shape (config.json of Qwen/Qwen3-0.6B), written out so that nothing is downloaded
@@ -185,9 +185,14 @@ def main(argv=None):
         torch.set_num_threads(1)  # the tiny matrices do not split; shared cores make OpenMP threads spin
     model = build_model(args)
     rng = random.Random(args.seed)
-    runs = []
+    runs, auto_choice = [], {}
     for observation_tokens in args.observation_tokens:
         trees = [synthetic_tree(args, observation_tokens, model.config.vocab_size, rng) for _ in range(args.trees)]
+        # what packing="auto" picks for a dense-mask kernel (sdpa), to set against the measured tree_sdpa/paths_sdpa
+        costs = {layout: forward_cost(pack_trees(trees, 0, layout), token_weight(model.config))
+                 for layout in ("tree", "paths")}
+        auto_choice[observation_tokens] = {"picks": min(costs, key=costs.get), "cost_tree_over_paths":
+                                           costs["tree"] / costs["paths"]}
         size = {"observation_tokens": observation_tokens, "unique_tokens": sum(t.num_unique_tokens for t in trees),
                 "path_tokens": sum(t.num_path_tokens for t in trees), "leaves": sum(t.num_leaves for t in trees)}
         reference = None
@@ -221,6 +226,9 @@ def main(argv=None):
     speedups = {}
     for observation_tokens in args.observation_tokens:
         by_variant = {r["variant"]: r for r in runs if r["observation_tokens"] == observation_tokens}
+        if "tree_sdpa" in by_variant and "paths_sdpa" in by_variant:
+            faster = min(("tree_sdpa", "paths_sdpa"), key=lambda v: by_variant[v]["seconds"])
+            auto_choice[observation_tokens]["measured_faster"] = faster.removesuffix("_sdpa")
         for variant in ("tree_flex", "tree_sdpa"):
             if variant in by_variant and "paths_sdpa" in by_variant:
                 speedups[f"{observation_tokens}/{variant}"] = (
@@ -233,9 +241,13 @@ def main(argv=None):
     print(markdown_table(runs, columns))
     print("\nspeed-up of packing (paths seconds / tree seconds): "
           + ", ".join(f"{k}: {v:.2f}x" for k, v in speedups.items()))
+    print("packing='auto' with sdpa (cost model, trl_tree.packing.forward_cost): "
+          + ", ".join(f"{k} obs: {v['picks']} (tree/paths cost {v['cost_tree_over_paths']:.2f}"
+                      + (f"; measured faster: {v['measured_faster']})" if "measured_faster" in v else ")")
+                      for k, v in auto_choice.items()))
     if args.output:
         write_json(args.output, {"config": vars(args), "environment": environment(), "runs": runs,
-                                 "speedup_paths_over_tree": speedups})
+                                 "speedup_paths_over_tree": speedups, "auto_sdpa": auto_choice})
 
 
 def _by_turn(packed, values: torch.Tensor) -> dict[tuple[int, int], torch.Tensor]:

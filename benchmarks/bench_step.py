@@ -39,7 +39,8 @@ import torch
 from common import (
     BatchMeter,
     BatchRecord,
-    Budget,
+    add_budget_arguments,
+    budget_from_args,
     build_trainer,
     environment,
     load_model,
@@ -68,18 +69,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--task", choices=sorted(TASK_LIMITS), default="calculator",
                    help="calculator: one tool call, short turns; search: synthetic multi-hop QA with BM25 search")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {list(VARIANTS)}")
-    p.add_argument("--prompts", type=int, default=4, help="prompts per generation batch (P)")
-    p.add_argument("--blocks", type=int, default=2, help="optimizer steps per generation batch (E)")
-    p.add_argument("--group_size", type=int, default=8, help="GRPO's G")
-    p.add_argument("--num_initial_rollouts", type=int, default=4, help="the trees' M")
-    p.add_argument("--num_branches", type=int, default=2, help="the trees' N")
+    add_budget_arguments(p, learning_rate=1e-5, max_turns=None, max_completion_length=None)
     p.add_argument("--batches", type=int, default=3, help="measured generation batches per variant")
     p.add_argument("--warmup", type=int, default=1, help="generation batches run before measuring")
     p.add_argument("--repeats", type=int, default=1,
                    help="run every variant this many times, round-robin, and pool the measured batches")
-    p.add_argument("--max_turns", type=int, default=None, help="assistant turns per trajectory (default per task)")
-    p.add_argument("--max_completion_length", type=int, default=None, help="tokens per trajectory (default per task)")
-    p.add_argument("--learning_rate", type=float, default=1e-5)
     p.add_argument("--warm_start_steps", type=int, default=150,
                    help="SFT steps on the task's scripted tool calls before RL (cached; 0 = none)")
     p.add_argument("--num_train", type=int, default=None, help="training questions (default: the task's)")
@@ -116,12 +110,7 @@ def run_variant(variant: str, model_path: str, args: argparse.Namespace) -> list
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     task = make_task(args.task, args.num_train, seed=args.seed)
-    budget = Budget(
-        prompts=args.prompts, blocks=args.blocks, group_size=args.group_size,
-        num_initial_rollouts=args.num_initial_rollouts, num_branches=args.num_branches,
-        generation_batches=args.warmup + args.batches, learning_rate=args.learning_rate,
-        max_turns=args.max_turns, max_completion_length=args.max_completion_length, seed=args.seed,
-    )
+    budget = budget_from_args(args, generation_batches=args.warmup + args.batches, seed=args.seed)
     method, packing = VARIANTS[variant]
     model, tokenizer = load_model(model_path)
     with tempfile.TemporaryDirectory() as output_dir:

@@ -227,6 +227,9 @@ class Budget:
     max_turns: int = 3
     max_completion_length: int = 96
     seed: int = 0
+    # TRL's tool loop ends a trajectory at a tool call it cannot parse; the tree trainers do the same here (their
+    # default, "observe", answers it with an error observation), so that both sides sample the same kind of episode
+    malformed_tool_calls: str = "end"
 
     def __post_init__(self):
         if self.prompts % self.blocks:
@@ -281,8 +284,34 @@ def build_trainer(method: str, model, tokenizer, task: Task, budget: Budget, out
         per_device_train_batch_size=budget.prompts // budget.blocks,
         max_turns=budget.max_turns,
         packing=packing,
+        malformed_tool_calls=budget.malformed_tool_calls,
     )
     return trainer_class(args=args, **kwargs)
+
+
+def add_budget_arguments(parser, learning_rate: float, max_turns: int | None, max_completion_length: int | None):
+    """The command-line fields of a `Budget`, shared by the benchmark scripts (defaults that differ are passed in)."""
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per generation batch (P)")
+    parser.add_argument("--blocks", type=int, default=2, help="optimizer steps per generation batch (E)")
+    parser.add_argument("--group_size", type=int, default=8, help="GRPO's G")
+    parser.add_argument("--num_initial_rollouts", type=int, default=4, help="the trees' M")
+    parser.add_argument("--num_branches", type=int, default=2, help="the trees' N")
+    parser.add_argument("--max_turns", type=int, default=max_turns, help="assistant turns per trajectory")
+    parser.add_argument("--max_completion_length", type=int, default=max_completion_length,
+                        help="tokens per trajectory")
+    parser.add_argument("--learning_rate", type=float, default=learning_rate)
+    parser.add_argument("--malformed_tool_calls", choices=("end", "observe"), default="end",
+                        help="the tree trainers' policy for unparseable tool calls: 'end' the trajectory, as TRL's "
+                             "GRPO loop does (default), or 'observe' (an error observation, and go on)")
+
+
+def budget_from_args(args, generation_batches: int, seed: int) -> Budget:
+    return Budget(
+        prompts=args.prompts, blocks=args.blocks, group_size=args.group_size,
+        num_initial_rollouts=args.num_initial_rollouts, num_branches=args.num_branches,
+        generation_batches=generation_batches, learning_rate=args.learning_rate, max_turns=args.max_turns,
+        max_completion_length=args.max_completion_length, seed=seed, malformed_tool_calls=args.malformed_tool_calls,
+    )
 
 
 def matched_sampler_fields(method: str, budget: Budget) -> dict[str, int]:

@@ -13,8 +13,12 @@ from trl_tree.packing import (
     additive_attention_mask,
     block_mask,
     dense_attention_mask,
+    forward_cost,
+    pack_cheapest,
     pack_trees,
     packed_token_logps,
+    pad_rows,
+    token_weight,
 )
 from trl_tree.tree import RolloutTree, Turn
 
@@ -291,6 +295,15 @@ def test_to_dict_round_trip_and_device_move():
     assert all(torch.equal(a, b) for a, b in zip(back.to_dict().values(), packed.to_dict().values()))
 
 
+def test_rows_repad_to_the_same_batch():
+    """`PackedTrees.row` strips a row's padding and `pad_rows` puts it back (empty rows too): the identity."""
+    trees = [branching_tree(seed=0), RolloutTree.from_trajectories([5, 6], [[_turn(torch.Generator(), 2, 0)]], [1.0])]
+    for layout, multiple in (("paths", None), ("paths", 8), ("tree", None)):
+        packed = pack_trees(trees, pad_token_id=7, layout=layout, pad_to_multiple_of=multiple)
+        N, R = packed.valid.shape
+        again = pad_rows([[packed.row(n, r) for r in range(R)] for n in range(N)], 7, multiple)
+        assert all(torch.equal(a, b) for a, b in zip(again.to_dict().values(), packed.to_dict().values()))
+
 # ----------------------------------------------------------------------------------------------------------------
 # Wrapped models: the forward must go through the wrapper
 # ----------------------------------------------------------------------------------------------------------------
@@ -421,6 +434,54 @@ def test_attention_without_custom_masks_is_rejected_with_the_alternatives(sdpa_m
     try:
         with pytest.raises(ValueError, match=r'flash_attention_2.*layout="paths"'):
             packed_token_logps(sdpa_model, packed)
+    finally:
+        sdpa_model.set_attn_implementation("sdpa")
+
+
+def test_token_weight_counts_projection_and_mlp_multiply_adds_per_attention_pair():
+    # Qwen3-0.6B: q 16 × 128, kv 8 × 128, MLP 3072; per token 1024·2048 + 2·1024·1024 + 2048·1024 + 3·1024·3072
+    # multiply-adds, per score pair 2 · 2048 (q·k and the weighted v)
+    config = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
+                         head_dim=128)
+    assert token_weight(config) == 15_728_640 / 4096
+    assert token_weight(tiny_model().config) == (64 * 128 + 2 * 64 * 64 + 128 * 64 + 3 * 64 * 128) / 256
+
+
+def _disjoint_long_trajectories(length: int) -> RolloutTree:
+    """Four leaves that share only a 2-token prompt: nothing for the tree row to save, and a dense mask over 4L."""
+    gen = torch.Generator().manual_seed(0)
+    return RolloutTree.from_trajectories(_ids(gen, 2), [[_turn(gen, length, 0)] for _ in range(4)], [0.0] * 4)
+
+
+def _long_shared_prompt(prompt_len: int) -> RolloutTree:
+    """Six short leaves under one long prompt: the path rows forward the prompt six times."""
+    gen = torch.Generator().manual_seed(0)
+    return RolloutTree.from_trajectories(_ids(gen, prompt_len), [[_turn(gen, 4, 0)] for _ in range(6)], [0.0] * 6)
+
+
+def test_forward_cost_is_the_same_for_a_single_path_in_both_layouts():
+    gen = torch.Generator().manual_seed(0)
+    tree = RolloutTree.from_trajectories(_ids(gen, 5), [[_turn(gen, 3, 2), _turn(gen, 4, 0)]], [1.0])
+    weight = token_weight(tiny_model().config)
+    assert forward_cost(pack_trees([tree], PAD, "tree"), weight) == forward_cost(pack_trees([tree], PAD, "paths"), weight)
+
+
+def test_auto_packing_picks_the_cheaper_layout_for_a_dense_mask(sdpa_model):
+    weight = token_weight(sdpa_model.config)
+    for tree, expected in ((_long_shared_prompt(400), "tree"), (_disjoint_long_trajectories(600), "paths")):
+        costs = {layout: forward_cost(pack_trees([tree], PAD, layout), weight) for layout in ("tree", "paths")}
+        assert min(costs, key=costs.get) == expected, costs
+        rows = pack_cheapest([tree], PAD, sdpa_model.config).input_ids.shape[1]
+        assert rows == (1 if expected == "tree" else len(leaf_paths(tree)))
+
+
+def test_auto_packing_follows_the_attention_kernel(sdpa_model):
+    tree = _disjoint_long_trajectories(600)  # paths are cheaper with a dense mask...
+    sdpa_model.config._attn_implementation = "flex_attention"
+    try:  # ...but flex_attention skips the masked blocks, so the tree row (unique tokens once) is kept
+        assert pack_cheapest([tree], PAD, sdpa_model.config).input_ids.shape[1] == 1
+        sdpa_model.config._attn_implementation = "flash_attention_2"  # no custom masks at all: path rows
+        assert pack_cheapest([_long_shared_prompt(400)], PAD, sdpa_model.config).input_ids.shape[1] == 6
     finally:
         sdpa_model.set_attn_implementation("sdpa")
 

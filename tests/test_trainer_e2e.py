@@ -4,25 +4,23 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+from scripted import unchanged_after_training
 
 sys.path.insert(0, str(Path(__file__).parent / "launch"))
 from tiny_tree_run import build_trainer  # noqa: E402
 
 
-@pytest.mark.parametrize("packing", ["tree", "paths"])
+@pytest.mark.parametrize("packing", ["tree", "paths", "auto"])
 def test_three_steps_two_blocks_per_generation_change_every_parameter(tmp_path, packing):
     trainer = build_trainer(str(tmp_path), max_steps=3, packing=packing)
-    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
-    trainer.train()
-    unchanged = [n for n, p in trainer.model.named_parameters() if p.requires_grad and torch.equal(p, before[n])]
-    assert not unchanged
+    assert not unchanged_after_training(trainer)
     logged = {k for entry in trainer.state.log_history for k in entry}
     for key in ("reward", "reward_std", "tree/leaves_per_tree", "tree/unique_turns", "tree/unique_tokens",
                 "tree/flat_tokens", "tree/turns_per_leaf", "treeopsd/abs_q_minus_half",
                 "treeopsd/abs_p_minus_q/block_0", "treeopsd/abs_p_minus_q/block_1", "tools/call_frequency",
                 "tools/failure_frequency"):
         assert key in logged, key
+    assert ("tree/packed_as_tree" in logged) == (packing == "auto")  # which layout "auto" chose, per micro-batch
     history = [e for e in trainer.state.log_history if "tree/unique_tokens" in e]
     # a tree shares its prefixes: unique tokens are fewer than the flat rollouts would have needed
     assert all(e["tree/unique_tokens"] < e["tree/flat_tokens"] for e in history)

@@ -218,6 +218,26 @@ def test_failing_and_malformed_tool_calls_become_observations_and_are_counted(tm
     assert metrics["reward"] == [1.0]
 
 
+def test_malformed_tool_call_ends_the_trajectory_with_end_policy(tmp_path):
+    """`malformed_tool_calls="end"` is TRL's loop: the unparseable call is the final turn, still scored and counted."""
+    replies = {
+        "<|im_start|>assistant\n": ["<tool_call>{oops</tool_call>"] * 2,
+        "</tool_response><|im_end|>\n<|im_start|>assistant\n": ["The answer is 2."] * 2,
+    }
+    model, tok = tiny()
+    args = config(TreeOPSDConfig, tmp_path, num_initial_rollouts=2, num_branches=0, max_turns=4,
+                  max_completion_length=300, malformed_tool_calls="end")
+    trainer = TreeOPSDTrainer(model=model, reward_funcs=contains_answer, args=args,
+                              train_dataset=arithmetic_dataset(1), processing_class=tok, tools=[calculator])
+    trainer.generation_engine = scripted_engine(tok, replies)
+    trainer.model.train()
+    trainer._generate_and_score_completions([trainer.train_dataset[0]])
+    metrics = trainer._metrics["train"]
+    assert metrics["tree/turns_per_leaf"] == [1.0]  # the malformed turn is terminal: no observation, no answer
+    assert metrics["tools/failure_frequency"] == [1.0] and metrics["tools/call_frequency"] == [1.0]
+    assert metrics["reward"] == [0.0]
+
+
 @pytest.mark.parametrize(
     ("reward", "error", "message"),
     [
@@ -251,6 +271,7 @@ def test_a_reward_function_that_raises_or_returns_nan_is_named_with_the_sample(t
         ({"beta": 0.04}, "beta=0.0"),
         ({"num_generations": 8}, "num_initial_rollouts and num_branches"),
         ({"packing": "flat"}, "packing must be one of"),
+        ({"malformed_tool_calls": "retry"}, "malformed_tool_calls must be one of"),
         ({"steps_per_generation": 3, "gradient_accumulation_steps": 2}, "multiple of gradient_accumulation_steps"),
     ],
 )

@@ -13,6 +13,8 @@ dim 0: a tree must stay one index so that its rows travel together.
   root-to-leaf path, in DFS order of the leaves; trees with fewer leaves get fully padded rows. Shared prefixes are
   forwarded again in every row that contains them, but each unique action token is *trained* in one row only (the
   first, in DFS order, that contains its turn). This is the fallback for attention kernels without custom masks.
+- `pack_cheapest` (the trainers' ``packing="auto"``) picks one of the two per batch from the cost of the forward:
+  a dense-mask kernel pays all T² pairs of a tree row, so very long tree rows can cost more than their path rows.
 
 Visibility rule
 ---------------
@@ -95,6 +97,11 @@ class PackedTrees:
     def to(self, device: torch.device | str) -> PackedTrees:
         return PackedTrees(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
+    def row(self, n: int, r: int = 0) -> dict[str, Tensor]:
+        """Row r of tree n without its padding, as the dict of 1-D views that `pad_rows` stacks."""
+        size = int(self.valid[n, r])
+        return {f.name: getattr(self, f.name)[n, r, :size] for f in fields(self) if f.name != "valid"}
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Packing
@@ -131,7 +138,7 @@ def pack_trees(
             )
     build = _tree_rows if layout == "tree" else _path_rows
     rows = [build(tree) for tree in trees]
-    return _pad(rows, pad_token_id, pad_to_multiple_of)
+    return pad_rows(rows, pad_token_id, pad_to_multiple_of)
 
 
 def _tree_rows(tree: RolloutTree) -> list[dict[str, Tensor]]:
@@ -206,8 +213,16 @@ def _pack_row(tree: RolloutTree, nodes: list[int], parents: list[int], trained: 
     }
 
 
-def _pad(rows: list[list[dict[str, Tensor]]], pad_token_id: int, pad_to_multiple_of: int | None) -> PackedTrees:
-    """Stack ragged rows into [N, R, T]; padding follows the conventions of `PackedTrees`."""
+def pad_rows(
+    rows: list[list[dict[str, Tensor]]], pad_token_id: int, pad_to_multiple_of: int | None = None
+) -> PackedTrees:
+    """Stack ragged rows into [N, R, T]; padding follows the conventions of `PackedTrees`.
+
+    `rows[n]` holds the rows of tree n, each a dict of 1-D tensors of one length keyed by the [N, R, T] fields of
+    `PackedTrees` (as `PackedTrees.row` returns them); R is the most rows of any tree, and a tree with fewer gets empty
+    rows (valid 0). T is the longest row, rounded up to a multiple of `pad_to_multiple_of`. Shared by `pack_trees` and
+    by layouts built from its rows (TreeFlex's `pack_groups`), so the padding convention lives in one place.
+    """
     num_rows = max(len(tree_rows) for tree_rows in rows)
     length = max(row["input_ids"].numel() for tree_rows in rows for row in tree_rows)
     if pad_to_multiple_of:
@@ -333,8 +348,66 @@ def attention_mask_for(attn_implementation: str | None, subtree_end: Tensor, val
     raise ValueError(
         f"Attention implementation {attn_implementation!r} cannot take the tree (ancestor) attention mask. Load the "
         f"model with attn_implementation in {MASKED_IMPLEMENTATIONS} (flex_attention is the fast GPU path), or pack "
-        'with layout="paths", which only needs causal attention.'
+        'with layout="paths", which only needs causal attention (packing="paths" or "auto" in the tree configs).'
     )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Choosing the layout from the cost of the forward
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def token_weight(config) -> float:
+    """Multiply-adds of one token through a decoder layer's projections and MLP, in units of one attention score
+    pair (q·k and the weighted v: 2 × the query width).
+
+    Attention with a dense mask (sdpa, eager) computes all T² pairs of a tree row, whereas causal path rows cost about
+    half of each row's L², for shorter L; the projections and MLP cost the same per token in both layouts. This
+    weight is their exchange rate: for a 256-wide test model it predicts 1536 and the CPU timings of the packing
+    benchmark give ~1570. Read from a transformers config (gated MLP; GQA through `num_key_value_heads`).
+    """
+    hidden = config.hidden_size
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    q_width = heads * head_dim
+    kv_width = (getattr(config, "num_key_value_heads", None) or heads) * head_dim
+    intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
+    per_token = hidden * q_width + 2 * hidden * kv_width + q_width * hidden + 3 * hidden * intermediate
+    return per_token / (2 * q_width)
+
+
+def forward_cost(packed: PackedTrees, weight: float) -> float:
+    """Relative cost of `packed_token_logps` on `packed` with a dense-mask kernel: `weight` per forwarded token plus
+    one per attention score pair. It mirrors the forward: empty rows skipped, rows cut to the widest valid row, plain
+    causal rows scoring T(T + 1)/2 pairs, ancestor-masked rows all T²."""
+    valid = packed.valid.reshape(-1)
+    kept = valid > 0
+    rows, width = int(kept.sum()), int(valid.max())
+    subtree_end = packed.subtree_end.reshape(valid.numel(), -1)[kept, :width]
+    pairs = width * (width + 1) / 2 if _rows_are_causal(subtree_end, valid[kept]) else width * width
+    return rows * (weight * width + pairs)
+
+
+def pack_cheapest(
+    trees: list[RolloutTree], pad_token_id: int, config, pad_to_multiple_of: int | None = None
+) -> PackedTrees:
+    """Pack `trees` in the layout whose forward costs less for a model with this `config` (`packing="auto"`).
+
+    flex_attention skips masked blocks, so the tree row (unique tokens once) is never dearer: "tree". A kernel that
+    takes no custom mask (flash-attention): "paths". A dense-mask kernel (sdpa, eager) pays every T² pair of a tree
+    row, so a long tree row can cost more than its causal path rows although it forwards fewer tokens (CPU, sdpa:
+    0.42× the speed of paths at 13k tokens per row); both packings are built (cheap next to the forward) and the one
+    with the smaller `forward_cost` is kept. Either layout gives the same log-probs and trains each token once.
+    """
+    attention = getattr(config, "_attn_implementation", None)
+    if attention == "flex_attention":
+        return pack_trees(trees, pad_token_id, "tree", pad_to_multiple_of)
+    if attention not in MASKED_IMPLEMENTATIONS:
+        return pack_trees(trees, pad_token_id, "paths", pad_to_multiple_of)
+    tree = pack_trees(trees, pad_token_id, "tree", pad_to_multiple_of)
+    paths = pack_trees(trees, pad_token_id, "paths", pad_to_multiple_of)
+    weight = token_weight(config)
+    return tree if forward_cost(tree, weight) <= forward_cost(paths, weight) else paths
 
 
 # ----------------------------------------------------------------------------------------------------------------

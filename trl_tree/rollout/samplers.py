@@ -115,6 +115,7 @@ class SamplerSettings:
     tool_timeout: float | None = 30.0
     max_observation_chars: int | None = 16384
     failure_penalty: float = -1.0
+    malformed_tool_calls: str = "observe"  # or "end" (TreeConfig.malformed_tool_calls)
 
 
 class TurnLoop:
@@ -175,15 +176,16 @@ class TurnLoop:
         if not out.finished or (not calls and not malformed) or last_turn_allowed:
             branch.done = True
             return
+        if malformed and s.malformed_tool_calls == "end":  # TRL's loop: no parsed call, so the turn is final
+            self._record_tool_results(branch, turn, [_malformed_result()])
+            branch.done = True
+            return
         results = (
             [run_tool_call(call, branch.tools, s.tool_timeout, s.max_observation_chars) for call in calls]
             if calls
             else [_malformed_result()]
         )
-        branch.tool_calls += len(results)
-        failures = sum(r.failed for r in results)
-        branch.tool_failures += failures
-        turn.penalty = s.failure_penalty * failures
+        self._record_tool_results(branch, turn, results)
         tool_messages = [{"role": "tool", "name": r.name, "content": r.content} for r in results]
         obs = self.observation_ids(tool_messages)
         if branch.completion_len + len(obs) >= s.max_completion_length:
@@ -192,6 +194,13 @@ class TurnLoop:
         turn.observation_ids = list(obs)
         branch.messages.extend(tool_messages)
         branch.prefix_ids = branch.prefix_ids + list(obs)
+
+    def _record_tool_results(self, branch: Branch, turn: Turn, results) -> None:
+        """Count the turn's tool calls and failures, and put the process penalty on the turn that made them."""
+        branch.tool_calls += len(results)
+        failures = sum(r.failed for r in results)
+        branch.tool_failures += failures
+        turn.penalty = self.settings.failure_penalty * failures
 
 
 def _join_head(head: Turn | None, out) -> tuple[list[int], list[float], list[float] | None]:

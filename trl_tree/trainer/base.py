@@ -27,7 +27,7 @@ from trl.data_utils import is_conversational
 from trl.trainer.utils import is_async_callable
 
 from .. import credit, losses
-from ..packing import PackedTrees, pack_trees, packed_token_logps
+from ..packing import PackedTrees, pack_cheapest, pack_trees, packed_token_logps, unwrap_model
 from ..rollout.engine import HFEngine
 from ..rollout.env import environment_tools
 from ..rollout.samplers import SamplerSettings, TreeRoot, TurnLoop
@@ -120,6 +120,7 @@ class TreeTrainer(GRPOTrainer):
             tool_timeout=self.args.tool_timeout,
             max_observation_chars=self.args.max_observation_chars,
             failure_penalty=self.args.tool_failure_penalty,
+            malformed_tool_calls=self.args.malformed_tool_calls,
         )
         return TurnLoop(
             engine=_EngineProxy(self),
@@ -179,7 +180,9 @@ class TreeTrainer(GRPOTrainer):
         batches, per_turn, forward_tokens = [], [], 0
         for start in range(0, len(trees), size):
             chunk = trees[start : start + size]
-            packed = pack_trees(chunk, self._tokenizer.pad_token_id, layout=self.args.packing)
+            packed = self._pack(chunk)
+            if self.args.packing == "auto":
+                self._metrics[mode]["tree/packed_as_tree"].append(float(packed.input_ids.shape[1] == 1))
             old_logps = self._behaviour_logps(packed, chunk)
             if self.mask_truncated_completions:
                 _mask_truncated_turns(packed, chunk)
@@ -191,6 +194,14 @@ class TreeTrainer(GRPOTrainer):
             forward_tokens += packed.num_forward_tokens
         self._log_generation(mode, prompts, trees, branches_per_tree, rewards, per_turn, forward_tokens)
         return batches
+
+    def _pack(self, trees: list[RolloutTree]) -> PackedTrees:
+        """One micro-batch of trees in the configured layout ("auto": the cheaper forward for this model)."""
+        if self.args.packing == "auto":
+            packed = pack_cheapest(trees, self._tokenizer.pad_token_id, unwrap_model(self.model).config)
+        else:
+            packed = pack_trees(trees, self._tokenizer.pad_token_id, layout=self.args.packing)
+        return packed
 
     def _prepare_roots(self, inputs):
         """Reset one environment per prompt (its tools and state are the tree's root) and render the prompts."""
