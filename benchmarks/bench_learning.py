@@ -33,6 +33,8 @@ import time
 
 import torch
 from common import (
+    TASK_LIMITS,
+    TASK_SIZES,
     BatchMeter,
     add_budget_arguments,
     budget_from_args,
@@ -60,19 +62,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, default=3, help="seeds per method (0, 1, ...)")
     p.add_argument("--generation_batches", type=int, default=10, help="generation batches per run")
     p.add_argument("--eval_every", type=int, default=2, help="evaluate every this many generation batches")
-    add_budget_arguments(p, learning_rate=2e-4, max_turns=4, max_completion_length=384)
+    p.add_argument("--task", choices=sorted(TASK_LIMITS), default="search",
+                   help="search: synthetic multi-hop QA with BM25 (the paper's setting, EM); calculator: arithmetic "
+                        "with one tool call, a task the tiny model can do (held-out reward = exact final answer)")
+    add_budget_arguments(p, learning_rate=2e-4, max_turns=None, max_completion_length=None)
     p.add_argument("--format_reward_weight", type=float, default=0.0,
                    help="add the well-formed-answer reward with this weight (0: the paper's reward alone)")
-    p.add_argument("--num_train", type=int, default=200, help="training questions")
-    p.add_argument("--num_test", type=int, default=48, help="held-out questions (greedy EM; the task is built "
-                   "with this many, so changing it changes the world and the cached warm start)")
-    p.add_argument("--warm_start_steps", type=int, default=600, help="SFT steps on scripted trajectories (cached)")
+    p.add_argument("--num_train", type=int, default=None, help="training questions (default: 200 search, 64 calculator)")
+    p.add_argument("--num_test", type=int, default=None, help="held-out questions (default: 48 search, 32 calculator; "
+                   "the search world is built from both counts, so changing them changes the cached warm start)")
+    p.add_argument("--warm_start_steps", type=int, default=None,
+                   help="SFT steps on scripted trajectories (cached; default: 600 search, 150 calculator)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: 1 on CPU)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 1 seed, 1 generation batch of 2 prompts, 2 test questions, no warm start")
     p.add_argument("--plot", default=None, help="write the EM-vs-rollout-tokens plot here (PNG)")
     p.add_argument("--output", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
+    for name, default in TASK_LIMITS[args.task].items():
+        setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
+    args.num_train = args.num_train or TASK_SIZES[args.task][0]
+    args.num_test = args.num_test or TASK_SIZES[args.task][1]
     if args.quick:
         args.seeds, args.generation_batches, args.eval_every, args.prompts, args.blocks = 1, 1, 1, 2, 1
         args.num_train, args.num_test, args.warm_start_steps = 8, 2, 0
@@ -84,8 +94,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 class HeldOutEvaluation(TrainerCallback):
-    """Greedy EM / F1 / format rate on the held-out questions, before training and every `every` generation batches,
-    against the rollout tokens sampled so far (read from the `BatchMeter`)."""
+    """Greedy EM / F1 / format rate and the task's own reward (`reward`: F1 ≥ 0.3 for search, the exact final number
+    for the calculator) on the held-out questions, before training and every `every` generation batches, against the
+    rollout tokens sampled so far (read from the `BatchMeter`)."""
 
     def __init__(self, trainer, meter: BatchMeter, task, settings, every_steps: int):
         self.trainer, self.meter, self.task, self.settings = trainer, meter, task, settings
@@ -100,14 +111,17 @@ class HeldOutEvaluation(TrainerCallback):
         result = evaluate_agent(model, self.trainer.processing_class, self.task.test_rows, self.task.tools,
                                 self.settings)
         batches = self.meter.batches
-        point = {"generation_batches": generation_batches,
+        records = result.records
+        task_reward = self.task.reward_funcs[0]([r["completion"] for r in records],
+                                                answer=[r["answer"] for r in records])
+        point = {"generation_batches": generation_batches, "reward": statistics.fmean(task_reward),
                  "rollout_tokens": sum(b.generated_tokens for b in batches),
                  "leaves": sum(b.leaves for b in batches),
                  **{k: v for k, v in result.summary().items() if k != "num_questions"},
                  "eval_seconds": time.perf_counter() - start}
         self.curve.append(point)
         print(f"  batch {generation_batches:>3}  tokens {point['rollout_tokens']:>7}  EM {point['exact_match']:.3f}  "
-              f"F1 {point['f1']:.3f}  format {point['format_rate']:.2f}", flush=True)
+              f"F1 {point['f1']:.3f}  format {point['format_rate']:.2f}  reward {point['reward']:.3f}", flush=True)
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.evaluate(0)
@@ -151,11 +165,12 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
     for method, seeds in runs.items():
         row = {}
         for name, pick in (("initial", lambda c: c[0]), ("final", lambda c: c[-1])):
-            for metric in ("exact_match", "f1", "format_rate"):
+            for metric in ("exact_match", "f1", "format_rate", "reward"):
                 row[f"{name}_{metric}_mean"], row[f"{name}_{metric}_std"] = mean_std(
                     [pick(r["curve"])[metric] for r in seeds])
-        row["best_exact_match_mean"], row["best_exact_match_std"] = mean_std(
-            [max(p["exact_match"] for p in r["curve"]) for r in seeds])
+        for metric in ("exact_match", "reward"):
+            row[f"best_{metric}_mean"], row[f"best_{metric}_std"] = mean_std(
+                [max(p[metric] for p in r["curve"]) for r in seeds])
         row["rollout_tokens_mean"], row["rollout_tokens_std"] = mean_std([r["curve"][-1]["rollout_tokens"]
                                                                           for r in seeds])
         row["train_reward_mean"], row["train_reward_std"] = mean_std(
@@ -164,8 +179,9 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
     return summary
 
 
-def plot(runs: dict[str, list[dict]], path: str, title: str) -> None:
-    """EM against rollout tokens: the mean over seeds at each evaluation point, ± one std shaded."""
+def plot(runs: dict[str, list[dict]], path: str, title: str, metric: str = "exact_match") -> None:
+    """`metric` (held-out EM, or the task's reward) against rollout tokens: the mean over seeds at each evaluation
+    point, ± one std shaded."""
     try:
         import matplotlib
 
@@ -178,12 +194,12 @@ def plot(runs: dict[str, list[dict]], path: str, title: str) -> None:
     for method, seeds in runs.items():
         points = min(len(r["curve"]) for r in seeds)
         tokens = [statistics.fmean(r["curve"][i]["rollout_tokens"] for r in seeds) for i in range(points)]
-        stats = [mean_std([r["curve"][i]["exact_match"] for r in seeds]) for i in range(points)]
+        stats = [mean_std([r["curve"][i][metric] for r in seeds]) for i in range(points)]
         mean = [m for m, _ in stats]
         axes.plot(tokens, mean, marker="o", label=method)
         axes.fill_between(tokens, [m - s for m, s in stats], [m + s for m, s in stats], alpha=0.2)
     axes.set_xlabel("rollout tokens sampled")
-    axes.set_ylabel("held-out exact match (greedy)")
+    axes.set_ylabel({"exact_match": "held-out exact match (greedy)"}.get(metric, f"held-out {metric} (greedy)"))
     axes.set_title(title, fontsize=9)
     axes.legend()
     figure.tight_layout()
@@ -195,7 +211,7 @@ def main(argv=None):
     args = parse_args(argv)
     if not torch.cuda.is_available():
         torch.set_num_threads(args.threads or 1)
-    task = make_task("search", args.num_train, args.num_test)
+    task = make_task(args.task, args.num_train, args.num_test)
     model_path = warm_started_model(task, args.model_name_or_path, args.warm_start_steps)
     if args.format_reward_weight:
         task.reward_funcs = [*task.reward_funcs, format_reward]
@@ -206,19 +222,25 @@ def main(argv=None):
             runs[method].append(run(method, seed, model_path, task, args))
 
     summary = summarize(runs)
-    rows = [{"method": m,
-             "EM before": _pm(s, "initial_exact_match"), "EM after": _pm(s, "final_exact_match"),
-             "best EM": _pm(s, "best_exact_match"), "F1 after": _pm(s, "final_f1"),
-             "format after": _pm(s, "final_format_rate"), "train reward": _pm(s, "train_reward"),
-             "rollout tokens": _pm(s, "rollout_tokens", digits=0)} for m, s in summary.items()]
-    print(f"\nHeld-out greedy EM on {args.num_test} questions, {args.seeds} seed(s), mean ± std, after "
-          f"{args.generation_batches} generation batches of {args.prompts} prompts\n")
+    if args.task == "search":
+        columns = {"EM before": "initial_exact_match", "EM after": "final_exact_match", "best EM": "best_exact_match",
+                   "F1 after": "final_f1", "format after": "final_format_rate"}
+        headline, task_title = "exact_match", "synthetic multi-hop search, reward F1>=0.3"
+    else:  # the calculator's answers are plain text, not <answer> spans: its own reward is the held-out measure
+        columns = {"held-out reward before": "initial_reward", "held-out reward after": "final_reward",
+                   "best held-out reward": "best_reward"}
+        headline, task_title = "reward", "calculator tool, reward = exact final answer"
+    rows = [{"method": m, **{label: _pm(s, key) for label, key in columns.items()},
+             "train reward": _pm(s, "train_reward"), "rollout tokens": _pm(s, "rollout_tokens", digits=0)}
+            for m, s in summary.items()]
+    print(f"\nHeld-out greedy answers to {args.num_test} questions ({args.task}), {args.seeds} seed(s), mean ± std, "
+          f"after {args.generation_batches} generation batches of {args.prompts} prompts\n")
     print(markdown_table(rows, list(rows[0])))
-    title = (f"synthetic multi-hop search, tiny Qwen3; P={args.prompts}, E={args.blocks}, G={args.group_size} vs "
-             f"(M,N)=({args.num_initial_rollouts},{args.num_branches}); {args.seeds} seeds; reward F1>=0.3"
+    title = (f"{task_title}, tiny Qwen3; P={args.prompts}, E={args.blocks}, G={args.group_size} vs "
+             f"(M,N)=({args.num_initial_rollouts},{args.num_branches}); {args.seeds} seeds"
              + (f" + {args.format_reward_weight:g} x format" if args.format_reward_weight else ""))
     if args.plot:
-        plot(runs, args.plot, title)
+        plot(runs, args.plot, title, metric=headline)
     if args.output:
         write_json(args.output, {"config": {**vars(args), "model_path": model_path}, "environment": environment(),
                                  "summary": summary, "runs": runs})

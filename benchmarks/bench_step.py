@@ -37,6 +37,7 @@ from dataclasses import asdict
 
 import torch
 from common import (
+    TASK_LIMITS,
     BatchMeter,
     BatchRecord,
     add_budget_arguments,
@@ -58,9 +59,6 @@ VARIANTS = {  # name -> (method, packing)
     "treeopsd_paths": ("treeopsd", "paths"),
     "flat_grpo": ("flat_grpo", "tree"),
 }
-
-TASK_LIMITS = {"calculator": {"max_turns": 3, "max_completion_length": 96},
-               "search": {"max_turns": 4, "max_completion_length": 384}}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -134,6 +134,9 @@ def search_task(
 
 
 TASK_SIZES = {"calculator": (64, 32), "search": (200, 48)}  # default (train, test) questions
+# default turn and token limits per task, and SFT steps of the cached warm start that gets the tiny model going
+TASK_LIMITS = {"calculator": {"max_turns": 3, "max_completion_length": 96, "warm_start_steps": 150},
+               "search": {"max_turns": 4, "max_completion_length": 384, "warm_start_steps": 600}}
 
 
 def make_task(name: str, num_train: int | None = None, num_test: int | None = None, seed: int = 0) -> Task:

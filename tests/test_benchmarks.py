@@ -51,15 +51,17 @@ def test_bench_step_quick_writes_the_keys_of_the_issue(tmp_path):
     assert all(len(result[v]["per_batch"]) == 1 for v in ("grpo", "treeopsd_tree", "treeopsd_paths", "flat_grpo"))
 
 
-def test_bench_learning_quick_writes_curves_and_a_summary_per_method(tmp_path):
-    result = run_benchmark("bench_learning.py", "--quick", "--plot", str(tmp_path / "plot.png"), tmp_path=tmp_path)
+@pytest.mark.parametrize("task", ["search", "calculator"])
+def test_bench_learning_quick_writes_curves_and_a_summary_per_method(tmp_path, task):
+    result = run_benchmark("bench_learning.py", "--quick", "--task", task, "--plot", str(tmp_path / "plot.png"),
+                           tmp_path=tmp_path)
     assert set(result["summary"]) == set(result["runs"]) == {"grpo", "treepo", "treeopsd"}
     for method, seeds in result["runs"].items():
         assert len(seeds) == 1
         curve = seeds[0]["curve"]
         assert [p["generation_batches"] for p in curve] == [0, 1], method
-        assert {"exact_match", "f1", "format_rate", "rollout_tokens"} <= set(curve[-1])
-        for key in ("final_exact_match_mean", "final_exact_match_std", "rollout_tokens_mean"):
+        assert {"exact_match", "f1", "format_rate", "reward", "rollout_tokens"} <= set(curve[-1])
+        for key in ("final_exact_match_mean", "final_exact_match_std", "final_reward_mean", "rollout_tokens_mean"):
             assert isinstance(result["summary"][method][key], float)
 
 
@@ -69,6 +71,7 @@ def test_bench_packing_gpu_cpu_smoke_writes_runs(tmp_path):
     for run in result["runs"]:
         assert {"seconds", "forward_tokens", "unique_tokens", "path_tokens", "max_abs_logp_diff_vs_paths"} <= set(run)
     assert result["speedup_paths_over_tree"]
+    assert {choice["picks"] for choice in result["auto_sdpa"].values()} <= {"tree", "paths"}
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -116,6 +116,18 @@ def test_static_cache_is_fresh_and_sized_to_each_call(trainer, prefixes, monkeyp
     assert seen == [None, None]
 
 
+def test_synchronised_generation_keeps_the_dynamic_cache(trainer, prefixes, monkeypatch):
+    """ZeRO-3 / FSDP on several processes step a finished rank on until every rank is done, past its own budget (the
+    launched ZeRO-3 test runs this for real); on one process there is nothing to synchronise."""
+    import trl_tree.rollout.engine as engine_module
+
+    assert not engine_module._synced_generation(trainer.model)
+    seen = _spy_generate(monkeypatch, trainer.model)
+    monkeypatch.setattr(engine_module, "_synced_generation", lambda model: True)
+    _engine(trainer, monkeypatch, "static").generate(prefixes, BUDGETS)
+    assert seen == [None]
+
+
 def test_model_without_static_cache_support_falls_back_with_one_warning(trainer, prefixes, monkeypatch, caplog):
     expected = _sample(_engine(trainer, monkeypatch, "dynamic"), prefixes)
     monkeypatch.setattr(type(trainer.model), "_can_compile_fullgraph", False)

@@ -57,7 +57,8 @@ class HFEngine:
     generation time on a search-agent profile). Not `cache_implementation="static"`: transformers then sizes every
     later cache to the longest call seen so far (`_previous_max_cache_length`), which made short calls 1.6–1.75×
     slower after one long call. Models that cannot hold a static cache (encoder-decoder, linear-attention or custom
-    caches, `_can_compile_fullgraph` unset) use the dynamic cache, with one warning.
+    caches, `_can_compile_fullgraph` unset) use the dynamic cache, with one warning; so do ZeRO-3 / FSDP runs on
+    several processes, whose synchronised generation steps a finished rank on past its own budget.
     """
 
     def __init__(self, trainer, with_scores: bool = False):
@@ -80,8 +81,8 @@ class HFEngine:
     def _static_cache(self, model, max_cache_len: int):
         """A `StaticCache` for `model` (unwrapped; PEFT's base model is looked through), or None to let `generate`
         build its default cache: `generation_cache="dynamic"`, a `cache_implementation` asked for explicitly (by the
-        trainer's generation config or the checkpoint's), or a model that cannot hold one."""
-        if self.cache != "static":
+        trainer's generation config or the checkpoint's), synchronised generation, or a model that cannot hold one."""
+        if self.cache != "static" or _synced_generation(model):
             return None
         base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
         asked = [getattr(c, "cache_implementation", None) for c in (self.trainer.generation_config,
@@ -166,6 +167,20 @@ class HFEngine:
                 )
             )
         return results
+
+
+def _synced_generation(model) -> bool:
+    """Whether `generate` runs with `synced_gpus` (ZeRO-3 or FSDP on several processes, transformers' own rule): a
+    rank that has finished keeps stepping the model until every rank has, i.e. up to the largest budget of any rank,
+    past a cache sized to its own budget. Such runs keep the dynamic cache."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    if torch.distributed.get_world_size() < 2:
+        return False
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    from transformers.integrations.fsdp import is_fsdp_managed_module
+
+    return is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model)
 
 
 class ScriptedEngine:
