@@ -112,8 +112,9 @@ class HeldOutEvaluation(TrainerCallback):
                                 self.settings)
         batches = self.meter.batches
         records = result.records
-        task_reward = self.task.reward_funcs[0]([r["completion"] for r in records],
-                                                answer=[r["answer"] for r in records])
+        task_reward = self.task.reward_funcs[0](  # TRL's reward signature, keywords only
+            prompts=[self.task.test_rows[r["index"]]["prompt"] for r in records],
+            completions=[r["completion"] for r in records], answer=[r["answer"] for r in records])
         point = {"generation_batches": generation_batches, "reward": statistics.fmean(task_reward),
                  "rollout_tokens": sum(b.generated_tokens for b in batches),
                  "leaves": sum(b.leaves for b in batches),
@@ -175,6 +176,10 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
                                                                           for r in seeds])
         row["train_reward_mean"], row["train_reward_std"] = mean_std(
             [statistics.fmean(r["train_reward"]) if r["train_reward"] else 0.0 for r in seeds])
+        # the training reward at the start and at the end: the first and the last third of the generation batches
+        for name, part in (("first", lambda x: x[: max(1, len(x) // 3)]), ("last", lambda x: x[-max(1, len(x) // 3):])):
+            row[f"train_reward_{name}_mean"], row[f"train_reward_{name}_std"] = mean_std(
+                [statistics.fmean(part(r["train_reward"])) if r["train_reward"] else 0.0 for r in seeds])
         summary[method] = row
     return summary
 
@@ -231,7 +236,8 @@ def main(argv=None):
                    "best held-out reward": "best_reward"}
         headline, task_title = "reward", "calculator tool, reward = exact final answer"
     rows = [{"method": m, **{label: _pm(s, key) for label, key in columns.items()},
-             "train reward": _pm(s, "train_reward"), "rollout tokens": _pm(s, "rollout_tokens", digits=0)}
+             "train reward": _pm(s, "train_reward"), "train reward, first third": _pm(s, "train_reward_first"),
+             "train reward, last third": _pm(s, "train_reward_last"), "rollout tokens": _pm(s, "rollout_tokens", digits=0)}
             for m, s in summary.items()]
     print(f"\nHeld-out greedy answers to {args.num_test} questions ({args.task}), {args.seeds} seed(s), mean ± std, "
           f"after {args.generation_batches} generation batches of {args.prompts} prompts\n")
