@@ -16,6 +16,7 @@ from test_trainer_scripted import CounterEnv  # the same stateful counter world
 from trl.trainer.utils import split_tensor_dict
 
 from trl_tree import TreeFlexConfig, TreeFlexTrainer, Turn, losses
+from trl_tree.packing import PackedTrees, packed_token_logps
 from trl_tree.rollout.engine import ScriptedEngine
 from trl_tree.rollout.flex_harness import (
     EXECUTION,
@@ -332,6 +333,25 @@ def test_loss_is_the_group_aggregate_and_exact_under_micro_batch_splitting(tmp_p
         halves = [trainer.compute_loss(trainer.model, half).item() for half in split_tensor_dict(batch, 2)]
     assert math.isclose(full, sum(expected) / 2, rel_tol=1e-5)
     assert all(math.isclose(h, e, rel_tol=1e-5) for h, e in zip(halves, expected))
+
+
+def test_pi_old_is_recomputed_per_micro_batch_so_the_first_block_ratio_is_exactly_one(tmp_path):
+    """Two groups of different lengths, one micro-batch each: each micro-batch's π_old comes from the same packed
+    forward (same width) that the loss runs, so at θ_old every trained token's log-ratio is exactly 0, not ~1e-9."""
+    trainer, groups = _trainer(tmp_path, n_prompts=2, steps_per_generation=2)
+    tok = trainer.processing_class
+    trainer.generation_engine = ScriptedEngine(_Doubled(tok), [tok.convert_tokens_to_ids("<|im_end|>")])
+    long = {**trainer.train_dataset[1], "prompt": [{"role": "user", "content": "What is 1+1? " + "Think. " * 40}]}
+    batches = trainer._generate_micro_batches([trainer.train_dataset[0], long], 2)
+    assert len(batches) == 2 and all(b["input_ids"].shape[0] == 1 for b in batches)
+    assert batches[0]["valid"].max() < batches[1]["valid"].max()  # a whole-batch forward would pad the first
+    for batch in batches:
+        packed = PackedTrees.from_dict(batch)
+        with torch.no_grad():
+            logps, _ = packed_token_logps(trainer.model, packed, temperature=trainer.temperature)
+        trained = packed.turn_ids >= 0
+        assert trained.any()
+        assert torch.equal(logps[trained], batch["old_logps"][trained])
 
 
 class _Doubled(TwoRoleScript):

@@ -409,13 +409,10 @@ class TreeFlexTrainer(TreeTrainer):
     # ---------------------------------------------------------------- generation
 
     def _generate_micro_batches(self, inputs: list[dict[str, Any]], num_chunks: int) -> list[dict[str, Tensor]]:
-        """One generation batch of whole groups, split along dim 0 like GRPOTrainer does (π_old is recomputed once
-        for the whole batch here, so the first block's log-ratio is ~1e-9 rather than exactly 0)."""
-        from trl.trainer.utils import split_tensor_dict
-
-        return split_tensor_dict(self._generate_and_score_completions(inputs), num_chunks)
-
-    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Tensor]:
+        """Run the harness on one generation batch of tasks, score the searches, then pack whole groups per
+        micro-batch and recompute π_old per micro-batch with the very packed forward that trains it (T6: the first
+        block's log-ratio is exactly 0; a whole-batch forward differs from the micro-batch's by ~1e-9, which Adam
+        turns into real updates when every advantage is 0)."""
         mode = "train" if self.model.training else "eval"
         if any("image" in x or "images" in x for x in inputs):
             raise ValueError("TreeFlexTrainer supports text-only prompts; this batch has images.")
@@ -433,15 +430,22 @@ class TreeFlexTrainer(TreeTrainer):
                 return self.process_penalty(example, search, block, i)
 
             groups.append(FlexGroup.build(searches, r, roles, extra, self.mask_truncated_completions))
-        packed = pack_groups(groups, self._tokenizer.pad_token_id)
-        device_packed = packed.to(self.accelerator.device)
-        with torch.no_grad():  # T6: π_old recomputed by the training model in the same packed forward code
-            old_logps, _ = packed_token_logps(self.model, device_packed, temperature=self.temperature)
-        per_turn = [self.turn_credit(g) for g in groups]
-        batch = {**device_packed.to_dict(), "old_logps": old_logps.detach()}
-        batch.update(_pad_per_turn(per_turn, self.accelerator.device))
-        self._log_flex(mode, prompts, groups, scores, per_turn, packed)
-        return batch
+        size = len(groups) // num_chunks
+        batches, per_turn, forward_tokens = [], [], 0
+        for start in range(0, len(groups), size):
+            chunk = groups[start : start + size]
+            packed = pack_groups(chunk, self._tokenizer.pad_token_id)
+            device_packed = packed.to(self.accelerator.device)
+            with torch.no_grad():
+                old_logps, _ = packed_token_logps(self.model, device_packed, temperature=self.temperature)
+            credit_of_chunk = [self.turn_credit(g) for g in chunk]
+            batch = {**device_packed.to_dict(), "old_logps": old_logps.detach()}
+            batch.update(_pad_per_turn(credit_of_chunk, self.accelerator.device))
+            batches.append(batch)
+            per_turn += credit_of_chunk
+            forward_tokens += packed.num_forward_tokens
+        self._log_flex(mode, prompts, groups, scores, per_turn, forward_tokens)
+        return batches
 
     # ---------------------------------------------------------------- loss
 
@@ -468,7 +472,7 @@ class TreeFlexTrainer(TreeTrainer):
 
     # ---------------------------------------------------------------- metrics
 
-    def _log_flex(self, mode, prompts, groups: list[FlexGroup], scores, per_turn, packed: PackedTrees):
+    def _log_flex(self, mode, prompts, groups: list[FlexGroup], scores, per_turn, forward_tokens: int):
         metrics = self._metrics[mode]
         device = self.accelerator.device
         all_scores = self.accelerator.gather(torch.cat(scores).to(device)).float()
@@ -502,7 +506,7 @@ class TreeFlexTrainer(TreeTrainer):
                                             reduction="sum")
             metrics["tools/failure_frequency"].append((total[0] / total[1].clamp(min=1)).item())
         if mode == "train":
-            tokens = torch.tensor(float(packed.num_forward_tokens), device=device)
+            tokens = torch.tensor(float(forward_tokens), device=device)
             self.state.num_input_tokens_seen += int(self.accelerator.reduce(tokens, reduction="sum").item())
         if self.log_completions:
             self._log_flex_completions(prompts, groups)
