@@ -198,10 +198,8 @@ class TreeTrainer(GRPOTrainer):
     def _pack(self, trees: list[RolloutTree]) -> PackedTrees:
         """One micro-batch of trees in the configured layout ("auto": the cheaper forward for this model)."""
         if self.args.packing == "auto":
-            packed = pack_cheapest(trees, self._tokenizer.pad_token_id, unwrap_model(self.model).config)
-        else:
-            packed = pack_trees(trees, self._tokenizer.pad_token_id, layout=self.args.packing)
-        return packed
+            return pack_cheapest(trees, self._tokenizer.pad_token_id, unwrap_model(self.model).config)
+        return pack_trees(trees, self._tokenizer.pad_token_id, layout=self.args.packing)
 
     def _prepare_roots(self, inputs):
         """Reset one environment per prompt (its tools and state are the tree's root) and render the prompts."""
