@@ -176,24 +176,36 @@ class TreeTrainer(GRPOTrainer):
             RolloutTree.from_trajectories(root.prompt_ids, [b.turns for b in branches], r.tolist())
             for root, branches, r in zip(roots, branches_per_tree, rewards)
         ]
-        size = len(trees) // num_chunks
+        batches, per_turn, forward_tokens = self._micro_batches(trees, num_chunks, mode)
+        self._log_generation(mode, prompts, trees, branches_per_tree, rewards, per_turn, forward_tokens)
+        return batches
+
+    def _micro_batches(self, units: list, num_chunks: int, mode: str):
+        """Split whole units (trees; TreeFlex's groups) into `num_chunks` micro-batches. Each is packed, gets π_old
+        from the very packed forward that will train it (T6: the first block's log-ratio is exactly 0), and its
+        credit. Returns the batches, every unit's per-turn credit, and the tokens the packed forwards process."""
+        size = len(units) // num_chunks
         batches, per_turn, forward_tokens = [], [], 0
-        for start in range(0, len(trees), size):
-            chunk = trees[start : start + size]
-            packed = self._pack(chunk)
-            if self.args.packing == "auto":
-                self._metrics[mode]["tree/packed_as_tree"].append(float(packed.input_ids.shape[1] == 1))
-            old_logps = self._behaviour_logps(packed, chunk)
-            if self.mask_truncated_completions:
-                _mask_truncated_turns(packed, chunk)
-            credit_of_chunk = [self.turn_credit(tree) for tree in chunk]
+        for start in range(0, len(units), size):
+            chunk = units[start : start + size]
+            packed, old_logps = self._pack_with_behaviour_logps(chunk, mode)
+            credit_of_chunk = [self.turn_credit(unit) for unit in chunk]
             batch = {**packed.to(self.accelerator.device).to_dict(), "old_logps": old_logps}
             batch.update(_pad_per_turn(credit_of_chunk, self.accelerator.device))
             batches.append(batch)
             per_turn += credit_of_chunk
             forward_tokens += packed.num_forward_tokens
-        self._log_generation(mode, prompts, trees, branches_per_tree, rewards, per_turn, forward_tokens)
-        return batches
+        return batches, per_turn, forward_tokens
+
+    def _pack_with_behaviour_logps(self, trees: list[RolloutTree], mode: str) -> tuple[PackedTrees, torch.Tensor]:
+        """One micro-batch of trees packed, and π_old's log-probs on it (written back into the trees' turns)."""
+        packed = self._pack(trees)
+        if self.args.packing == "auto":
+            self._metrics[mode]["tree/packed_as_tree"].append(float(packed.input_ids.shape[1] == 1))
+        old_logps = self._behaviour_logps(packed, trees)
+        if self.mask_truncated_completions:
+            _mask_truncated_turns(packed, trees)
+        return packed, old_logps
 
     def _pack(self, trees: list[RolloutTree]) -> PackedTrees:
         """One micro-batch of trees in the configured layout ("auto": the cheaper forward for this model)."""

@@ -46,7 +46,7 @@ from .. import credit, losses
 from ..packing import PackedTrees, pack_trees, packed_token_logps, pad_rows
 from ..rollout.flex_harness import FlexBlock, FlexHarness, FlexKit, FlexSearch, FlexTask, TwoRoleHarness
 from ..tree import RolloutTree
-from .base import TreeTrainer, _pad_per_turn
+from .base import TreeTrainer
 from .config import TreeConfig
 
 HARNESSES = ("two_role",)
@@ -409,10 +409,10 @@ class TreeFlexTrainer(TreeTrainer):
     # ---------------------------------------------------------------- generation
 
     def _generate_micro_batches(self, inputs: list[dict[str, Any]], num_chunks: int) -> list[dict[str, Tensor]]:
-        """Run the harness on one generation batch of tasks, score the searches, then pack whole groups per
-        micro-batch and recompute π_old per micro-batch with the very packed forward that trains it (T6: the first
-        block's log-ratio is exactly 0; a whole-batch forward differs from the micro-batch's by ~1e-9, which Adam
-        turns into real updates when every advantage is 0)."""
+        """Run the harness on one generation batch of tasks, score the searches and build one group per task; then,
+        as for trees (`TreeTrainer._micro_batches`), pack whole groups per micro-batch and recompute π_old on each
+        with the very packed forward that trains it (a whole-batch forward would differ by ~1e-9, which Adam turns
+        into real updates when every advantage is 0)."""
         mode = "train" if self.model.training else "eval"
         if any("image" in x or "images" in x for x in inputs):
             raise ValueError("TreeFlexTrainer supports text-only prompts; this batch has images.")
@@ -430,22 +430,17 @@ class TreeFlexTrainer(TreeTrainer):
                 return self.process_penalty(example, search, block, i)
 
             groups.append(FlexGroup.build(searches, r, roles, extra, self.mask_truncated_completions))
-        size = len(groups) // num_chunks
-        batches, per_turn, forward_tokens = [], [], 0
-        for start in range(0, len(groups), size):
-            chunk = groups[start : start + size]
-            packed = pack_groups(chunk, self._tokenizer.pad_token_id)
-            device_packed = packed.to(self.accelerator.device)
-            with torch.no_grad():
-                old_logps, _ = packed_token_logps(self.model, device_packed, temperature=self.temperature)
-            credit_of_chunk = [self.turn_credit(g) for g in chunk]
-            batch = {**device_packed.to_dict(), "old_logps": old_logps.detach()}
-            batch.update(_pad_per_turn(credit_of_chunk, self.accelerator.device))
-            batches.append(batch)
-            per_turn += credit_of_chunk
-            forward_tokens += packed.num_forward_tokens
+        batches, per_turn, forward_tokens = self._micro_batches(groups, num_chunks, mode)
         self._log_flex(mode, prompts, groups, scores, per_turn, forward_tokens)
         return batches
+
+    def _pack_with_behaviour_logps(self, groups: list[FlexGroup], mode: str) -> tuple[PackedTrees, Tensor]:
+        """One micro-batch of whole groups (one row per block) and π_old's log-probs on it."""
+        packed = pack_groups(groups, self._tokenizer.pad_token_id)
+        with torch.no_grad():
+            old_logps, _ = packed_token_logps(self.model, packed.to(self.accelerator.device),
+                                              temperature=self.temperature)
+        return packed, old_logps
 
     # ---------------------------------------------------------------- loss
 
