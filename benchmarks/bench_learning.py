@@ -40,6 +40,7 @@ from common import (
     budget_from_args,
     build_trainer,
     environment,
+    fill_task_defaults,
     load_model,
     make_task,
     markdown_table,
@@ -79,8 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plot", default=None, help="write the EM-vs-rollout-tokens plot here (PNG)")
     p.add_argument("--output", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
-    for name, default in TASK_LIMITS[args.task].items():
-        setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
+    fill_task_defaults(args)
     args.num_train = args.num_train or TASK_SIZES[args.task][0]
     args.num_test = args.num_test or TASK_SIZES[args.task][1]
     if args.quick:

@@ -44,6 +44,7 @@ from common import (
     budget_from_args,
     build_trainer,
     environment,
+    fill_task_defaults,
     load_model,
     make_task,
     markdown_table,
@@ -87,9 +88,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.quick:
         args.prompts, args.blocks, args.batches, args.warmup = 2, 1, 1, 0
         args.warm_start_steps, args.num_train, args.isolate = 20, 16, False
-    limits = TASK_LIMITS[args.task]
-    args.max_turns = args.max_turns or limits["max_turns"]
-    args.max_completion_length = args.max_completion_length or limits["max_completion_length"]
+    fill_task_defaults(args)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = set(args.variants) - set(VARIANTS)
     if unknown:

@@ -139,6 +139,13 @@ TASK_LIMITS = {"calculator": {"max_turns": 3, "max_completion_length": 96, "warm
                "search": {"max_turns": 4, "max_completion_length": 384, "warm_start_steps": 600}}
 
 
+def fill_task_defaults(args) -> None:
+    """Every `TASK_LIMITS` field of `args` left at None takes the default of `args.task`."""
+    for name, default in TASK_LIMITS[args.task].items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, default)
+
+
 def make_task(name: str, num_train: int | None = None, num_test: int | None = None, seed: int = 0) -> Task:
     """A task by name, with the default sizes unless given (the synthetic world depends on the total number of
     questions, so equal sizes are what lets two benchmarks share a cached warm start)."""
