@@ -61,40 +61,41 @@ def test_a_registered_tool_runs():
     assert (r.content, r.failed) == ("5", False)
 
 
-def test_a_tool_that_raises_becomes_an_error_observation():
+def test_a_tool_that_raises_becomes_an_error_observation_worded_as_grpo():
     r = run_tool_call(call("boom", x="1"), TOOLS, timeout=5, max_chars=1000)
-    assert r.failed and "database is on fire" in r.content and r.content.startswith("Error")
+    assert r.failed and r.content == str({"error": "database is on fire"})  # GRPOTrainer's tool message
 
 
-def test_a_tool_that_hangs_times_out():
+def test_a_tool_that_hangs_times_out_in_a_worker_thread():
     start = time.monotonic()
-    r = run_tool_call(call("hang", x="1"), TOOLS, timeout=0.3, max_chars=1000)
+    r = run_tool_call(call("hang", x="1"), TOOLS, timeout=0.3, max_chars=1000, execution="thread")
     _release.set()
     assert r.failed and "timed out after 0.3 s" in r.content
     assert time.monotonic() - start < 3
 
 
-def test_an_enormous_output_is_truncated_with_a_marker():
+def test_an_enormous_output_is_truncated_with_a_marker_for_the_model_only():
     r = run_tool_call(call("huge", x="1"), TOOLS, timeout=5, max_chars=50)
     assert not r.failed
-    assert r.content.startswith("y" * 50) and r.content.endswith(TRUNCATION_MARKER.format(n=100_000 - 50))
+    assert r.observation == "y" * 50 + TRUNCATION_MARKER.format(n=100_000 - 50)
+    assert r.content == "y" * 100_000  # reward functions get the tool's whole output, as in GRPOTrainer
 
 
 @pytest.mark.parametrize(
     ("tool_call", "message"),
     [
-        (call("rm_rf", path="/"), "unknown tool 'rm_rf'. Available tools: add, boom, hang, huge"),
+        (call("rm_rf", path="/"), "Tool rm_rf not found. Available tools: add, boom, hang, huge"),
         (call("add", a=1), "bad arguments"),
         (call("add", a=1, b=2, c=3), "bad arguments"),
         ({"type": "function", "function": {"name": "add", "arguments": "{not json"}}, "not valid JSON"),
         ({"type": "function", "function": {"name": "add", "arguments": [1, 2]}}, "must be a JSON object"),
-        ({"type": "function", "function": "add"}, "malformed tool call"),
-        ({"type": "code", "function": {"name": "add"}}, "malformed tool call"),
+        ({"type": "function", "function": "add"}, "Malformed tool call: it names no function"),
+        ({"type": "code", "function": {"name": "add"}}, "Unsupported tool call type: code"),
     ],
 )
 def test_unregistered_tools_and_bad_arguments_never_run(tool_call, message):
     r = run_tool_call(tool_call, TOOLS, timeout=5, max_chars=1000)
-    assert r.failed and message in r.content
+    assert r.failed and r.content.startswith("{'error': ") and message in r.content
 
 
 def test_json_string_arguments_are_accepted():

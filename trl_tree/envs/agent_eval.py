@@ -160,6 +160,7 @@ class AgentSettings:
     max_completion_length: int = 512
     max_observation_chars: int | None = 16384
     tool_timeout: float | None = 30.0
+    tool_execution: str = "main"  # or "thread": see TreeConfig.tool_execution
     batch_size: int = 64
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -187,6 +188,7 @@ def run_agent(
             max_completion_length=settings.max_completion_length,
             tool_timeout=settings.tool_timeout,
             max_observation_chars=settings.max_observation_chars,
+            tool_execution=settings.tool_execution,
         ),
     )
     tool_map = {tool.__name__: tool for tool in tools}

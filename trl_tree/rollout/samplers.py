@@ -19,7 +19,7 @@ from typing import Any
 
 from ..tree import RolloutTree, Turn
 from .engine import GenerationEngine
-from .env import environment_tools, fork_environment, run_tool_call
+from .env import ToolResult, check_tool_execution, environment_tools, error_result, fork_environment, run_tool_call
 from .expansion import expansion_anchor, select_expansion_turns, tree_turn_entropies
 
 INVALID_TOOL_NAME = "invalid_tool_call"
@@ -27,7 +27,8 @@ INVALID_TOOL_NAME = "invalid_tool_call"
 
 @dataclass
 class Branch:
-    """One trajectory being grown. `turn_starts[t]` / `message_starts[t]` mark where turn t begins.
+    """One trajectory being grown. `turn_starts[t]` / `message_starts[t]` mark where turn t begins;
+    `calls_per_turn[t]` / `failures_per_turn[t]` count the tool calls turn t made and how many of them failed.
 
     `pending` is the head of an assistant turn that is already in `prefix_ids` but not yet in `turns`: a branch
     restarted inside a turn (`restart_inside`, TreeAdv's token-level branching) continues that turn, and the turn loop
@@ -44,14 +45,25 @@ class Branch:
     snapshots: list[Any] = field(default_factory=list)
     turn_starts: list[int] = field(default_factory=list)
     message_starts: list[int] = field(default_factory=list)
+    calls_per_turn: list[int] = field(default_factory=list)
+    failures_per_turn: list[int] = field(default_factory=list)
     done: bool = False
-    tool_calls: int = 0
-    tool_failures: int = 0
     pending: Turn | None = None
 
     @property
     def completion_len(self) -> int:
         return len(self.prefix_ids) - self.prompt_len
+
+    @property
+    def tool_calls(self) -> int:
+        """Tool calls of the whole trajectory, those of the turns it shares with other branches included (GRPO counts
+        per completion)."""
+        return sum(self.calls_per_turn)
+
+    @property
+    def tool_failures(self) -> int:
+        """Failed or malformed tool calls of the whole trajectory."""
+        return sum(self.failures_per_turn)
 
     def restart_at(self, t: int) -> Branch:
         """A new branch that keeps turns [0, t) and will regenerate turn t (t = 0: resample from the prompt)."""
@@ -68,6 +80,8 @@ class Branch:
             snapshots=list(self.snapshots[:t]),
             turn_starts=list(self.turn_starts[:t]),
             message_starts=list(self.message_starts[:t]),
+            calls_per_turn=list(self.calls_per_turn[:t]),
+            failures_per_turn=list(self.failures_per_turn[:t]),
         )
 
     def turn_at(self, position: int) -> int:
@@ -116,6 +130,10 @@ class SamplerSettings:
     max_observation_chars: int | None = 16384
     failure_penalty: float = -1.0
     malformed_tool_calls: str = "observe"  # or "end" (TreeConfig.malformed_tool_calls)
+    tool_execution: str = "main"  # or "thread" (TreeConfig.tool_execution)
+
+    def __post_init__(self):
+        check_tool_execution(self.tool_execution)
 
 
 class TurnLoop:
@@ -129,6 +147,7 @@ class TurnLoop:
             assistant header (TRL's `_get_tool_suffix_ids`).
         any_active: `any_active(local_flag) -> bool` across ranks (identity on one process).
         settings: budgets and tool limits.
+        event_loop: where async tools run (GRPOTrainer's `async_loop`); None: a new event loop per call.
     """
 
     def __init__(
@@ -138,12 +157,14 @@ class TurnLoop:
         observation_ids: Callable[[list[dict]], list[int]],
         settings: SamplerSettings,
         any_active: Callable[[bool], bool] = lambda flag: flag,
+        event_loop=None,
     ):
         self.engine = engine
         self.parse = parse
         self.observation_ids = observation_ids
         self.settings = settings
         self.any_active = any_active
+        self.event_loop = event_loop
 
     def run(self, branches: list[Branch]) -> None:
         """Grow every branch to a terminal turn (in place)."""
@@ -172,6 +193,8 @@ class TurnLoop:
         branch.prefix_ids = branch.prefix_ids + out.ids
         turn = Turn(ids, logps, [], entropies=entropies, truncated=not out.finished)
         branch.turns.append(turn)
+        branch.calls_per_turn.append(0)
+        branch.failures_per_turn.append(0)
         last_turn_allowed = t + 1 >= s.max_turns
         if not out.finished or (not calls and not malformed) or last_turn_allowed:
             branch.done = True
@@ -180,26 +203,27 @@ class TurnLoop:
             self._record_tool_results(branch, turn, [_malformed_result()])
             branch.done = True
             return
-        results = (
-            [run_tool_call(call, branch.tools, s.tool_timeout, s.max_observation_chars) for call in calls]
-            if calls
-            else [_malformed_result()]
-        )
+        results = [self._run_tool(call, branch) for call in calls] if calls else [_malformed_result()]
         self._record_tool_results(branch, turn, results)
-        tool_messages = [{"role": "tool", "name": r.name, "content": r.content} for r in results]
-        obs = self.observation_ids(tool_messages)
+        # the model sees each message cut at max_observation_chars; the conversation keeps the full content
+        obs = self.observation_ids([r.observation_message for r in results])
         if branch.completion_len + len(obs) >= s.max_completion_length:
             branch.done = True  # no room for the answer: end here, as TRL drops overlong tool results
             return
         turn.observation_ids = list(obs)
-        branch.messages.extend(tool_messages)
+        branch.messages.extend(r.message for r in results)
         branch.prefix_ids = branch.prefix_ids + list(obs)
+
+    def _run_tool(self, call: dict, branch: Branch) -> ToolResult:
+        s = self.settings
+        return run_tool_call(call, branch.tools, s.tool_timeout, s.max_observation_chars, s.tool_execution,
+                             self.event_loop)
 
     def _record_tool_results(self, branch: Branch, turn: Turn, results) -> None:
         """Count the turn's tool calls and failures, and put the process penalty on the turn that made them."""
-        branch.tool_calls += len(results)
         failures = sum(r.failed for r in results)
-        branch.tool_failures += failures
+        branch.calls_per_turn[-1] = len(results)
+        branch.failures_per_turn[-1] = failures
         turn.penalty = self.settings.failure_penalty * failures
 
 
@@ -216,13 +240,10 @@ def _looks_like_tool_call(message: dict) -> bool:
     return isinstance(content, str) and "<tool_call>" in content
 
 
-def _malformed_result():
-    from .env import ToolResult
-
-    return ToolResult(
+def _malformed_result() -> ToolResult:
+    return error_result(
         INVALID_TOOL_NAME,
-        'Error: malformed tool call. Write <tool_call>{"name": ..., "arguments": {...}}</tool_call> with valid JSON.',
-        failed=True,
+        'Malformed tool call. Write <tool_call>{"name": ..., "arguments": {...}}</tool_call> with valid JSON.',
     )
 
 

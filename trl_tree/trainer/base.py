@@ -121,6 +121,7 @@ class TreeTrainer(GRPOTrainer):
             max_observation_chars=self.args.max_observation_chars,
             failure_penalty=self.args.tool_failure_penalty,
             malformed_tool_calls=self.args.malformed_tool_calls,
+            tool_execution=self.args.tool_execution,
         )
         return TurnLoop(
             engine=_EngineProxy(self),
@@ -128,6 +129,7 @@ class TreeTrainer(GRPOTrainer):
             observation_ids=self._get_tool_suffix_ids,
             settings=settings,
             any_active=self._any_rank_active,
+            event_loop=getattr(self, "async_loop", None),  # GRPOTrainer starts it when a tool is async
         )
 
     def build_sampler(self, loop: TurnLoop):
@@ -353,19 +355,24 @@ class TreeTrainer(GRPOTrainer):
         metrics["tree/forward_tokens"].append(self._mean_over_ranks([forward_tokens / len(trees)]))
         metrics["tree/turns_per_leaf"].append(self._mean_over_ranks([len(b.turns) for b in leaves]))
         metrics["completions/mean_length"].append(self._mean_over_ranks([b.completion_len for b in leaves]))
-        calls = sum(b.tool_calls for b in leaves)
-        failures = sum(b.tool_failures for b in leaves)
-        if self.tools:
-            metrics["tools/call_frequency"].append(self._mean_over_ranks([b.tool_calls for b in leaves]))
-            total = self.accelerator.reduce(torch.tensor([failures, calls], dtype=torch.float64,
-                                                         device=self.accelerator.device), reduction="sum")
-            metrics["tools/failure_frequency"].append((total[0] / total[1].clamp(min=1)).item())
+        self._log_tool_use(metrics, [b.tool_calls for b in leaves], [b.tool_failures for b in leaves])
         self.log_turn_credit(metrics, per_turn)
         if mode == "train":
             tokens = torch.tensor(float(forward_tokens), device=self.accelerator.device)
             self.state.num_input_tokens_seen += int(self.accelerator.reduce(tokens, reduction="sum").item())
         if self.log_completions:
             self._log_tree_completions(prompts, trees, branches_per_tree)
+
+    def _log_tool_use(self, metrics, calls: list[int], failures: list[int]) -> None:
+        """GRPOTrainer's tool metrics, one completion = one leaf (every call of its history, shared turns included):
+        `tools/call_frequency` = calls per completion, `tools/failure_frequency` = failed calls / calls (0 without
+        calls), both over all ranks. Logged only when the trainer has tools, as in GRPOTrainer."""
+        if not self.tools:
+            return
+        metrics["tools/call_frequency"].append(self._mean_over_ranks(calls))
+        total = torch.tensor([sum(failures), sum(calls)], dtype=torch.float64, device=self.accelerator.device)
+        total = self.accelerator.reduce(total, reduction="sum")
+        metrics["tools/failure_frequency"].append((total[0] / total[1]).item() if total[1] > 0 else 0.0)
 
     def log_turn_credit(self, metrics, per_turn: list[dict[str, torch.Tensor]]) -> None:
         """Mean |A| of the turn credit, and for TreeOPSD mean |q − 1/2| (how far the teachers move the policy)."""

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 from trl.trainer.base_config import _BaseConfig
 
+from ..rollout.env import check_tool_execution
+
 PACKING_LAYOUTS = ("tree", "paths", "auto")
 MALFORMED_TOOL_CALL_POLICIES = ("observe", "end")
 ANCHOR_RULES = ("uniform",)
@@ -67,8 +69,18 @@ class TreeConfig(GRPOConfig):
             "tree" with flex_attention, "paths" with kernels that take no mask, and with sdpa / eager whichever costs
             fewer multiply-adds, since a dense mask pays all T² pairs of a long tree row. Same log-probs either way.
         tool_timeout (`float`, defaults to `30.0`): seconds a tool call may run before it becomes an error observation.
-        max_observation_chars (`int`, defaults to `16384`): a tool's output is cut at this many characters, with a
-            marker saying how much was dropped (the paper's limit for retrieved observations).
+            Enforced for async tools, and for synchronous tools only with `tool_execution="thread"` (see there).
+        tool_execution (`str`, defaults to `"main"`): where synchronous tools run. `"main"`: in the trainer's thread,
+            as GRPOTrainer runs them, so a tool may time itself out with `signal.alarm` / `signal.setitimer` (TRL's
+            agent example does); but a tool that hangs hangs the run, since nothing can interrupt it from outside
+            and `tool_timeout` does not apply. `"thread"`: in a worker thread, so `tool_timeout` is enforced (a hung
+            tool becomes an error observation; its thread lingers until the tool returns, as Python cannot kill a
+            thread); `signal.signal` only works in the main thread, so a signal-based tool fails on every call.
+            Async tools run on GRPOTrainer's event loop thread either way, with `tool_timeout`.
+        max_observation_chars (`int`, defaults to `16384`): what the model sees of a tool's output is cut at this many
+            characters, with a marker saying how much was dropped (the paper's limit for retrieved observations).
+            Reward functions receive the tool message as GRPOTrainer builds it, uncut: the returned value itself if it
+            is a list, else `str(value)`.
         tool_failure_penalty (`float`, defaults to `-1.0`): process penalty Q recorded on a turn per failed or
             malformed tool call (used by TreeFlex; the other methods only log it).
         malformed_tool_calls (`str`, defaults to `"observe"`): what follows a turn that tries to call a tool but whose
@@ -106,6 +118,9 @@ class TreeConfig(GRPOConfig):
     max_turns: int = field(default=5, metadata={"help": "Assistant turns per trajectory, the final answer included."})
     packing: str = field(default="tree", metadata={"help": "'tree' (one packed row per tree), 'paths' or 'auto'."})
     tool_timeout: float | None = field(default=30.0, metadata={"help": "Seconds a tool call may run."})
+    tool_execution: str = field(
+        default="main", metadata={"help": "main (as GRPO; signal works, no timeout of sync tools) | thread (timeout)"}
+    )
     max_observation_chars: int | None = field(default=16384, metadata={"help": "Cap on a tool output's length."})
     tool_failure_penalty: float = field(default=-1.0, metadata={"help": "Penalty per failed tool call (TreeFlex)."})
     malformed_tool_calls: str = field(
@@ -215,6 +230,7 @@ class TreeConfig(GRPOConfig):
             raise ValueError(f"max_turns must be ≥ 1 (assistant turns per trajectory); got {self.max_turns}.")
         if self.packing not in PACKING_LAYOUTS:
             raise ValueError(f"packing must be one of {PACKING_LAYOUTS}; got {self.packing!r}.")
+        check_tool_execution(self.tool_execution)
         if self.malformed_tool_calls not in MALFORMED_TOOL_CALL_POLICIES:
             raise ValueError(
                 f"malformed_tool_calls must be one of {MALFORMED_TOOL_CALL_POLICIES}; got {self.malformed_tool_calls!r}:"

@@ -493,13 +493,7 @@ class TreeFlexTrainer(TreeTrainer):
         for r, role in enumerate(self.harness.roles):
             share = [float(g.lengths[g.turn_role == r].sum() / g.lengths.sum().clamp(min=1)) for g in groups]
             metrics[f"treeflex/token_share/{role}"].append(self._mean_over_ranks(share))
-        if self.tools:
-            calls = sum(s.tool_calls for s in searches)
-            failures = sum(s.tool_failures for s in searches)
-            metrics["tools/call_frequency"].append(self._mean_over_ranks([s.tool_calls for s in searches]))
-            total = self.accelerator.reduce(torch.tensor([failures, calls], dtype=torch.float64, device=device),
-                                            reduction="sum")
-            metrics["tools/failure_frequency"].append((total[0] / total[1].clamp(min=1)).item())
+        self._log_tool_use(metrics, [s.tool_calls for s in searches], [s.tool_failures for s in searches])
         if mode == "train":
             tokens = torch.tensor(float(forward_tokens), device=device)
             self.state.num_input_tokens_seen += int(self.accelerator.reduce(tokens, reduction="sum").item())
