@@ -113,14 +113,15 @@ def test_an_async_tool_runs_on_grpos_event_loop_with_grpos_message(tmp_path):
         Args:
             key: what to look up
         """
-        threads.append(threading.current_thread().name)
+        threads.append(threading.current_thread())
         return {"key": key}
 
     replies = {FIRST_TURN: [tool_call("lookup", key="a")] * 2, AFTER_TOOL: ["Done."] * 2}
     _, grpo = grpo_generation(tmp_path, [lookup], replies, num_generations=2)
+    threads.clear()
     trainer, tree = tree_generation(tmp_path, [lookup], replies, num_initial_rollouts=2, num_branches=0)
     assert tree.completions[0] == grpo.completions[0] and tree.completion_ids[0] == grpo.completion_ids[0]
-    assert set(threads) == {trainer.async_loop_thread.name}  # one loop for the whole run, as GRPOTrainer
+    assert set(threads) == {trainer.async_loop_thread}  # the trainer's one event loop thread, as in GRPOTrainer
 
 
 def test_the_model_sees_a_cut_observation_and_reward_functions_the_whole_output():
@@ -191,21 +192,13 @@ def test_a_signal_timed_tool_fails_in_a_worker_thread():
     assert r.failed and "main thread" in r.content
 
 
-def test_the_default_runs_tools_in_the_calling_thread_as_grpo(tmp_path):
-    assert config(TreeOPSDConfig, tmp_path).tool_execution == "main"
-    seen = []
-
-    def where(key: str) -> str:
-        """Reports its thread.
-
-        Args:
-            key: anything
-        """
-        seen.append(threading.current_thread())
-        return "here"
-
-    run_tool_call(call("where", key="a"), {"where": where}, timeout=5, max_chars=None)
-    assert seen == [threading.current_thread()]
+@needs_sigalrm
+@pytest.mark.parametrize(("execution", "expected"), [(None, "3 rows"), ("thread", "main thread")])
+def test_the_trainer_runs_tools_in_its_own_thread_by_default_as_grpo(tmp_path, execution, expected):
+    replies = {FIRST_TURN: [tool_call("query", seconds=0.0)] * 2, AFTER_TOOL: ["Done."] * 2}
+    overrides = {} if execution is None else {"tool_execution": execution}
+    _, tree = tree_generation(tmp_path, [query], replies, num_initial_rollouts=2, num_branches=0, **overrides)
+    assert expected in tree.completions[0][1]["content"]
 
 
 # ---------------------------------------------------------------- what a tool raises
