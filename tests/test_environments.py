@@ -68,25 +68,34 @@ def _tool_history(messages) -> list[tuple[str, dict, str]]:
     return [(c["name"], c["arguments"], out) for c, out in zip(calls, outputs, strict=True)]
 
 
-@pytest.mark.parametrize("branching", ["auto", "replay"])
-def test_remote_session_environment_branches_by_replay_and_trains(tmp_path, server, branching):
+ENTROPY_GUIDED = dict(sampler="entropy_guided", expansion_mode="random", expansion_rounds=1, branches_per_round=2)
+
+
+@pytest.mark.parametrize("branching, sampler", [("auto", {}), ("replay", {}), ("auto", ENTROPY_GUIDED)])
+def test_remote_session_environment_branches_by_replay_and_trains(tmp_path, server, branching, sampler, caplog):
     finals = []
 
     def counter(completions, environments, **kwargs):
         finals.extend(e.n for e in environments)  # the server's state of each leaf's own session
         return [float(n) for n in finals[-len(environments):]]
 
-    trainer = _trainer(tmp_path, server.factory(RemoteCounterEnv), reward=counter, environment_branching=branching)
+    trainer = _trainer(tmp_path, server.factory(RemoteCounterEnv), reward=counter, environment_branching=branching,
+                       **sampler)
     branches = _capture_branches(trainer)
-    assert unchanged_after_training(trainer) == []  # distinct final counters: non-zero advantages, a real update
+    with caplog.at_level("WARNING", logger="trl_tree.rollout.env"):
+        assert unchanged_after_training(trainer) == []  # distinct final counters: non-zero advantages, a real update
+    fallbacks = [r for r in caplog.records if "its branches are rebuilt by replay" in r.getMessage()]
+    assert len(fallbacks) == (1 if branching == "auto" else 0)  # auto says once that it could not copy
     with pytest.raises(TypeError, match="socket"):
         copy.deepcopy(trainer.environment_pool.instances[None][0])  # a connected client: why replay is needed
 
-    assert len(branches) == 6 and len(finals) == 6
+    assert len(branches) == trainer.args.leaves_per_tree == len(finals)
     assert all(s is None for b in branches for s in b.snapshots)  # nothing could be copied, nothing was kept
     initial, expansions = branches[:2], branches[2:]
-    # every expansion restarted after turn ≥ 1 of its trajectory (T = 4): it inherits turns and recorded calls
-    assert all(any(b.turns[0] is a.turns[0] for a in initial) for b in expansions)
+    # expansions restarted after turn ≥ 1 of their trajectory inherit its turns (and its recorded calls); with
+    # init_expand all of them do (T = 4, anchors in 1..3)
+    inherited = [any(b.turns[0] is a.turns[0] for a in initial) for b in expansions]
+    assert all(inherited) if not sampler else any(inherited)
     for branch, final in zip(branches, finals):
         history = _tool_history(branch.messages)
         assert len(history) == 3
@@ -198,3 +207,18 @@ def test_replay_reruns_only_the_environments_own_tools_in_order(server):
     assert pool.size() == 3
     pool.release()
     assert tree.start().n == 0 and pool.size() == 3  # released instances are reused, reset
+
+
+def test_a_reset_that_differs_from_the_roots_is_warned_about():
+    class Drifting:
+        resets = 0
+
+        def reset(self, **kwargs):
+            Drifting.resets += 1
+            return f"puzzle {Drifting.resets}"
+
+    tree = TreeEnvironment(EnvironmentPool({None: Drifting}), None, {"prompt": "p"}, run_call=None)
+    tree.start()
+    assert tree.reset_observation == "puzzle 1"
+    with pytest.warns(ReplayDivergenceWarning, match="reset returned a different observation for the same row"):
+        tree.start()

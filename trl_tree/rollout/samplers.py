@@ -326,6 +326,8 @@ class InitExpandSampler:
             for branch in initial
             for t in uniform_anchors(len(branch.turns), self.num_branches, self.rng)
         ]
+        for branch in expansions:
+            branch.take_snapshots = False  # continuations are leaves: nothing restarts from them
         self.loop.run(expansions)
         per_tree: list[list[Branch]] = [[] for _ in roots]
         for branch in initial + expansions:
