@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from remote_env import RemoteCounterEnv, SessionServer
 from scripted import CALL_1_PLUS_1, arithmetic_dataset, config, contains_answer, tiny, tool_call
 from test_trainer_scripted import CounterEnv  # the same stateful counter world
 from trl.trainer.utils import split_tensor_dict
@@ -145,9 +146,19 @@ def test_rejected_resume_and_malformed_call_are_penalised_on_their_own_turn(scri
     assert [t.penalty for t in second.turns] == [-1.0, 0.0] and s1.tool_failures == 1
 
 
-def test_resuming_a_node_restores_its_environment_snapshot(tmp_path):
+@pytest.mark.parametrize("world", ["copyable", "remote"])
+def test_resuming_a_node_restores_its_environment_snapshot(tmp_path, world):
     """Search 0 resumes node 0 (the start) for its second segment, search 1 continues from node 1: both segments
-    increment once, so the worlds end at 1 and 2."""
+    increment once, so the worlds end at 1 and 2. A remote session cannot be copied: its nodes are rebuilt by replay
+    of the calls that made them."""
+    if world == "remote":
+        with SessionServer() as server:
+            _resume_nodes(tmp_path, server.factory(RemoteCounterEnv))
+    else:
+        _resume_nodes(tmp_path, CounterEnv)
+
+
+def _resume_nodes(tmp_path, factory):
     model, tok = tiny()
     reflect = {0: ["Count.", "Count."], 1: ["<resume>0</resume> Start over.", "Count once more."],
                2: ["<answer>done</answer>"] * 2}
@@ -160,7 +171,7 @@ def test_resuming_a_node_restores_its_environment_snapshot(tmp_path):
 
     args = config(TreeFlexConfig, tmp_path, num_searches=2, max_blocks=3, max_turns=3, max_completion_length=160)
     trainer = TreeFlexTrainer(model=model, reward_funcs=counter, args=args, train_dataset=arithmetic_dataset(1),
-                              processing_class=tok, environment_factory=CounterEnv)
+                              processing_class=tok, environment_factory=factory)
     script = TwoRoleScript(tok, reflect, first=[call] * 4, after=["Card: counted."] * 4)
     trainer.generation_engine = ScriptedEngine(script, [script.eos])
     trainer.log_completions = True

@@ -63,9 +63,9 @@ Example: an agent that restarts from its own notes every block (a summarising ag
                     contexts[i] = kit.render(restart, list(task.tools.values()))  # context only from now on
             return [[s for _, s in searches[i * K : (i + 1) * K]] for i in range(len(tasks))]
 
-(A stateful environment would be forked per search with `fork_environment`.) A summary that the policy writes in a
-separate call belongs to a block too: append it as a `Turn` of the block that generated it, never only as text in the
-next context, or it is not trained anywhere.
+(A stateful environment: each further search takes `task.environment.start()`, a fresh instance reset with the
+task's row.) A summary that the policy writes in a separate call belongs to a block too: append it as a `Turn` of the
+block that generated it, never only as text in the next context, or it is not trained anywhere.
 
 The two-role harness (`TwoRoleHarness`)
 ---------------------------------------
@@ -78,8 +78,8 @@ Two roles, one policy: a role is a system-prompt variant. Per search:
 - **Execution** segments are blocks of their own. A segment's context is its role prompt (with the tools), the task,
   the *restored checkpoint card* of the selected node and the instruction — not the previous segment's history. It
   calls tools turn by turn (malformed or rejected calls: Q = `tool_failure_penalty`) and ends with a checkpoint card:
-  its last assistant message, saved as a new node (with a snapshot of a stateful environment, so a later resume sees
-  the world as it was at that node).
+  its last assistant message, saved as a new node (with the segment's stateful environment and the tool calls that
+  made it, so a later resume sees the world as it was at that node: a copy of it, or by replay, see `TreeEnvironment`).
 
 Instructions are trained in Reflection, where they were written; cards in the Execution segment that wrote them;
 neither again where they are read. A resume of a node that does not exist is a rejected call (Q = the failure
@@ -91,11 +91,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from ..tree import Turn
-from .env import fork_environment
+from .env import RecordedCall, TreeEnvironment, fork_environment
 from .samplers import Branch, TurnLoop, _bind_tools
 
 REFLECTION, EXECUTION = "reflection", "execution"
@@ -158,12 +158,14 @@ class FlexSearch:
 @dataclass
 class FlexTask:
     """What a harness gets per task: the dataset prompt (messages), the prompt rendered with the tools (a ready-made
-    single-role context), the task's (already reset) environment, and the tools by name (bound to that env)."""
+    single-role context), the task's (already reset) environment, the tools by name (bound to that env), and the
+    task's `TreeEnvironment` (more instances reset with the task's row; copies or replays of an environment)."""
 
     prompt: list[dict]
     prompt_ids: list[int]
     env: Any = None
     tools: dict[str, Callable] = field(default_factory=dict)
+    environment: TreeEnvironment | None = None
 
 
 @dataclass
@@ -224,10 +226,12 @@ class FlexHarness(Protocol):
 
 @dataclass
 class _Node:
-    """A saved node: the checkpoint card to restore and the environment as it was when the card was written."""
+    """A saved node: the checkpoint card to restore, the environment as it was when the card was written, and every
+    tool call that made that state since the task's reset (to rebuild it by replay)."""
 
     card: str | None
     env: Any
+    calls: list[RecordedCall] = field(default_factory=list)
 
 
 @dataclass
@@ -240,6 +244,11 @@ class _TwoRoleSearch:
     resumed_from: list[int] = field(default_factory=list)
     env: Any = None
     done: bool = False
+
+
+def _another_start(task: FlexTask):
+    """An environment for a further search of the task: a fresh instance reset with the task's row (no copy)."""
+    return task.environment.start() if task.environment is not None else fork_environment(task.env)
 
 
 def with_role_prompt(prompt: list[dict], role_prompt: str) -> list[dict]:
@@ -291,7 +300,7 @@ class TwoRoleHarness:
         for i, task in enumerate(tasks):
             context = kit.render(with_role_prompt(task.prompt, self.reflection_prompt), None)
             for k in range(kit.num_searches):
-                env = fork_environment(task.env) if (k > 0 and task.env is not None) else task.env
+                env = task.env if k == 0 or task.env is None else _another_start(task)
                 reflection = kit.branch(context, {}, None)
                 searches.append(_TwoRoleSearch(i, reflection, nodes=[_Node(None, env)], env=env))
         while kit.any_active(any(not s.done for s in searches)):
@@ -336,7 +345,10 @@ class TwoRoleHarness:
         if restored.card is not None:
             context = _with_last_user_text(context, f"Restored checkpoint (node {node}):\n{restored.card}")
         context = _with_last_user_text(context, f"Instruction:\n{instruction}")
-        env = fork_environment(restored.env) if restored.env is not None else None
+        env = None
+        if restored.env is not None:
+            env = (task.environment.at(restored.env, restored.calls) if task.environment is not None
+                   else fork_environment(restored.env))
         tools = list(task.tools.values()) or None
         return kit.branch(kit.render(context, tools), task.tools, env)
 
@@ -348,7 +360,8 @@ class TwoRoleHarness:
         card = _final_text(segment) or "(no card)"
         if self.max_card_chars is not None and len(card) > self.max_card_chars:
             card = card[: self.max_card_chars] + " …"
-        search.nodes.append(_Node(card, segment.env))
+        before = search.nodes[search.resumed_from[-1]].calls
+        search.nodes.append(_Node(card, segment.env, before + [replace(c, turn=-1) for c in segment.env_calls]))
         message = f"Checkpoint card (node {len(search.nodes) - 1}):\n{card}"
         if 1 + len(search.segments) >= kit.max_blocks:
             message += f"\n\n{LAST_SEGMENT_NOTE}"

@@ -2,8 +2,9 @@
 
 A `Branch` is one trajectory being grown: its token history (which only ever grows by appending the model's tokens
 and the observation's tokens), its turns, its conversation messages (what reward functions see) and, for stateful
-environments, the environment and a snapshot of it before every turn (so a branch can restart from any turn with the
-world as it was then).
+environments, the environment, the tool calls that shaped it and, when the sampler will branch and the environment
+can be copied, a snapshot of it before every turn (so a branch can restart from any turn with the world as it was
+then; without snapshots it is rebuilt by replaying the recorded calls, see `TreeEnvironment`).
 
 A sampler round is one batched engine call that continues every active branch by one turn. On multi-process runs,
 `any_active` is a collective: every rank keeps calling the engine (with nothing, if it has nothing left) until no
@@ -19,7 +20,16 @@ from typing import Any
 
 from ..tree import RolloutTree, Turn
 from .engine import GenerationEngine
-from .env import ToolResult, check_tool_execution, environment_tools, error_result, fork_environment, run_tool_call
+from .env import (
+    RecordedCall,
+    ToolResult,
+    TreeEnvironment,
+    check_tool_execution,
+    environment_tools,
+    error_result,
+    fork_environment,
+    run_tool_call,
+)
 from .expansion import expansion_anchor, select_expansion_turns, tree_turn_entropies
 
 INVALID_TOOL_NAME = "invalid_tool_call"
@@ -33,6 +43,11 @@ class Branch:
     `pending` is the head of an assistant turn that is already in `prefix_ids` but not yet in `turns`: a branch
     restarted inside a turn (`restart_inside`, TreeAdv's token-level branching) continues that turn, and the turn loop
     then records and parses the whole turn, head and continuation together.
+
+    Environment: `environment` is the tree's `TreeEnvironment` (None without `environment_factory`); `env_calls` the
+    tool calls run on `env` so far (what replay re-runs); `snapshots[t]` a copy of `env` before turn t, or None (turn
+    0: a restart from the prompt starts a fresh instance; replay: no copies). The turn loop takes snapshots only when
+    `take_snapshots` is set, i.e. when the sampler will restart branches.
     """
 
     tree: int
@@ -49,6 +64,9 @@ class Branch:
     failures_per_turn: list[int] = field(default_factory=list)
     done: bool = False
     pending: Turn | None = None
+    environment: TreeEnvironment | None = None
+    env_calls: list[RecordedCall] = field(default_factory=list)
+    take_snapshots: bool = False
 
     @property
     def completion_len(self) -> int:
@@ -67,7 +85,7 @@ class Branch:
 
     def restart_at(self, t: int) -> Branch:
         """A new branch that keeps turns [0, t) and will regenerate turn t (t = 0: resample from the prompt)."""
-        env = fork_environment(self.snapshots[t]) if self.env is not None else None
+        env = self._environment_before(t)
         end = self.turn_starts[t] if t < len(self.turn_starts) else len(self.prefix_ids)
         return Branch(
             tree=self.tree,
@@ -82,7 +100,24 @@ class Branch:
             message_starts=list(self.message_starts[:t]),
             calls_per_turn=list(self.calls_per_turn[:t]),
             failures_per_turn=list(self.failures_per_turn[:t]),
+            environment=self.environment,
+            env_calls=[c for c in self.env_calls if c.turn < t],
+            take_snapshots=self.take_snapshots,
         )
+
+    def _environment_before(self, t: int):
+        """The environment as it was before turn t, for a branch restarted there (see `TreeEnvironment`)."""
+        if self.env is None:
+            return None
+        snapshot = self.snapshots[t] if t < len(self.snapshots) else None
+        if self.environment is not None:
+            return self.environment.at(snapshot, [c for c in self.env_calls if c.turn < t])
+        if snapshot is None:
+            raise ValueError(
+                f"Cannot restart this branch before turn {t}: no snapshot of its environment was taken there and it has "
+                "no TreeEnvironment to rebuild one (build its TreeRoot with `environment=`, or set take_snapshots)."
+            )
+        return fork_environment(snapshot)
 
     def turn_at(self, position: int) -> int:
         """The assistant turn whose action covers token `position` of `prefix_ids`."""
@@ -166,6 +201,12 @@ class TurnLoop:
         self.any_active = any_active
         self.event_loop = event_loop
 
+    def run_call(self, call: dict, tools: dict[str, Callable]) -> ToolResult:
+        """Run one parsed tool call with the loop's limits and execution mode (replay re-runs recorded calls through
+        this too, so a replayed call runs exactly as the original did)."""
+        s = self.settings
+        return run_tool_call(call, tools, s.tool_timeout, s.max_observation_chars, s.tool_execution, self.event_loop)
+
     def run(self, branches: list[Branch]) -> None:
         """Grow every branch to a terminal turn (in place)."""
         while self.any_active(any(not b.done for b in branches)):
@@ -185,7 +226,9 @@ class TurnLoop:
         branch.turn_starts.append(len(branch.prefix_ids) - (len(head.action_ids) if head is not None else 0))
         branch.message_starts.append(len(branch.messages))
         if branch.env is not None:
-            branch.snapshots.append(fork_environment(branch.env))
+            # before turn 0 the world is the reset one: a restart there starts a fresh instance (no copy needed)
+            needed = branch.take_snapshots and (t > 0 or branch.environment is None)
+            branch.snapshots.append(_snapshot(branch) if needed else None)
         message = self.parse(ids, branch.prefix_ids[: branch.turn_starts[-1]])  # the whole assistant turn
         calls = message.get("tool_calls") or []
         malformed = not calls and bool(branch.tools) and _looks_like_tool_call(message)
@@ -203,7 +246,9 @@ class TurnLoop:
             self._record_tool_results(branch, turn, [_malformed_result()])
             branch.done = True
             return
-        results = [self._run_tool(call, branch) for call in calls] if calls else [_malformed_result()]
+        results = [self.run_call(call, branch.tools) for call in calls] if calls else [_malformed_result()]
+        if branch.env is not None:
+            branch.env_calls += [RecordedCall(t, call, r.content, r.failed) for call, r in zip(calls, results)]
         self._record_tool_results(branch, turn, results)
         # the model sees each message cut at max_observation_chars; the conversation keeps the full content
         obs = self.observation_ids([r.observation_message for r in results])
@@ -214,10 +259,6 @@ class TurnLoop:
         branch.messages.extend(r.message for r in results)
         branch.prefix_ids = branch.prefix_ids + list(obs)
 
-    def _run_tool(self, call: dict, branch: Branch) -> ToolResult:
-        s = self.settings
-        return run_tool_call(call, branch.tools, s.tool_timeout, s.max_observation_chars, s.tool_execution,
-                             self.event_loop)
 
     def _record_tool_results(self, branch: Branch, turn: Turn, results) -> None:
         """Count the turn's tool calls and failures, and put the process penalty on the turn that made them."""
@@ -225,6 +266,13 @@ class TurnLoop:
         branch.calls_per_turn[-1] = len(results)
         branch.failures_per_turn[-1] = failures
         turn.penalty = self.settings.failure_penalty * failures
+
+
+def _snapshot(branch: Branch):
+    """A copy of the branch's environment before its next turn (None when its branches will be replayed)."""
+    if branch.environment is None:
+        return fork_environment(branch.env)
+    return branch.environment.snapshot(branch.env)
 
 
 def _join_head(head: Turn | None, out) -> tuple[list[int], list[float], list[float] | None]:
@@ -254,18 +302,24 @@ def _malformed_result() -> ToolResult:
 
 @dataclass
 class TreeRoot:
-    """What a sampler needs to start one tree: the rendered prompt, and the (already reset) environment if any."""
+    """What a sampler needs to start one tree: the rendered prompt, the root's (already reset) environment if any, and
+    the tree's `TreeEnvironment` (the pool to take more instances from and the dataset row to reset them with)."""
 
     prompt_ids: list[int]
     env: Any = None
     tools: dict[str, Callable] = field(default_factory=dict)
+    environment: TreeEnvironment | None = None
 
 
-def _start(tree: int, root: TreeRoot, fork: bool) -> Branch:
-    env = fork_environment(root.env) if (fork and root.env is not None) else root.env
+def _start(tree: int, root: TreeRoot, first: bool, snapshots: bool) -> Branch:
+    """A trajectory from the root. The tree's first one uses the root's environment; every other one a fresh instance
+    reset with the same row (no copy). `snapshots`: whether the sampler will restart branches from inner turns."""
+    env = root.env
+    if not first and env is not None:
+        env = root.environment.start() if root.environment is not None else fork_environment(env)
     return Branch(
         tree=tree, prefix_ids=list(root.prompt_ids), prompt_len=len(root.prompt_ids), env=env,
-        tools=_bind_tools(root.tools, env),
+        tools=_bind_tools(root.tools, env), environment=root.environment, take_snapshots=snapshots,
     )
 
 
@@ -293,13 +347,19 @@ class InitExpandSampler:
 
     def sample(self, roots: list[TreeRoot]) -> list[list[Branch]]:
         """Returns, per tree, its K finished branches: the M initial ones first, then their continuations."""
-        initial = [_start(i, root, fork=m > 0) for i, root in enumerate(roots) for m in range(self.num_initial)]
+        initial = [
+            _start(i, root, first=m == 0, snapshots=self.num_branches > 0)
+            for i, root in enumerate(roots)
+            for m in range(self.num_initial)
+        ]
         self.loop.run(initial)
         expansions = [
             branch.restart_at(t)
             for branch in initial
             for t in uniform_anchors(len(branch.turns), self.num_branches, self.rng)
         ]
+        for branch in expansions:
+            branch.take_snapshots = False  # continuations are leaves: nothing restarts from them
         self.loop.run(expansions)
         per_tree: list[list[Branch]] = [[] for _ in roots]
         for branch in initial + expansions:
@@ -332,7 +392,11 @@ class EntropyGuidedSampler:
         self.rng = random.Random(seed)
 
     def sample(self, roots: list[TreeRoot]) -> list[list[Branch]]:
-        per_tree = [[_start(i, root, fork=m > 0) for m in range(self.num_initial)] for i, root in enumerate(roots)]
+        branching = self.rounds > 0 and self.per_round > 0
+        per_tree = [
+            [_start(i, root, first=m == 0, snapshots=branching) for m in range(self.num_initial)]
+            for i, root in enumerate(roots)
+        ]
         self.loop.run([b for branches in per_tree for b in branches])
         for _ in range(self.rounds):
             new = [self._expand(root, branches) for root, branches in zip(roots, per_tree)]

@@ -148,7 +148,11 @@ class TokenEntropySampler:
         self.last_branch_points: list[int] = []  # per tree (root) of the last call, prompt-major: for logging
 
     def sample(self, roots: list[TreeRoot]) -> list[list[Branch]]:
-        forests = [[[_start(x, root, fork=m > 0)] for m in range(self.num_trees)] for x, root in enumerate(roots)]
+        branching = self.max_branches > 0
+        forests = [
+            [[_start(x, root, first=m == 0, snapshots=branching)] for m in range(self.num_trees)]
+            for x, root in enumerate(roots)
+        ]
         cuts: list[dict[int, list[list[int]]]] = [{} for _ in roots]  # per prompt: position -> histories cut there
         added: list[list[Branch]] = [[] for _ in roots]
         used = [[0] * self.num_trees for _ in roots]

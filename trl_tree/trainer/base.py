@@ -29,7 +29,7 @@ from trl.trainer.utils import is_async_callable
 from .. import credit, losses
 from ..packing import PackedTrees, pack_cheapest, pack_trees, packed_token_logps, unwrap_model
 from ..rollout.engine import HFEngine
-from ..rollout.env import environment_tools
+from ..rollout.env import EnvironmentPool, TreeEnvironment, environment_tools
 from ..rollout.samplers import SamplerSettings, TreeRoot, TurnLoop
 from ..tree import RolloutTree
 from . import components, model_card
@@ -70,7 +70,9 @@ class TreeTrainer(GRPOTrainer):
         self._hide_fork_from_tools()
         self.reward_funcs = [_guard_reward_func(f, n) for f, n in zip(self.reward_funcs, self.reward_func_names)]
         self.generation_engine = self._build_engine()
-        self.sampler = self.build_sampler(self._build_turn_loop())
+        self._turn_loop = self._build_turn_loop()
+        self.sampler = self.build_sampler(self._turn_loop)
+        self.environment_pool = self._build_environment_pool()
 
     # ---------------------------------------------------------------- set-up
 
@@ -95,6 +97,13 @@ class TreeTrainer(GRPOTrainer):
         for name, tools in self._env_tools.items():
             self._env_tools[name] = [t for t in tools if getattr(t, "__name__", "") != "fork"]
         self.tools = [t for t in self.tools if getattr(t, "__name__", "") != "fork"]
+
+    def _build_environment_pool(self) -> EnvironmentPool | None:
+        """GRPOTrainer's pool (its probe instances included), grown when trees need more instances, and the
+        `environment_branching` rule."""
+        if self.environment_factories is None:
+            return None
+        return EnvironmentPool(self.environment_factories, self._environment_pool, self.args.environment_branching)
 
     def _build_engine(self):
         if self.use_vllm:
@@ -216,31 +225,34 @@ class TreeTrainer(GRPOTrainer):
         return pack_trees(trees, self._tokenizer.pad_token_id, layout=self.args.packing)
 
     def _prepare_roots(self, inputs):
-        """Reset one environment per prompt (its tools and state are the tree's root) and render the prompts."""
+        """Reset one environment per prompt (its tools and state are the tree's root) and render the prompts.
+
+        Environments come from the pool: the previous batch's instances are free again here (as GRPOTrainer reuses
+        its pool every batch), and each tree takes more from it for its other trajectories and replayed branches."""
         prompts = [x.get("prompt", [{"role": "user", "content": ""}]) for x in inputs]
-        envs = [None] * len(inputs)
+        envs, handles = [None] * len(inputs), [None] * len(inputs)
         if self.environment_factories is not None:
             self._batch_environments = [x.get("environment") if self._multi_environment else None for x in inputs]
-            envs = []
+            self.environment_pool.release()
             for i, (x, name) in enumerate(zip(inputs, self._batch_environments)):
                 if name not in self.environment_factories:
                     raise ValueError(
                         f"Example has environment={name!r}, not among {list(self.environment_factories)}."
                     )
-                env = self.environment_factories[name]()
                 kwargs = {k: v for k, v in x.items() if k != "environment"} if self._multi_environment else x
-                observation = env.reset(**kwargs)
+                handles[i] = TreeEnvironment(self.environment_pool, name, kwargs, self._turn_loop.run_call)
+                envs[i] = handles[i].start()
+                observation = handles[i].reset_observation
                 if isinstance(observation, str) and is_conversational({"prompt": prompts[i]}):
                     last = prompts[i][-1]
                     prompts[i] = prompts[i][:-1] + [{**last, "content": last["content"] + observation}]
-                envs.append(env)
         prompt_ids, _, _ = self._tokenize_prompts(prompts)
         roots = []
-        for ids, env in zip(prompt_ids, envs):
+        for ids, env, handle in zip(prompt_ids, envs, handles):
             tools = {t.__name__: t for t in self._standalone_tools}
             if env is not None:
                 tools.update({m.__name__: m for m in environment_tools(env)})
-            roots.append(TreeRoot(prompt_ids=list(ids), env=env, tools=tools))
+            roots.append(TreeRoot(prompt_ids=list(ids), env=env, tools=tools, environment=handle))
         return prompts, roots
 
     def _score_leaves(self, inputs, prompts, branches_per_tree) -> list[torch.Tensor]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 from trl.trainer.base_config import _BaseConfig
 
-from ..rollout.env import check_tool_execution
+from ..rollout.env import ENVIRONMENT_BRANCHING, check_tool_execution
 
 PACKING_LAYOUTS = ("tree", "paths", "auto")
 MALFORMED_TOOL_CALL_POLICIES = ("observe", "end")
@@ -88,6 +88,17 @@ class TreeConfig(GRPOConfig):
             how to write the call, and the trajectory goes on (the model can repair it; TreeFlex penalises the
             turn). `"end"`: the trajectory ends at that turn and is scored as it is, as TRL's GRPO tool loop does
             (its parser finds no tool call, so the turn is final). Either way the call counts as a tool failure.
+        environment_branching (`str`, defaults to `"auto"`): how a branch of a stateful environment
+            (`environment_factory`) gets the environment as it was at its anchor turn. `"fork"`: the environment's own
+            `fork()` of a snapshot taken before every turn; `"copy"`: `copy.deepcopy` of that snapshot; `"replay"`: no
+            snapshots, a fresh instance is reset with the tree's dataset row and the branch's recorded tool calls up to
+            the anchor are re-run in order (their outputs are not shown to the model again; an output that differs
+            from the recorded one is warned about with the tool's name and turn). Replay assumes a deterministic
+            environment and costs the replayed calls again; it is the way to branch clients of remote sessions (a
+            socket cannot be copied), as in TRL's OpenEnv examples. `"auto"`: fork() if the environment has it, else
+            deepcopy, else replay. Snapshots are only taken when the sampler will branch (not for `sampler="flat"`,
+            `num_branches=0`, no expansion rounds), and every trajectory that starts at the prompt gets its own
+            instance reset with the row, as in GRPO; instances are pooled and reused across batches.
         generation_cache (`str`, defaults to `"static"`): KV cache of `model.generate` sampling (not vLLM). `"static"`
             preallocates one cache per call, sized to the batch's prefix width + token budget: same sampled ids as
             `"dynamic"` (logits agree to ~1e-7), 10-21% less CPU time on 300-1500-token prefixes, about the same on
@@ -125,6 +136,9 @@ class TreeConfig(GRPOConfig):
     tool_failure_penalty: float = field(default=-1.0, metadata={"help": "Penalty per failed tool call (TreeFlex)."})
     malformed_tool_calls: str = field(
         default="observe", metadata={"help": "observe (error observation, go on) | end (end the trajectory, as TRL)"}
+    )
+    environment_branching: str = field(
+        default="auto", metadata={"help": "auto | fork | copy | replay: how branches get a stateful environment's state."}
     )
     generation_cache: str = field(
         default="static", metadata={"help": "static (one preallocated KV cache per generate call) | dynamic"}
@@ -238,6 +252,12 @@ class TreeConfig(GRPOConfig):
             )
         if self.max_completion_length is None or self.max_completion_length < 1:
             raise ValueError("max_completion_length must be a positive number of tokens per trajectory.")
+        if self.environment_branching not in ENVIRONMENT_BRANCHING:
+            raise ValueError(
+                f"environment_branching must be one of {ENVIRONMENT_BRANCHING}; got {self.environment_branching!r}: "
+                "'fork' uses the environment's fork(), 'copy' copy.deepcopy, 'replay' re-runs the recorded tool calls "
+                "on a fresh instance, 'auto' the first of these that works."
+            )
         if self.generation_cache not in GENERATION_CACHES:
             raise ValueError(
                 f"generation_cache must be one of {GENERATION_CACHES}; got {self.generation_cache!r}: 'static' "

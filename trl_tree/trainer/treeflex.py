@@ -417,7 +417,7 @@ class TreeFlexTrainer(TreeTrainer):
         if any("image" in x or "images" in x for x in inputs):
             raise ValueError("TreeFlexTrainer supports text-only prompts; this batch has images.")
         prompts, roots = self._prepare_roots(inputs)
-        tasks = [FlexTask(p, r.prompt_ids, r.env, r.tools) for p, r in zip(prompts, roots)]
+        tasks = [FlexTask(p, r.prompt_ids, r.env, r.tools, r.environment) for p, r in zip(prompts, roots)]
         searches_per_task = self.harness.run(tasks, self.flex_kit())
         if len(searches_per_task) != len(tasks) or any(not s for s in searches_per_task):
             raise ValueError("The harness must return a non-empty list of complete searches for every task.")
