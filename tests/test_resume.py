@@ -11,10 +11,14 @@ sampler's generator state. All runs are on CPU in float32 with one thread: the s
 bitwise-equal results, so the comparisons are exact (`torch.equal`).
 """
 
+import json
 import logging
 import os
 import random
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -182,20 +186,36 @@ def test_sampler_generator_resumes_with_the_same_anchors(uninterrupted, tmp_path
     assert [seeded.randint(1, high) for high, _ in second_batch] != [anchor for _, anchor in second_batch]
 
 
-@pytest.mark.parametrize("checkpoint, generations, remaining", [(1, [1, 2], 1), (2, [2], 0)])
-def test_old_checkpoint_resumes_at_next_generation_batch_with_a_warning(uninterrupted, tmp_path, caplog, checkpoint,
-                                                                          generations, remaining):
-    """A checkpoint without the resume state (an older trl-tree's) resumes, says what is not exact, and keeps the block
-    order: from checkpoint 1 the interrupted batch is generated anew (at micro-step 1) for its second block."""
+def without_state(checkpoint_dir):
+    os.remove(resume.state_file(str(checkpoint_dir), 0))
+
+
+def saved_on_two_processes(checkpoint_dir):
+    path = resume.state_file(str(checkpoint_dir), 0)
+    state = torch.load(path, weights_only=True)
+    state["layout"]["num_processes"] = 2
+    torch.save(state, path)
+
+
+@pytest.mark.parametrize("checkpoint, alter, reason, generations", [
+    (1, without_state, "it has no trl_tree_state_0.pth", [1, 2]),
+    (2, without_state, "it has no trl_tree_state_0.pth", [2]),
+    (1, saved_on_two_processes, "it was saved with {'num_processes': 2", [1, 2]),
+])
+def test_checkpoint_without_fitting_state_resumes_at_next_generation_batch(uninterrupted, tmp_path, caplog, checkpoint,
+                                                                            alter, reason, generations):
+    """A checkpoint without the resume state (an older trl-tree's), or with one of another run layout, resumes, says
+    why it is not exact, and keeps the block order: from checkpoint 1 the interrupted batch is generated anew (at
+    micro-step 1) for its second block."""
     out, _, _ = uninterrupted
     old = tmp_path / f"checkpoint-{checkpoint}"
     shutil.copytree(out / f"checkpoint-{checkpoint}", old)
-    os.remove(resume.state_file(str(old), 0))
+    alter(old)
     with caplog.at_level(logging.WARNING, logger="trl_tree.trainer.resume"):
         trainer, _, generated_at = train(tree_trainer, tmp_path / "run", old)
     warning = " ".join(r.getMessage() for r in caplog.records if r.name == "trl_tree.trainer.resume")
-    assert "cannot be resumed exactly" in warning and "trl_tree_state_0.pth" in warning
-    assert ("remaining 1 optimizer block" in warning) == bool(remaining)
+    assert "cannot be resumed exactly" in warning and reason in warning
+    assert ("remaining 1 optimizer block" in warning) == (checkpoint == 1)
     assert generated_at == generations
     assert max(logged(trainer, "loss")) == trainer.args.max_steps
 
@@ -268,3 +288,25 @@ def test_sampler_state_of_another_configuration_is_an_error():
 
     with pytest.raises(ValueError, match="random generators .* resume with the sampler configuration"):
         resume.load_sampler_state(OneGenerator(), state)
+
+
+# ------------------------------------------------------------------------------------------------- two processes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["treeopsd", "treeflex"])
+def test_two_processes_resume_exactly(tmp_path, method):
+    """Each rank saves and restores its own state file (its own buffer and sampler generators) and the resumed run
+    equals the uninterrupted one on every rank."""
+    script = Path(__file__).parent / "launch" / "tiny_resume_run.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1", "CI": "true"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", str(script), str(tmp_path), method]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("resume-rank*.json"))]
+    assert [r["rank"] for r in reports] == [0, 1]
+    for r in reports:
+        assert r["world"] == 2 and r["state_saved"]
+        assert r["full_generations"] == [0, 2] and r["resumed_generations"] == [2]
+        assert r["same_params"] and r["same_rewards"] and r["same_losses"], r

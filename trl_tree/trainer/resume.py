@@ -51,7 +51,7 @@ def state_file(checkpoint_dir: str, rank: int) -> str:
 def random_generators(obj) -> dict[str, Any]:
     """The random generators `obj` holds as attributes, by attribute name."""
     kinds = (random.Random, torch.Generator, np.random.Generator, np.random.RandomState)
-    return {name: value for name, value in sorted(vars(obj).items()) if isinstance(value, kinds)}
+    return {name: value for name, value in sorted(getattr(obj, "__dict__", {}).items()) if isinstance(value, kinds)}
 
 
 def _generator_state(generator) -> Any:
@@ -66,18 +66,13 @@ def _generator_state(generator) -> Any:
 
 def _set_generator_state(generator, state) -> None:
     if isinstance(generator, random.Random):
-        generator.setstate(_as_tuples(state))
+        generator.setstate(state)
     elif isinstance(generator, torch.Generator):
         generator.set_state(state)
     elif isinstance(generator, np.random.Generator):
         generator.bit_generator.state = state
     else:
         generator.set_state(state)
-
-
-def _as_tuples(state):
-    """`random.Random.setstate` wants the nested tuples `getstate` gave (a loaded state may hold lists)."""
-    return tuple(_as_tuples(x) for x in state) if isinstance(state, (list, tuple)) else state
 
 
 def sampler_state(sampler) -> dict[str, Any]:
@@ -152,14 +147,27 @@ def save_state(trainer, output_dir: str) -> None:
 
 def restore_state(trainer, checkpoint_dir: str) -> None:
     """Restore this process's resume state from `checkpoint_dir`, or resume at the next generation batch (with a
-    warning) when the checkpoint has none that fits this run."""
+    warning) when the checkpoint has none that fits this run.
+
+    The choice is the same on every process: one rank training from its restored buffer while another generates
+    would leave the generation collectives waiting for each other."""
     path = state_file(checkpoint_dir, trainer.accelerator.process_index)
-    if not os.path.isfile(path):
-        _resume_without_state(
-            trainer, checkpoint_dir,
-            f"it has no {os.path.basename(path)} (saved by an older trl-tree, or with save_only_model=True)",
-        )
+    state, reason = _read_state(path), None
+    if state is None:
+        reason = f"it has no {os.path.basename(path)} (saved by an older trl-tree, or with save_only_model=True)"
+    elif state["layout"] != _layout(trainer):
+        reason = f"it was saved with {state['layout']}, and this run has {_layout(trainer)}"
+    if not _on_every_process(trainer, reason is None):
+        _resume_without_state(trainer, checkpoint_dir, reason or "another process cannot restore its resume state")
         return
+    load_sampler_state(trainer.sampler, state["sampler"])
+    trainer._step = state["step"]
+    trainer._buffered_inputs = _to_device(state["buffered_inputs"], trainer.accelerator.device)
+
+
+def _read_state(path: str) -> dict | None:
+    if not os.path.isfile(path):
+        return None
     with safe_globals():
         check_torch_load_is_safe()
         try:
@@ -174,14 +182,14 @@ def restore_state(trainer, checkpoint_dir: str) -> None:
             f"{path} has resume-state format {state.get('version')!r}; this trl-tree reads format {FORMAT_VERSION}. "
             "Resume with the trl-tree version that saved it, or delete the file to resume at the next generation batch."
         )
-    if state["layout"] != _layout(trainer):
-        _resume_without_state(
-            trainer, checkpoint_dir, f"it was saved with {state['layout']}, and this run has {_layout(trainer)}"
-        )
-        return
-    load_sampler_state(trainer.sampler, state["sampler"])
-    trainer._step = state["step"]
-    trainer._buffered_inputs = _to_device(state["buffered_inputs"], trainer.accelerator.device)
+    return state
+
+
+def _on_every_process(trainer, flag: bool) -> bool:
+    if trainer.accelerator.num_processes == 1:
+        return flag
+    count = torch.tensor([float(flag)], device=trainer.accelerator.device)
+    return int(trainer.accelerator.reduce(count, reduction="sum").item()) == trainer.accelerator.num_processes
 
 
 def _resume_without_state(trainer, checkpoint_dir: str, reason: str) -> None:
@@ -191,14 +199,12 @@ def _resume_without_state(trainer, checkpoint_dir: str, reason: str) -> None:
     trainer._step = step * trainer.args.gradient_accumulation_steps
     trainer._buffered_inputs = None
     left = (-trainer._step) % trainer.args.steps_per_generation // trainer.args.gradient_accumulation_steps
-    interrupted = (
-        f" The generation batch interrupted at step {step} is generated anew (new trees for the same prompts) for its "
-        f"remaining {left} optimizer block(s)."
-        if left
-        else ""
-    )
-    logger.warning(
-        "Checkpoint %s cannot be resumed exactly: %s. Training resumes at the next generation batch: the sampler's "
-        "random generators restart from their seeds.%s Later generation batches keep the uninterrupted run's block "
-        "order.", checkpoint_dir, reason, interrupted,
-    )
+    if left:
+        how = (
+            f"the generation batch interrupted at step {step} is generated anew (new trees for the same prompts) for "
+            f"its remaining {left} optimizer block(s), and the sampler's random generators restart from their seeds. "
+            "Later generation batches keep the uninterrupted run's block order."
+        )
+    else:
+        how = "training resumes at the next generation batch, but the sampler's random generators restart from their seeds."
+    logger.warning("Checkpoint %s cannot be resumed exactly: %s. So %s", checkpoint_dir, reason, how)
