@@ -32,7 +32,7 @@ from ..rollout.engine import HFEngine
 from ..rollout.env import EnvironmentPool, TreeEnvironment, environment_tools
 from ..rollout.samplers import SamplerSettings, TreeRoot, TurnLoop
 from ..tree import RolloutTree
-from . import components, model_card
+from . import components, model_card, resume
 from .config import TreeConfig
 
 PER_TURN = "credit_"  # batch keys of per-turn tensors, padded to the largest tree: [N, max_turns]
@@ -328,6 +328,21 @@ class TreeTrainer(GRPOTrainer):
     def _optimizer_block(self) -> int:
         """Which of the E sequential optimizer blocks of the current generation batch is being trained."""
         return (self._step % self.args.steps_per_generation) // self.args.gradient_accumulation_steps
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        """transformers' per-process hook at checkpoint time. Besides the global generators, an exact resume needs the
+        sampler's generators and the generation batch being trained (`trl_tree.trainer.resume`)."""
+        super()._save_rng_state(output_dir)
+        resume.save_state(self, output_dir)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        """transformers calls this on every process before the first resumed training step: restore the buffered
+        generation batch and the position in it too, so the resumed run trains on it instead of regenerating."""
+        super()._load_rng_state(checkpoint)
+        if checkpoint is not None:
+            resume.restore_state(self, checkpoint)
 
     # ---------------------------------------------------------------- metrics
 

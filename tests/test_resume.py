@@ -1,0 +1,312 @@
+"""Resume from any checkpoint continues the uninterrupted run exactly.
+
+Setting: steps_per_generation = 2 with gradient_accumulation_steps = 1, so each generation batch is trained in E = 2
+optimizer blocks; a checkpoint after every step (save_steps = 1) and max_steps = 4. Checkpoint 1 lies between the two
+blocks of the first generation batch, checkpoint 2 at a generation-batch boundary.
+
+Generation is scripted but *sampled*: each reply is drawn from torch's global generator, the one `model.generate`
+samples with and transformers' checkpoints save, so trajectories have random lengths (1 to `max_turns` turns) and
+rewards, and init-expand's anchors (uniform over {1..T−1}, from the sampler's own `random.Random`) depend on the
+sampler's generator state. All runs are on CPU in float32 with one thread: the same operations in the same order give
+bitwise-equal results, so the comparisons are exact (`torch.equal`).
+"""
+
+import json
+import logging
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset
+from scripted import CALL_1_PLUS_1, config, contains_answer, tiny
+
+from trl_tree import TreeFlexConfig, TreeFlexTrainer, TreeOPSDConfig, TreeOPSDTrainer
+from trl_tree.rollout.engine import ScriptedEngine
+from trl_tree.rollout.flex_harness import REFLECTION_PROMPT
+from trl_tree.testing import calculator
+from trl_tree.trainer import resume
+
+TOOL_HEADER = "</tool_response><|im_end|>\n<|im_start|>assistant\n"
+RUN = dict(steps_per_generation=2, gradient_accumulation_steps=1, per_device_train_batch_size=2, max_steps=4,
+           save_strategy="steps", save_steps=1, logging_steps=1)
+
+
+def sampled_engine(tok, options) -> ScriptedEngine:
+    """Stands in for sampling from the model: the reply to a history is drawn, with torch's global generator, from
+    `options(history_text)`."""
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+
+    def script(prefix):
+        choices = options(tok.decode(prefix, skip_special_tokens=False))
+        reply = choices[int(torch.randint(len(choices), ()))]
+        return tok.encode(reply, add_special_tokens=False) + [eos]
+
+    return ScriptedEngine(script, [eos])
+
+
+def agent_turn(text: str) -> list[str]:
+    """Call the calculator (half the time, so trajectories have 1 to max_turns turns) or answer."""
+    if text.endswith(TOOL_HEADER):
+        return [CALL_1_PLUS_1, CALL_1_PLUS_1, "The answer is 2.", "The answer is 3."]
+    return [CALL_1_PLUS_1, CALL_1_PLUS_1, "The answer is 2.", "I do not know."]
+
+
+def two_role_turn(text: str) -> list[str]:
+    """TreeFlex's two roles: Reflection instructs or answers; an Execution segment calls or writes its card."""
+    if REFLECTION_PROMPT[:40] in text:
+        return ["Compute 1+1 with the calculator.", "<answer>2</answer>", "<answer>3</answer>"]
+    return ["Card: 1+1 = 2."] if text.endswith(TOOL_HEADER) else [CALL_1_PLUS_1, "Card: no call needed."]
+
+
+class RecordingRandom(random.Random):
+    """The sampler's generator, recording its anchor draws (upper bound T − 1, anchor) per generation batch."""
+
+    def __init__(self, rng: random.Random):
+        super().__init__()
+        self.setstate(rng.getstate())
+        self.draws_by_batch = []
+
+    def randint(self, a, b):
+        value = super().randint(a, b)
+        self.draws_by_batch[-1].append((b, value))
+        return value
+
+
+def questions(n: int) -> Dataset:
+    return Dataset.from_dict({
+        "prompt": [[{"role": "user", "content": f"What is 1+1? (question {i})"}] for i in range(n)],
+        "answer": ["2"] * n,
+    })
+
+
+def tree_trainer(output_dir):
+    model, tok = tiny()
+    args = config(TreeOPSDConfig, output_dir, num_initial_rollouts=2, num_branches=2, max_turns=4,
+                  max_completion_length=160, **RUN)
+    trainer = TreeOPSDTrainer(model=model, reward_funcs=contains_answer, args=args, train_dataset=questions(8),
+                              processing_class=tok, tools=[calculator])
+    trainer.generation_engine = sampled_engine(tok, agent_turn)
+    trainer.sampler.rng = RecordingRandom(trainer.sampler.rng)
+    return trainer
+
+
+def flex_trainer(output_dir):
+    model, tok = tiny()
+    args = config(TreeFlexConfig, output_dir, num_searches=2, max_blocks=3, max_turns=3, max_completion_length=200,
+                  **RUN)
+    trainer = TreeFlexTrainer(model=model, reward_funcs=contains_answer, args=args, train_dataset=questions(8),
+                              processing_class=tok, tools=[calculator])
+    trainer.generation_engine = sampled_engine(tok, two_role_turn)
+    return trainer
+
+
+def count_generations(trainer) -> list[int]:
+    """Record the `_step` of every generation batch the trainer generates."""
+    steps = []
+    original = trainer._generate_micro_batches
+
+    def spy(inputs, num_chunks):
+        if trainer.model.training:
+            steps.append(trainer._step)
+            if isinstance(getattr(trainer.sampler, "rng", None), RecordingRandom):
+                trainer.sampler.rng.draws_by_batch.append([])
+        return original(inputs, num_chunks)
+
+    trainer._generate_micro_batches = spy
+    return steps
+
+
+def train(make, output_dir, resume_from=None):
+    """Train to max_steps (from a checkpoint if given); return the trainer, its parameters and its generation steps."""
+    trainer = make(output_dir)
+    generations = count_generations(trainer)
+    trainer.train(resume_from_checkpoint=resume_from)
+    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    return trainer, params, generations
+
+
+def logged(trainer, key: str) -> dict[int, float]:
+    return {e["step"]: e[key] for e in trainer.state.log_history if key in e}
+
+
+def assert_same_run(resumed, params, full, full_params):
+    """Bitwise-equal final parameters, and the same logged rewards and losses at every step."""
+    assert params.keys() == full_params.keys()
+    different = [n for n in params if not torch.equal(params[n], full_params[n])]
+    assert not different, f"parameters differ from the uninterrupted run's: {different}"
+    for key in ("reward", "loss"):
+        assert logged(resumed, key) == logged(full, key), key
+    assert max(logged(resumed, "loss")) == resumed.args.max_steps  # really trained to the end
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The uninterrupted TreeOPSD run, its checkpoints kept."""
+    out = tmp_path_factory.mktemp("full")
+    trainer, params, generations = train(tree_trainer, out)
+    assert generations == [0, 2]  # one generation batch per E = 2 optimizer blocks
+    return out, trainer, params
+
+
+@pytest.mark.parametrize("checkpoint", [1, 2])
+def test_resume_equals_uninterrupted_run(uninterrupted, tmp_path, checkpoint):
+    out, full, full_params = uninterrupted
+    trainer, params, generations = train(tree_trainer, tmp_path, out / f"checkpoint-{checkpoint}")
+    # the buffered batch is trained, not regenerated: the only generation is the second batch's, at micro-step 2
+    assert generations == [2]
+    assert_same_run(trainer, params, full, full_params)
+
+
+def test_resume_state_holds_the_buffer_only_between_blocks(uninterrupted):
+    out, _, _ = uninterrupted
+    states = {
+        k: torch.load(resume.state_file(str(out / f"checkpoint-{k}"), 0), weights_only=True) for k in (1, 2)
+    }
+    assert [states[k]["step"] for k in (1, 2)] == [1, 2]
+    assert states[1]["buffered_inputs"] is not None and len(states[1]["buffered_inputs"]) == 2
+    assert states[2]["buffered_inputs"] is None  # the next step generates anyway
+
+
+def test_sampler_generator_resumes_with_the_same_anchors(uninterrupted, tmp_path):
+    """The second generation batch's anchors, drawn after the first batch's draws in the uninterrupted run, are the
+    same in a run resumed from checkpoint 2 (the sampler's `random.Random` is part of the checkpoint), and not what a
+    freshly seeded sampler would draw on the same trajectories (so the check is not vacuous)."""
+    out, full, _ = uninterrupted
+    resumed = train(tree_trainer, tmp_path, out / "checkpoint-2")[0]
+    second_batch = full.sampler.rng.draws_by_batch[1]
+    assert resumed.sampler.rng.draws_by_batch == [second_batch]
+    assert any(high > 1 for high, _ in second_batch), "trajectories of several turns are needed for anchors to matter"
+    seeded = random.Random(full.args.seed)
+    assert [seeded.randint(1, high) for high, _ in second_batch] != [anchor for _, anchor in second_batch]
+
+
+def without_state(checkpoint_dir):
+    os.remove(resume.state_file(str(checkpoint_dir), 0))
+
+
+def saved_on_two_processes(checkpoint_dir):
+    path = resume.state_file(str(checkpoint_dir), 0)
+    state = torch.load(path, weights_only=True)
+    state["layout"]["num_processes"] = 2
+    torch.save(state, path)
+
+
+@pytest.mark.parametrize("checkpoint, alter, reason, generations", [
+    (1, without_state, "it has no trl_tree_state_0.pth", [1, 2]),
+    (2, without_state, "it has no trl_tree_state_0.pth", [2]),
+    (1, saved_on_two_processes, "it was saved with {'num_processes': 2", [1, 2]),
+])
+def test_checkpoint_without_fitting_state_resumes_at_next_generation_batch(uninterrupted, tmp_path, caplog, checkpoint,
+                                                                            alter, reason, generations):
+    """A checkpoint without the resume state (an older trl-tree's), or with one of another run layout, resumes, says
+    why it is not exact, and keeps the block order: from checkpoint 1 the interrupted batch is generated anew (at
+    micro-step 1) for its second block."""
+    out, _, _ = uninterrupted
+    old = tmp_path / f"checkpoint-{checkpoint}"
+    shutil.copytree(out / f"checkpoint-{checkpoint}", old)
+    alter(old)
+    with caplog.at_level(logging.WARNING, logger="trl_tree.trainer.resume"):
+        trainer, _, generated_at = train(tree_trainer, tmp_path / "run", old)
+    warning = " ".join(r.getMessage() for r in caplog.records if r.name == "trl_tree.trainer.resume")
+    assert "cannot be resumed exactly" in warning and reason in warning
+    assert ("remaining 1 optimizer block" in warning) == (checkpoint == 1)
+    assert generated_at == generations
+    assert max(logged(trainer, "loss")) == trainer.args.max_steps
+
+
+def test_treeflex_resumes_between_blocks(tmp_path):
+    full, full_params, generations = train(flex_trainer, tmp_path / "full")
+    assert generations == [0, 2]
+    resumed, params, generations = train(flex_trainer, tmp_path / "resumed", tmp_path / "full" / "checkpoint-1")
+    assert generations == [2]
+    assert_same_run(resumed, params, full, full_params)
+
+
+# ------------------------------------------------------------------------------------------------- sampler state
+
+
+class HarnessWithGenerators:
+    """A custom sampler owning one generator of each kind the checkpoint restores."""
+
+    def __init__(self, seed):
+        self.py = random.Random(seed)
+        self.torch_gen = torch.Generator().manual_seed(seed)
+        self.np_gen = np.random.default_rng(seed)
+        self.np_legacy = np.random.RandomState(seed)
+        self.not_a_generator = seed
+
+    def draw(self):
+        return (self.py.random(), torch.rand((), generator=self.torch_gen).item(), self.np_gen.random(),
+                self.np_legacy.rand())
+
+
+def test_sampler_state_round_trips_every_generator_kind(tmp_path):
+    harness = HarnessWithGenerators(0)
+    harness.draw()
+    path = tmp_path / "state.pth"
+    torch.save(resume.sampler_state(harness), path)
+    expected = harness.draw()
+    restored = HarnessWithGenerators(1)
+    from transformers.trainer_pt_utils import safe_globals
+
+    with safe_globals():
+        resume.load_sampler_state(restored, torch.load(path, weights_only=True))
+    assert restored.draw() == expected
+
+
+def test_sampler_state_dict_is_used_when_defined():
+    class Counting:
+        def __init__(self):
+            self.calls = 0
+
+        def state_dict(self):
+            return {"calls": self.calls}
+
+        def load_state_dict(self, state):
+            self.calls = state["calls"]
+
+    a, b = Counting(), Counting()
+    a.calls = 3
+    resume.load_sampler_state(b, resume.sampler_state(a))
+    assert b.calls == 3
+
+
+def test_sampler_state_of_another_configuration_is_an_error():
+    state = resume.sampler_state(HarnessWithGenerators(0))
+
+    class OneGenerator:
+        rng = None
+
+        def __init__(self):
+            self.rng = random.Random(0)
+
+    with pytest.raises(ValueError, match="random generators .* resume with the sampler configuration"):
+        resume.load_sampler_state(OneGenerator(), state)
+
+
+# ------------------------------------------------------------------------------------------------- two processes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["treeopsd", "treeflex"])
+def test_two_processes_resume_exactly(tmp_path, method):
+    """Each rank saves and restores its own state file (its own buffer and sampler generators) and the resumed run
+    equals the uninterrupted one on every rank."""
+    script = Path(__file__).parent / "launch" / "tiny_resume_run.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1", "CI": "true"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", str(script), str(tmp_path), method]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("resume-rank*.json"))]
+    assert [r["rank"] for r in reports] == [0, 1]
+    for r in reports:
+        assert r["world"] == 2 and r["state_saved"]
+        assert r["full_generations"] == [0, 2] and r["resumed_generations"] == [2]
+        assert r["same_params"] and r["same_rewards"] and r["same_losses"], r
