@@ -81,6 +81,7 @@ GAP_MASK_TRUNCATED = (
     "mask_truncated_completions crashes ('element 0 of tensors does not require grad') on a micro-batch whose "
     "turns are all truncated"
 )
+GAP_TOOL_RESULTS = "tree trainers JSON-encode a tool's result where GRPO passes str(result) to the tool message"
 GAP_UNCOPYABLE_ENV = "environments that cannot be copied (no fork(), deepcopy fails) cannot be branched"
 
 
@@ -281,10 +282,10 @@ def test_extra_columns_and_trainer_state_reach_reward_functions(trainer_cls, mod
 @trainers(tree_gap=GAP_MISSING_PROMPT, raises=pytest.fail.Exception)
 def test_dataset_without_prompt_column_raises(trainer_cls, model_path, tmp_path):
     dataset = Dataset.from_dict({"question": QUESTIONS})
-    trainer = trainer_cls(
-        model=model_path, reward_funcs=length_reward, args=make_args(trainer_cls, tmp_path), train_dataset=dataset
-    )
-    with pytest.raises((KeyError, ValueError), match="prompt"):
+    with pytest.raises((KeyError, ValueError), match="prompt"):  # GRPO raises in train(); at init is as good
+        trainer = trainer_cls(
+            model=model_path, reward_funcs=length_reward, args=make_args(trainer_cls, tmp_path), train_dataset=dataset
+        )
         trainer.train()
 
 
@@ -560,6 +561,39 @@ def test_scripted_tool_calls_run_and_reach_the_reward_function(trainer_cls, tool
     logged = trainer.state.log_history[0]
     assert logged["tools/call_frequency"] > 0
     assert 0 < logged["tools/failure_frequency"] < 1  # the call with a wrong argument name failed, the other did not
+
+
+def product_record(a: int, b: int) -> dict:
+    """
+    Multiplies two integers and returns a record of the operation.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+
+    Returns:
+        The operands and their product.
+    """
+    return {"a": a, "b": b, "product": a * b}
+
+
+@trainers(tree_gap=GAP_TOOL_RESULTS, raises=AssertionError)
+def test_tool_results_reach_the_reward_function_as_grpo_passes_them(trainer_cls, model_path, tmp_path):
+    """GRPO puts a tool's result into the tool message as `str(result)` (a list, for multimodal content, as it is)."""
+    tool_contents = []
+
+    def reward(completions, **kwargs):
+        tool_contents.extend(m["content"] for c in completions for m in c if m["role"] == "tool")
+        return length_reward(completions)
+
+    args = make_args(trainer_cls, tmp_path, **TOOL_BUDGET)
+    trainer = trainer_cls(
+        model=model_path, reward_funcs=reward, args=args, train_dataset=conversational_dataset(),
+        tools=[product_record],
+    )
+    with scripted(trainer, multiply_script("product_record")):
+        trainer.train()
+    assert str(product_record(3, 4)) in tool_contents
 
 
 @trainers()
