@@ -1,0 +1,67 @@
+"""TRL's private names: every one trl-tree uses is declared in `trl_tree.trainer.trl_internals`, exists in the
+installed TRL with the parameters trl-tree passes, and is used nowhere else (so a TRL release breaks this file, not a
+training run)."""
+
+import re
+from pathlib import Path
+
+import pytest
+from trl import GRPOTrainer
+
+from trl_tree.trainer import trl_internals
+
+PACKAGE = Path(trl_internals.__file__).resolve().parents[1]
+
+
+def test_installed_trl_has_every_private_name_trl_tree_uses():
+    assert trl_internals.mismatches() == ()
+    trl_internals.check_installed()
+
+
+@pytest.mark.parametrize("name", sorted(trl_internals.CALLED))
+def test_a_renamed_method_fails_with_a_message_naming_it(monkeypatch, name):
+    monkeypatch.delattr(GRPOTrainer, name)
+    trl_internals.mismatches.cache_clear()
+    try:
+        with pytest.raises(ImportError, match=re.escape(f"GRPOTrainer.{name}")) as error:
+            trl_internals.check_installed()
+        assert "pip install" in str(error.value)
+    finally:
+        monkeypatch.undo()
+        trl_internals.mismatches.cache_clear()
+
+
+def test_a_changed_signature_is_reported(monkeypatch):
+    monkeypatch.setattr(GRPOTrainer, "_get_tool_suffix_ids", lambda self, messages, extra: None)
+    trl_internals.mismatches.cache_clear()
+    try:
+        problems = trl_internals.mismatches()
+        assert len(problems) == 1 and "_get_tool_suffix_ids" in problems[0] and "tool_messages" in problems[0]
+    finally:
+        monkeypatch.undo()
+        trl_internals.mismatches.cache_clear()
+
+
+def _uses_outside_the_module(name: str) -> list[str]:
+    """Lines of trl_tree (outside trl_internals.py) that reach TRL's private `name` as an attribute."""
+    pattern = re.compile(rf"(?<!super\(\))\.{re.escape(name)}\b")
+    hits = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "trl_internals.py":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if pattern.search(line) and not line.lstrip().startswith("#"):
+                hits.append(f"{path.relative_to(PACKAGE)}:{number}: {line.strip()}")
+    return hits
+
+
+@pytest.mark.parametrize("name", sorted(set(trl_internals.CALLED) | set(trl_internals.ATTRIBUTES)))
+def test_private_names_are_reached_only_through_the_module(name):
+    assert _uses_outside_the_module(name) == []
+
+
+def test_overridden_methods_are_only_called_on_the_trainer_itself():
+    """An override is called through `self` (our own method) or `super()` (TRL's), never on another object."""
+    for name in trl_internals.OVERRIDDEN:
+        other = [hit for hit in _uses_outside_the_module(name) if f"self.{name}" not in hit]
+        assert other == [], name

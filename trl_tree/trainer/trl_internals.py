@@ -1,0 +1,197 @@
+"""Every private name of TRL's `GRPOTrainer` (and of transformers' `Trainer`) that trl-tree relies on, in one place.
+
+GRPOTrainer has no public API for replacing its generation step or its loss, so the tree trainers override some of its
+private methods, call others, and read some of the attributes its `__init__` sets. Each of those names is declared
+below and used only through this module:
+
+- `OVERRIDDEN`: methods the tree trainers override. If TRL renamed one, the override would silently stop being
+  called, so they are checked with the parameter names TRL calls them with.
+- `CALLED`: private methods the tree trainers call, with the parameters they pass.
+- `ATTRIBUTES`: attributes set by `GRPOTrainer.__init__` that the tree trainers read or write (the accessors below).
+
+`check_installed()` compares all of them with the installed TRL and transformers and raises one error naming every
+mismatch and the TRL version trl-tree was written against. `TreeTrainer.__init__` calls it and `tests/
+test_trl_internals.py` runs it in CI, so a TRL release that renames something fails one clear test instead of a
+user's training run.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+from typing import Any
+
+TESTED_TRL = "1.16"
+
+OVERRIDDEN: dict[str, tuple[str, tuple[str, ...]]] = {
+    # name: (class that defines it, parameter names after self)
+    "_generate_and_score_completions": ("GRPOTrainer", ("inputs",)),
+    "_prepare_inputs": ("GRPOTrainer", ("generation_batch",)),
+    "_compute_loss": ("GRPOTrainer", ("model", "inputs")),
+    "_save_rng_state": ("Trainer", ("output_dir",)),
+    "_load_rng_state": ("Trainer", ("checkpoint",)),
+}
+
+CALLED: dict[str, tuple[str, ...]] = {
+    "_calculate_rewards": ("inputs", "prompts", "completions", "completion_ids_list"),
+    "_tokenize_prompts": ("prompts",),
+    "_get_tool_suffix_ids": ("tool_messages",),
+}
+
+ATTRIBUTES: dict[str, str] = {
+    "_metrics": "logged scalars per mode, averaged and flushed by GRPOTrainer.log",
+    "_logs": "the completions table of log_completions",
+    "_step": "micro-step counter that selects the buffered micro-batch",
+    "_buffered_inputs": "the micro-batches of the current generation batch",
+    "_tokenizer": "the text tokenizer (the processing class, or its tokenizer for VLMs)",
+    "_standalone_tools": "tools passed with tools= (not bound to an environment)",
+    "_env_tools": "tools of each environment of environment_factory",
+    "_multi_environment": "whether environment_factory is a dict of named environments",
+    "_batch_environments": "the environment name of each row of the batch",
+    "_environment_pool": "GRPOTrainer's pool of environment instances",
+    "_last_loaded_step": "step of the last weight sync to vLLM",
+    "_dist": "the distributed helper whose summon_full_params gathers FSDP weights for generation",
+    "async_loop": "the background event loop of async tools and reward functions",
+}
+
+
+# ----------------------------------------------------------------------------------------------------- checking
+
+
+def _classes():
+    from transformers import Trainer
+    from trl import GRPOTrainer
+
+    return {"GRPOTrainer": GRPOTrainer, "Trainer": Trainer}
+
+
+def _parameters(function) -> tuple[str, ...]:
+    return tuple(p for p in inspect.signature(function).parameters if p != "self")
+
+
+@functools.lru_cache(maxsize=1)
+def mismatches() -> tuple[str, ...]:
+    """What of `OVERRIDDEN`, `CALLED` and `ATTRIBUTES` the installed TRL / transformers no longer has as declared."""
+    classes = _classes()
+    grpo = classes["GRPOTrainer"]
+    problems = []
+    for name, (owner, params) in OVERRIDDEN.items():
+        problems += _method_problems(classes[owner], name, params, "overridden")
+    for name, params in CALLED.items():
+        problems += _method_problems(grpo, name, params, "called")
+    source = inspect.getsource(grpo)
+    for name, use in ATTRIBUTES.items():
+        if not re.search(rf"self\.{re.escape(name)}\b[^=\n]*[^=<>!]=[^=]", source):  # an assignment, maybe of a tuple
+            problems.append(f"GRPOTrainer no longer sets `self.{name}` ({use})")
+    return tuple(problems)
+
+
+def _method_problems(cls, name: str, params: tuple[str, ...], role: str) -> list[str]:
+    method = getattr(cls, name, None)
+    if method is None:
+        return [f"{cls.__name__}.{name} ({role} by trl-tree) no longer exists"]
+    found = _parameters(method)
+    if found[: len(params)] != params:
+        return [f"{cls.__name__}.{name} ({role} by trl-tree) takes {found}, trl-tree expects {params}"]
+    return []
+
+
+def check_installed() -> None:
+    """Raise one error listing every private name of TRL that trl-tree uses and the installed version lacks."""
+    problems = mismatches()
+    if problems:
+        import trl
+
+        raise ImportError(
+            f"trl-tree was written against TRL {TESTED_TRL}, and the installed TRL {trl.__version__} differs in the "
+            "private names the tree trainers build on:\n  - " + "\n  - ".join(problems) + "\nInstall a supported TRL "
+            f"(`pip install 'trl=={TESTED_TRL}.*'`) or a trl-tree release that supports TRL {trl.__version__}."
+        )
+
+
+# ---------------------------------------------------------------------------------------------------- accessors
+
+
+def tokenizer(trainer):
+    return trainer._tokenizer
+
+
+def metrics(trainer, mode: str):
+    """`trainer._metrics[mode]`: a dict of lists that GRPOTrainer.log averages and clears."""
+    return trainer._metrics[mode]
+
+
+def completion_logs(trainer) -> dict:
+    return trainer._logs
+
+
+def set_completion_logs(trainer, logs: dict) -> None:
+    trainer._logs = logs
+
+
+def micro_step(trainer) -> int:
+    return trainer._step
+
+
+def set_micro_step(trainer, step: int) -> None:
+    trainer._step = step
+
+
+def buffered_inputs(trainer):
+    return trainer._buffered_inputs
+
+
+def set_buffered_inputs(trainer, batches) -> None:
+    trainer._buffered_inputs = batches
+
+
+def standalone_tools(trainer) -> list:
+    return trainer._standalone_tools
+
+
+def environment_tools_by_name(trainer) -> dict:
+    return trainer._env_tools
+
+
+def multi_environment(trainer) -> bool:
+    return trainer._multi_environment
+
+
+def set_batch_environments(trainer, names: list) -> None:
+    trainer._batch_environments = names
+
+
+def environment_pool(trainer):
+    return trainer._environment_pool
+
+
+def last_loaded_step(trainer) -> int:
+    return trainer._last_loaded_step
+
+
+def set_last_loaded_step(trainer, step: int) -> None:
+    trainer._last_loaded_step = step
+
+
+def distributed(trainer):
+    return trainer._dist
+
+
+def event_loop(trainer):
+    """GRPOTrainer's background event loop; it is started only when a tool or reward function is async."""
+    return getattr(trainer, "async_loop", None)
+
+
+def calculate_rewards(trainer, inputs, prompts, completions, completion_ids) -> Any:
+    """TRL's reward computation (reward functions, reward models, log_metric / log_extra), gathered over ranks."""
+    return trainer._calculate_rewards(inputs, prompts, completions, completion_ids)
+
+
+def tokenize_prompts(trainer, prompts: list):
+    return trainer._tokenize_prompts(prompts)
+
+
+def tool_suffix_ids(trainer, tool_messages: list[dict]) -> list[int]:
+    """Token ids of the tool messages and the next assistant header, rendered as TRL's tool loop renders them."""
+    return trainer._get_tool_suffix_ids(tool_messages)
