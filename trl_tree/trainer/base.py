@@ -376,9 +376,9 @@ class TreeTrainer(GRPOTrainer):
         return gathered[~torch.isnan(gathered)]
 
     def _mean_over_ranks(self, values: list[float] | torch.Tensor) -> float:
-        values = torch.as_tensor(values, dtype=torch.float64)
-        t = torch.stack([values.sum(), torch.tensor(float(values.numel()), dtype=torch.float64)])
-        total = self.accelerator.reduce(t.to(self.accelerator.device), reduction="sum")
+        values = torch.as_tensor(values, dtype=torch.float64, device=self.accelerator.device)
+        t = torch.stack([values.sum(), values.new_tensor(float(values.numel()))])
+        total = self.accelerator.reduce(t, reduction="sum")
         return (total[0] / total[1].clamp(min=1)).item()
 
     def _log_clip_ratio(self, mode: str, path_counts: torch.Tensor) -> None:
@@ -528,8 +528,8 @@ def _rewards_for_credit(rewards: torch.Tensor) -> torch.Tensor:
 
     GRPOTrainer gives a completion that no reward function scores (every one returned None) advantage 0 and leaves it
     out of its group's mean. A tree needs a reward on every leaf, so such a leaf takes the mean of the scored leaves:
-    its standardised advantage is exactly 0 and the baseline is the scored leaves' mean (the spread still counts every
-    leaf). A tree with no scored leaf gets 0 everywhere, hence no signal.
+    its standardised advantage is 0 and the baseline is the scored leaves' mean (the spread still counts every leaf).
+    A tree with no scored leaf gets 0 everywhere, hence no signal.
     """
     unscored = torch.isnan(rewards)
     if not unscored.any():
@@ -671,7 +671,7 @@ def _checked_rewards(name: str, out, completions: list) -> list[float | None]:
     for j, r in enumerate(values):
         if isinstance(r, torch.Tensor) and r.numel() == 1:
             r = r.item()
-        if r is not None and (not isinstance(r, numbers.Real) or isinstance(r, (str, bytes))):
+        if r is not None and not isinstance(r, numbers.Real):
             raise TypeError(
                 f"Reward function '{name}' returned {_short(repr(r))} ({type(r).__name__}) for sample {j} "
                 f"(completion: {_short(completions[j])}); {_RETURN_ADVICE}."
