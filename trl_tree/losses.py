@@ -358,7 +358,8 @@ def gspo_token_clip_counts(
     num_paths: int, *, epsilon_low: float, epsilon_high: float,
 ) -> Tensor:
     """Per-path clip counts of GSPO-token (`gspo_token_loss`): path k's sequence ratio s_k against each of its turns'
-    advantages, so a shared turn may be clipped on one path and not on another."""
+    advantages, so a shared turn may be clipped on one path and not on another. Tokens are counted (GRPO's token
+    mean): with one advantage per path, GRPO's sequence-level mode would count each path once instead."""
     num_turns = advantages.numel()
     pair_paths, pair_turns = pair_paths.to(logps.device), pair_turns.to(logps.device)
     s_path, _ = _path_ratios(logps.detach(), old_logps, turn_ids, num_turns, pair_paths, pair_turns, num_paths)
