@@ -43,12 +43,18 @@ def _launch(tmp_path, launch_args, *script_args, timeout=600):
     return [json.loads(p.read_text()) for p in sorted((tmp_path / "out").glob("report-rank*.json"))]
 
 
+# GRPO's metrics, reduced over the ranks (clip_ratio/* for the losses that clip)
+GRPO_METRICS = {"frac_reward_zero_std", "num_tokens", "entropy", "completions/clipped_ratio", "completions/min_length"}
+CLIP_RATIO = {"clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_max", "clip_ratio/region_mean"}
+
+
 def _check(reports, world, method="treeopsd"):
     assert sorted(r["rank"] for r in reports) == list(range(world))
     expected = {
         "treeopsd": EXPECTED_METRICS,
         "treeflex": {"reward", "reward_std"},  # searches of blocks, not one tree per prompt
     }.get(method, {"reward", "tree/leaves_per_tree", "tree/unique_tokens"})
+    expected = expected | GRPO_METRICS | (CLIP_RATIO if method != "treeopsd" else set())
     for r in reports:
         assert r["world"] == world
         assert r["all_changed"], r

@@ -173,3 +173,61 @@ def test_only_the_main_process_writes_the_card(tmp_path, monkeypatch):
 
 def test_tree_trainers_use_the_tree_card():
     assert TreeTrainer.create_model_card is create_tree_model_card
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Base model, tools, rewards and a quick start that runs, for a model that does not come from the Hub
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _python_snippet(text):
+    (code,) = re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
+    return code
+
+
+def test_a_local_model_card_names_its_folder_tools_and_rewards_and_its_quick_start_runs_offline(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    def format_reward(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    model, tok = tiny()  # loaded from a local folder: config._name_or_path is a path, not a Hub id
+    args = config(TreeOPSDConfig, tmp_path / "out", reward_weights=[1.0, 0.5])
+    trainer = TreeOPSDTrainer(
+        model=model, reward_funcs=[contains_answer, format_reward], args=args, train_dataset=arithmetic_dataset(2),
+        processing_class=tok, tools=[calculator],
+    )  # fmt: skip
+    trainer.save_model()
+    trainer.create_model_card()
+    text = (tmp_path / "out" / "README.md").read_text()
+    assert "[None]" not in text and 'model="None"' not in text
+    assert "fine-tuned version of a local `qwen3` model (folder `tiny-qwen3-v1-seed0`)" in text
+    assert "base_model" not in text.split("---\n")[1]  # no Hub id to put in the metadata
+    assert "- `calculator`: Evaluates an arithmetic expression" in text
+    assert "`contains_answer` (weight 1), `format_reward` (weight 0.5)" in text
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    code = _python_snippet(text).replace("max_new_tokens=128", "max_new_tokens=8")  # the tiny model babbles
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_the_base_model_is_the_hub_id_or_what_a_local_copy_records(tmp_path):
+    import shutil
+
+    from trl_tree.testing import tiny_model_path
+    from trl_tree.trainer.model_card import base_model_of
+
+    model, _ = tiny()
+    model.config._name_or_path = "Qwen/Qwen3-0.6B"  # as loaded from the Hub
+    assert base_model_of(model) == ("Qwen/Qwen3-0.6B", "[Qwen/Qwen3-0.6B](https://huggingface.co/Qwen/Qwen3-0.6B)")
+
+    copy = shutil.copytree(tiny_model_path(), tmp_path / "my-finetune")  # a local fine-tune with its own card
+    (copy / "README.md").write_text("---\nbase_model: Qwen/Qwen3-0.6B\n---\n\n# my fine-tune\n")
+    model.config._name_or_path = str(copy)
+    assert base_model_of(model)[0] == "Qwen/Qwen3-0.6B"
+    (copy / "README.md").unlink()
+    assert base_model_of(model) == (None, "a local `qwen3` model (folder `my-finetune`)")

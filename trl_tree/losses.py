@@ -236,6 +236,15 @@ def clipped_token_loss(
     return -_weighted_tree_mean(per_turn, tree_ids, num_trees)
 
 
+def _path_ratios(logps, old_logps, turn_ids, num_turns: int, pair_paths, pair_turns, num_paths: int):
+    """GSPO's sequence ratio s_k = exp(mean log-ratio over path k's tokens), detached, and the paths' token counts."""
+    lengths = turn_token_counts(turn_ids, num_turns).to(logps.dtype)
+    path_len = lengths.new_zeros(num_paths).index_add(0, pair_paths, lengths[pair_turns])
+    turn_log_ratio = turn_sum(logps - old_logps.detach(), turn_ids, num_turns)
+    path_log_ratio = logps.new_zeros(num_paths).index_add(0, pair_paths, turn_log_ratio[pair_turns])
+    return (path_log_ratio / path_len.clamp(min=1)).exp().detach(), path_len
+
+
 def gspo_token_loss(
     logps: Tensor,
     old_logps: Tensor,
@@ -265,13 +274,8 @@ def gspo_token_loss(
     """
     num_turns, num_paths = advantages.numel(), path_trees.numel()
     pair_paths, pair_turns, path_trees = (x.to(logps.device) for x in (pair_paths, pair_turns, path_trees))
-    log_ratio = logps - old_logps.detach()
     lengths = turn_token_counts(turn_ids, num_turns).to(logps.dtype)
-    path_len = lengths.new_zeros(num_paths).index_add(0, pair_paths, lengths[pair_turns])
-    path_log_ratio = logps.new_zeros(num_paths).index_add(
-        0, pair_paths, turn_sum(log_ratio, turn_ids, num_turns)[pair_turns]
-    )
-    s_path = (path_log_ratio / path_len.clamp(min=1)).exp().detach()
+    s_path, path_len = _path_ratios(logps, old_logps, turn_ids, num_turns, pair_paths, pair_turns, num_paths)
     # π_θ/sg[π_θ] is 1 in value; its turn mean carries d/dlog π_θ(y_t) = 1/L_i, so L_i·min(·) sums the turn's tokens.
     unit = (logps - logps.detach()).exp()
     unit_turn = turn_sum(unit, turn_ids, num_turns) / lengths.clamp(min=1)
@@ -284,6 +288,107 @@ def gspo_token_loss(
     paths_per_tree = lengths.new_zeros(n_trees).index_add(0, path_trees, torch.ones_like(per_path))
     per_tree = logps.new_zeros(n_trees).index_add(0, path_trees, per_path) / paths_per_tree.clamp(min=1)
     return -per_tree.mean()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GRPOTrainer's clip_ratio/* metrics for the clipped surrogates (they read the losses' tensors, change no loss)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def clip_indicators(ratio: Tensor, advantages: Tensor, epsilon_low: float, epsilon_high: float) -> tuple[Tensor, Tensor]:
+    """GRPO's clip indicators, elementwise: low where r < 1 − ε_low and A < 0, high where r > 1 + ε_high and A > 0.
+
+    These are the elements whose clipped term wins the surrogate's min, so they get no gradient; the definitions are
+    GRPOTrainer's `is_low_clipped` / `is_high_clipped`.
+    """
+    A = advantages.to(ratio)
+    return (ratio < 1 - epsilon_low) & (A < 0), (ratio > 1 + epsilon_high) & (A > 0)
+
+
+def path_clip_counts(
+    pair_low: Tensor, pair_high: Tensor, pair_paths: Tensor, pair_turns: Tensor, turn_lengths: Tensor, num_paths: int
+) -> Tensor:
+    """[num_paths, 3]: per root-to-leaf path, its low-clipped, high-clipped and trained token counts.
+
+    The path is GRPO's "sequence" (a leaf trajectory); a token shared by several paths counts once on each, as it would
+    in a flat GRPO batch of the tree's K trajectories. `pair_low` / `pair_high` are the clipped tokens of each
+    (path, turn) pair of `credit.path_turn_pairs`.
+    """
+    out = turn_lengths.new_zeros(num_paths, 3, dtype=torch.float64)
+    pair_paths = pair_paths.to(out.device)
+    for column, values in enumerate((pair_low, pair_high, turn_lengths[pair_turns])):
+        out[:, column].index_add_(0, pair_paths, values.to(out))
+    return out
+
+
+def token_clip_counts(
+    logps: Tensor, old_logps: Tensor, turn_ids: Tensor, advantages: Tensor, pair_paths: Tensor, pair_turns: Tensor,
+    num_paths: int, *, epsilon_low: float, epsilon_high: float,
+) -> Tensor:
+    """Per-path clip counts (`path_clip_counts`) of a token-level ratio ρ_t with the token's turn advantage: the
+    surrogate of `clipped_token_loss` (GRPO, TreeAdv D4) and of `dual_clip_loss` (TreeFlex F3)."""
+    num_turns = advantages.numel()
+    pair_paths, pair_turns = pair_paths.to(logps.device), pair_turns.to(logps.device)
+    mask = _trained(turn_ids)
+    ids = turn_ids[mask]
+    ratio = (logps[mask] - old_logps[mask]).detach().exp()
+    low, high = clip_indicators(ratio, advantages.detach()[ids], epsilon_low, epsilon_high)
+    low_turn, high_turn = (ratio.new_zeros(num_turns, dtype=torch.float64).index_add(0, ids, x.double())
+                           for x in (low, high))
+    lengths = turn_token_counts(turn_ids, num_turns)
+    return path_clip_counts(low_turn[pair_turns], high_turn[pair_turns], pair_paths, pair_turns, lengths, num_paths)
+
+
+def turn_clip_counts(
+    logps: Tensor, old_logps: Tensor, turn_ids: Tensor, advantages: Tensor, pair_paths: Tensor, pair_turns: Tensor,
+    num_paths: int, *, epsilon_low: float, epsilon_high: float,
+) -> Tensor:
+    """Per-path clip counts of ATPO's per-turn ratio r_i (`atpo_loss`): a clipped turn clips all of its tokens."""
+    num_turns = advantages.numel()
+    pair_paths, pair_turns = pair_paths.to(logps.device), pair_turns.to(logps.device)
+    r = turn_mean_log_ratio(logps.detach(), old_logps, turn_ids, num_turns).exp()
+    low, high = clip_indicators(r, advantages.detach(), epsilon_low, epsilon_high)
+    lengths = turn_token_counts(turn_ids, num_turns)
+    return path_clip_counts((low * lengths)[pair_turns], (high * lengths)[pair_turns], pair_paths, pair_turns, lengths,
+                            num_paths)
+
+
+def gspo_token_clip_counts(
+    logps: Tensor, old_logps: Tensor, turn_ids: Tensor, advantages: Tensor, pair_paths: Tensor, pair_turns: Tensor,
+    num_paths: int, *, epsilon_low: float, epsilon_high: float,
+) -> Tensor:
+    """Per-path clip counts of GSPO-token (`gspo_token_loss`): path k's sequence ratio s_k against each of its turns'
+    advantages, so a shared turn may be clipped on one path and not on another. Tokens are counted (GRPO's token
+    mean): with one advantage per path, GRPO's sequence-level mode would count each path once instead."""
+    num_turns = advantages.numel()
+    pair_paths, pair_turns = pair_paths.to(logps.device), pair_turns.to(logps.device)
+    s_path, _ = _path_ratios(logps.detach(), old_logps, turn_ids, num_turns, pair_paths, pair_turns, num_paths)
+    low, high = clip_indicators(s_path[pair_paths], advantages.detach()[pair_turns], epsilon_low, epsilon_high)
+    lengths = turn_token_counts(turn_ids, num_turns)
+    pair_len = lengths[pair_turns]
+    return path_clip_counts(low * pair_len, high * pair_len, pair_paths, pair_turns, lengths, num_paths)
+
+
+def clip_ratio_summary(path_counts: Tensor) -> dict[str, float]:
+    """GRPOTrainer's `clip_ratio/*` from `path_clip_counts` rows (every path of the batch, all ranks):
+
+        low_mean, high_mean, region_mean   low- / high- / either-clipped share of the paths' trained tokens (GRPO's
+                                           token mean over completion tokens)
+        low_min, high_max                  smallest low-clipped and largest high-clipped share of one path (GRPO's
+                                           per-sequence mean, min / max over sequences; paths without tokens skipped)
+    """
+    low, high, tokens = path_counts.double().reshape(-1, 3).unbind(-1)
+    total = tokens.sum().clamp(min=1)
+    kept = tokens > 0
+    per_path_low, per_path_high = low[kept] / tokens[kept], high[kept] / tokens[kept]
+    nan = float("nan")
+    return {
+        "low_mean": (low.sum() / total).item(),
+        "high_mean": (high.sum() / total).item(),
+        "region_mean": ((low + high).sum() / total).item(),
+        "low_min": per_path_low.min().item() if kept.any() else nan,
+        "high_max": per_path_high.max().item() if kept.any() else nan,
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------------

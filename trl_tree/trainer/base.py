@@ -18,13 +18,14 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import numbers
 from typing import Any
 
 import torch
 from trl import GRPOTrainer
 from trl.chat_template_utils import parse_response
 from trl.data_utils import is_conversational
-from trl.trainer.utils import is_async_callable
+from trl.trainer.utils import is_async_callable, nanstd
 
 from .. import credit, losses
 from ..packing import PackedTrees, pack_cheapest, pack_trees, packed_token_logps, unwrap_model
@@ -148,6 +149,7 @@ class TreeTrainer(GRPOTrainer):
     def _parse_action(self, ids: list[int], prefix: list[int]) -> dict:
         if not self.tools:
             return {"role": "assistant", "content": self._tokenizer.decode(ids, skip_special_tokens=True)}
+        prefix = _after_text_prompt(prefix, getattr(self, "_text_prompt_ids", ()))
         return parse_response(self._tokenizer, ids, prefix=prefix, tools=self.tools)
 
     def _any_rank_active(self, flag: bool) -> bool:
@@ -228,7 +230,17 @@ class TreeTrainer(GRPOTrainer):
         """Reset one environment per prompt (its tools and state are the tree's root) and render the prompts.
 
         Environments come from the pool: the previous batch's instances are free again here (as GRPOTrainer reuses
-        its pool every batch), and each tree takes more from it for its other trajectories and replayed branches."""
+        its pool every batch), and each tree takes more from it for its other trajectories and replayed branches.
+
+        As in GRPOTrainer, `prompt` may be missing only when an environment owns the data (its `reset()` supplies the
+        prompt); otherwise a dataset without it is an error, not a batch of empty prompts."""
+        if self.environment_factories is None and any("prompt" not in x for x in inputs):
+            raise KeyError(
+                f"{type(self).__name__}: the dataset has no 'prompt' column (an example has the keys "
+                f"{sorted(next(x for x in inputs if 'prompt' not in x))}). As GRPOTrainer does, the tree trainers read "
+                "each example's prompt from 'prompt' (a string, or a list of chat messages): rename the column, or "
+                "pass environment_factory= when an environment's reset() provides the prompt."
+            )
         prompts = [x.get("prompt", [{"role": "user", "content": ""}]) for x in inputs]
         envs, handles = [None] * len(inputs), [None] * len(inputs)
         if self.environment_factories is not None:
@@ -247,6 +259,9 @@ class TreeTrainer(GRPOTrainer):
                     last = prompts[i][-1]
                     prompts[i] = prompts[i][:-1] + [{**last, "content": last["content"] + observation}]
         prompt_ids, _, _ = self._tokenize_prompts(prompts)
+        # a plain-text prompt is no chat turn: the response parser must not read it as the assistant's message
+        conversational = is_conversational({"prompt": prompts[0]})
+        self._text_prompt_ids = [] if conversational else sorted((list(p) for p in prompt_ids), key=len, reverse=True)
         roots = []
         for ids, env, handle in zip(prompt_ids, envs, handles):
             tools = {t.__name__: t for t in self._standalone_tools}
@@ -274,12 +289,35 @@ class TreeTrainer(GRPOTrainer):
             column.extend(column[-1:] * (width - n))
         self.environments = envs if self.environment_factories is not None else None
         per_func = self._calculate_rewards(leaf_inputs, leaf_prompts, completions, completion_ids)
+        self._flush_reward_logs(n)
         start = self.accelerator.process_index * width
-        per_func = per_func[start : start + n]
-        rewards = (per_func * self.reward_weights.to(per_func.device).unsqueeze(0)).nansum(dim=1).cpu()
-        self._last_rewards_per_func = per_func.cpu()
+        self._last_rewards_per_func = per_func[start : start + n].cpu()
         sizes = [len(b) for b in branches_per_tree]
-        return list(torch.split(rewards, sizes))
+        return [_rewards_for_credit(r) for r in torch.split(self._weighted_rewards(), sizes)]
+
+    def _weighted_rewards(self) -> torch.Tensor:
+        """GRPO's reward of each leaf: the weighted sum of the reward functions that apply (None → NaN: does not
+        apply), NaN for a leaf that no function scores (TRL's `_calculate_rewards` has warned about it)."""
+        per_func = self._last_rewards_per_func
+        rewards = (per_func * self.reward_weights.to(per_func.device).unsqueeze(0)).nansum(dim=1)
+        return rewards.masked_fill(torch.isnan(per_func).all(dim=1), float("nan"))
+
+    def _flush_reward_logs(self, num_rows: int) -> None:
+        """What reward functions passed to TRL's `log_metric` / `log_extra` callbacks, flushed as GRPOTrainer's
+        `_generate_and_score_completions` (which the tree trainers replace) does: each metric averaged over the values
+        of all ranks into `_metrics`, each extra column (one value per leaf) into the completions table. Values of the
+        rows that pad a rank for `_calculate_rewards` are dropped. Column and metric names are sorted so every rank
+        gathers them in the same order."""
+        from accelerate.utils import gather_object
+
+        mode = "train" if self.model.training else "eval"
+        for column in sorted(set(gather_object(list(self._pending_extra_logs)))):
+            values = self._pending_extra_logs.get(column, [None] * num_rows)[:num_rows]
+            self._logs["extra"][column].extend(gather_object(values))
+        self._pending_extra_logs.clear()
+        for name in sorted(set(gather_object(list(self._pending_metrics)))):
+            self._metrics[mode][name].append(self._mean_over_ranks(self._pending_metrics.get(name, [])))
+        self._pending_metrics.clear()
 
     @torch.no_grad()
     def _behaviour_logps(self, packed: PackedTrees, trees: list[RolloutTree]) -> torch.Tensor:
@@ -306,16 +344,21 @@ class TreeTrainer(GRPOTrainer):
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
         packed = PackedTrees.from_dict(inputs)
-        logps, _ = packed_token_logps(model, packed, temperature=self.temperature)
+        logps, entropy = packed_token_logps(model, packed, temperature=self.temperature, compute_entropy=True)
         flat = _flatten_micro_batch(packed, logps, inputs)
         loss = self.turn_loss(flat, mode)
+        # GRPO's `entropy`: mean entropy of the trained tokens (each unique token once), from the training forward
+        self._metrics[mode]["entropy"].append(self._mean_over_ranks(entropy[packed.turn_ids >= 0].detach()))
         if mode == "train":
             loss = loss / getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
         return loss
 
     def turn_loss(self, flat: dict[str, torch.Tensor], mode: str) -> torch.Tensor:
-        loss = components.LOSSES[self.args.loss].compute(flat, self.args)
+        spec = components.LOSSES[self.args.loss]
+        loss = spec.compute(flat, self.args)
         with torch.no_grad():
+            if spec.clip_counts is not None:
+                self._log_clip_ratio(mode, spec.clip_counts(flat, self.args))
             num_turns = flat["A"].numel()
             s = losses.turn_mean_log_ratio(flat["logps"], flat["old_logps"], flat["turn_ids"], num_turns)
         block = self._optimizer_block()
@@ -361,32 +404,84 @@ class TreeTrainer(GRPOTrainer):
         gathered = self.accelerator.gather(padded)
         return gathered[~torch.isnan(gathered)]
 
-    def _mean_over_ranks(self, values: list[float]) -> float:
-        t = torch.tensor([sum(values), float(len(values))], device=self.accelerator.device, dtype=torch.float64)
+    def _mean_over_ranks(self, values: list[float] | torch.Tensor) -> float:
+        values = torch.as_tensor(values, dtype=torch.float64, device=self.accelerator.device)
+        t = torch.stack([values.sum(), values.new_tensor(float(values.numel()))])
         total = self.accelerator.reduce(t, reduction="sum")
         return (total[0] / total[1].clamp(min=1)).item()
 
+    def _log_clip_ratio(self, mode: str, path_counts: torch.Tensor) -> None:
+        """GRPO's `clip_ratio/*` over every rank's root-to-leaf paths (`losses.clip_ratio_summary`)."""
+        gathered = self._gather_uneven(path_counts.reshape(-1))
+        for key, value in losses.clip_ratio_summary(gathered).items():
+            self._metrics[mode][f"clip_ratio/{key}"].append(value)
+
+    def _log_rollout_metrics(self, mode, group_sizes: list[int], lengths: list[int], clipped: list[bool],
+                             tool_calls: list[int], tool_failures: list[int]) -> None:
+        """GRPOTrainer's generation metrics under its names. A "completion" is a leaf trajectory (TreeFlex: a complete
+        search) and its group is its tree (TreeFlex: the task's searches); `group_sizes` are the leaves per tree.
+
+            rewards/<name>/mean, /std    nan-mean / nan-std of each reward function over the completions (None is NaN:
+                                         the function does not apply)
+            reward, reward_std           the same of the weighted reward sum; completions no function scores left out
+            frac_reward_zero_std         fraction of trees whose scored leaf rewards are all equal, so that the tree
+                                         gives no learning signal (GRPO's per group; fewer than 2 scored leaves too)
+            num_tokens                   `state.num_input_tokens_seen`: tokens of the packed training forwards
+                                         (a token shared by several leaves is forwarded once)
+            completions/mean_length, /min_length, /max_length
+                                         the completion's generated tokens (tool observations excluded, as GRPO's
+                                         tool mask does)
+            completions/clipped_ratio    fraction of completions cut by the token budget (their last turn did not end
+                                         with EOS; TreeFlex: a block of the search was cut)
+            completions/mean_terminated_length, /min_terminated_length, /max_terminated_length
+                                         the same lengths over the completions that were not cut (0 if none)
+            tools/call_frequency         tool calls per completion (a leaf counts every call on its path)
+            tools/failure_frequency      failed calls / calls (0 without calls)
+        """
+        metrics = self._metrics[mode]
+        per_func, rewards = self._last_rewards_per_func, self._weighted_rewards()
+        for i, name in enumerate(self.reward_func_names):
+            column = self._gather_uneven(per_func[:, i])  # NaN dropped: GRPO's nan-aware statistics
+            metrics[f"rewards/{name}/mean"].append(torch.nanmean(column).item())
+            metrics[f"rewards/{name}/std"].append(nanstd(column).item())
+        all_rewards = self._gather_uneven(rewards)
+        metrics["reward"].append(torch.nanmean(all_rewards).item())
+        metrics["reward_std"].append(nanstd(all_rewards).item())
+        zero_std = [float(_no_reward_spread(r)) for r in torch.split(rewards, group_sizes)]
+        metrics["frac_reward_zero_std"].append(self._mean_over_ranks(zero_std))
+        metrics["num_tokens"] = [self.state.num_input_tokens_seen]
+        all_lengths = self._gather_uneven(torch.tensor(lengths, dtype=torch.float64))
+        cut = self._gather_uneven(torch.tensor(clipped, dtype=torch.float64)).bool()
+        metrics["completions/mean_length"].append(all_lengths.mean().item())
+        metrics["completions/min_length"].append(all_lengths.min().item())
+        metrics["completions/max_length"].append(all_lengths.max().item())
+        metrics["completions/clipped_ratio"].append(cut.double().mean().item())
+        terminated = all_lengths[~cut] if (~cut).any() else all_lengths.new_zeros(1)
+        metrics["completions/mean_terminated_length"].append(terminated.mean().item())
+        metrics["completions/min_terminated_length"].append(terminated.min().item())
+        metrics["completions/max_terminated_length"].append(terminated.max().item())
+        self._log_tool_use(metrics, tool_calls, tool_failures)
+
+    def _count_forward_tokens(self, mode: str, forward_tokens: int) -> None:
+        if mode == "train":
+            tokens = torch.tensor(float(forward_tokens), device=self.accelerator.device)
+            self.state.num_input_tokens_seen += int(self.accelerator.reduce(tokens, reduction="sum").item())
+
     def _log_generation(self, mode, prompts, trees, branches_per_tree, rewards, per_turn, forward_tokens: int):
         metrics = self._metrics[mode]
-        all_rewards = self._gather_uneven(torch.cat(rewards))
-        metrics["reward"].append(all_rewards.mean().item())
-        metrics["reward_std"].append(all_rewards.std().item() if all_rewards.numel() > 1 else 0.0)
-        for i, name in enumerate(self.reward_func_names):
-            col = self._gather_uneven(self._last_rewards_per_func[:, i])
-            metrics[f"rewards/{name}/mean"].append(torch.nanmean(col).item() if col.numel() else float("nan"))
         leaves = [b for branches in branches_per_tree for b in branches]
+        self._count_forward_tokens(mode, forward_tokens)
+        self._log_rollout_metrics(
+            mode, [len(b) for b in branches_per_tree], [sum(len(t.action_ids) for t in b.turns) for b in leaves],
+            [b.turns[-1].truncated for b in leaves], [b.tool_calls for b in leaves], [b.tool_failures for b in leaves],
+        )
         metrics["tree/leaves_per_tree"].append(self._mean_over_ranks([t.num_leaves for t in trees]))
         metrics["tree/unique_turns"].append(self._mean_over_ranks([t.num_turns for t in trees]))
         metrics["tree/unique_tokens"].append(self._mean_over_ranks([t.num_unique_tokens for t in trees]))
         metrics["tree/flat_tokens"].append(self._mean_over_ranks([t.num_path_tokens for t in trees]))
         metrics["tree/forward_tokens"].append(self._mean_over_ranks([forward_tokens / len(trees)]))
         metrics["tree/turns_per_leaf"].append(self._mean_over_ranks([len(b.turns) for b in leaves]))
-        metrics["completions/mean_length"].append(self._mean_over_ranks([b.completion_len for b in leaves]))
-        self._log_tool_use(metrics, [b.tool_calls for b in leaves], [b.tool_failures for b in leaves])
         self.log_turn_credit(metrics, per_turn)
-        if mode == "train":
-            tokens = torch.tensor(float(forward_tokens), device=self.accelerator.device)
-            self.state.num_input_tokens_seen += int(self.accelerator.reduce(tokens, reduction="sum").item())
         if self.log_completions:
             self._log_tree_completions(prompts, trees, branches_per_tree)
 
@@ -443,6 +538,40 @@ class _EngineProxy:
 
 def _as_text(messages: list[dict]) -> str:
     return "".join(m.get("content") or "" for m in messages if m.get("role") == "assistant")
+
+
+def _after_text_prompt(prefix: list[int], text_prompt_ids) -> list[int]:
+    """The history after its plain-text prompt (the longest of `text_prompt_ids` it starts with), else all of it.
+
+    TRL's response parser reads everything after the last assistant header of `prefix` as the assistant's message. A
+    plain-text prompt has no header, so the parser would hand the prompt's text to reward functions as the start of
+    the completion; the response starts right after the prompt, as with an empty prefix.
+    """
+    for ids in text_prompt_ids:
+        if prefix[: len(ids)] == ids:
+            return prefix[len(ids) :]
+    return prefix
+
+
+def _no_reward_spread(rewards: torch.Tensor) -> bool:
+    """A tree's leaf rewards (NaN: unscored) give no learning signal: fewer than two are scored, or all are equal."""
+    scored = rewards[~torch.isnan(rewards)]
+    return scored.numel() < 2 or bool(torch.isclose(scored.std(), scored.new_zeros(())))
+
+
+def _rewards_for_credit(rewards: torch.Tensor) -> torch.Tensor:
+    """One tree's (or TreeFlex group's) leaf rewards for its credit, with GRPO's treatment of unscored leaves.
+
+    GRPOTrainer gives a completion that no reward function scores (every one returned None) advantage 0 and leaves it
+    out of its group's mean. A tree needs a reward on every leaf, so such a leaf takes the mean of the scored leaves:
+    its standardised advantage is 0 and the baseline is the scored leaves' mean (the spread still counts every leaf).
+    A tree with no scored leaf gets 0 everywhere, hence no signal.
+    """
+    unscored = torch.isnan(rewards)
+    if not unscored.any():
+        return rewards
+    fill = rewards[~unscored].mean() if (~unscored).any() else rewards.new_zeros(())
+    return rewards.masked_fill(unscored, fill.item())
 
 
 def _mask_truncated_turns(packed: PackedTrees, trees: list[RolloutTree]) -> None:
@@ -516,10 +645,12 @@ def render_tree(tree: RolloutTree, tokenizer, values: torch.Tensor | None = None
 
 
 def _guard_reward_func(func, name: str):
-    """Wrap a reward function so that an exception or a NaN names the function and the sample.
+    """Wrap a reward function so that an exception, a NaN or an output of the wrong kind names the function.
 
     `None` stays allowed (TRL's "not applicable"); NaN or ±inf is an error, because a tree needs every leaf's reward
-    to standardise and back up. A model-based reward (an `nn.Module`) or an async function is left as it is.
+    to standardise and back up. A 1-D tensor or array of rewards is read as GRPOTrainer reads it; strings, nested
+    values or a wrong count are errors that say what to return. A model-based reward (an `nn.Module`) or an async
+    function is left as it is.
     """
     if isinstance(func, torch.nn.Module) or is_async_callable(func) or getattr(func, "_trl_tree_guarded", False):
         return func
@@ -536,8 +667,9 @@ def _guard_reward_func(func, name: str):
                 + (f" (completion: {_short(completions[j])})" if j is not None else "")
                 + ". Fix the function, or return None for samples it cannot score."
             ) from e
-        for j, r in enumerate(out or []):
-            if r is not None and not math.isfinite(float(r)):
+        out = _checked_rewards(name, out, completions or [])
+        for j, r in enumerate(out):
+            if r is not None and not math.isfinite(r):
                 raise ValueError(
                     f"Reward function '{name}' returned {r} for sample {j} (completion: {_short(completions[j])}). "
                     "Rewards must be finite; return None where the function does not apply."
@@ -547,6 +679,41 @@ def _guard_reward_func(func, name: str):
     guarded._trl_tree_guarded = True
     guarded.__signature__ = inspect.signature(func) if callable(func) else None
     return guarded
+
+
+_RETURN_ADVICE = (
+    "return a list with one reward per completion: a number (a float, int, bool or one-element tensor), or None "
+    "where the function does not apply"
+)
+
+
+def _checked_rewards(name: str, out, completions: list) -> list[float | None]:
+    """A reward function's output as GRPOTrainer reads it (a list, or a tensor / array it iterates, with None for
+    "not applicable"), as a list of floats and Nones; anything else is an error that names the function."""
+    if out is None or isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__"):
+        raise TypeError(f"Reward function '{name}' returned {_short(repr(out))} ({type(out).__name__}); {_RETURN_ADVICE}.")
+    if isinstance(out, torch.Tensor) and out.dim() != 1:
+        raise ValueError(
+            f"Reward function '{name}' returned a tensor of shape {tuple(out.shape)}; {_RETURN_ADVICE} (a 1-D tensor of "
+            f"{len(completions)} rewards works too)."
+        )
+    values = list(out)
+    if len(values) != len(completions):
+        raise ValueError(
+            f"Reward function '{name}' returned {len(values)} rewards for {len(completions)} completions; "
+            f"{_RETURN_ADVICE}."
+        )
+    checked = []
+    for j, r in enumerate(values):
+        if isinstance(r, torch.Tensor) and r.numel() == 1:
+            r = r.item()
+        if r is not None and not isinstance(r, numbers.Real):
+            raise TypeError(
+                f"Reward function '{name}' returned {_short(repr(r))} ({type(r).__name__}) for sample {j} "
+                f"(completion: {_short(completions[j])}); {_RETURN_ADVICE}."
+            )
+        checked.append(None if r is None else float(r))
+    return checked
 
 
 def _first_failing_sample(func, prompts, completions, kwargs) -> int | None:

@@ -108,10 +108,13 @@ def turn_advantages(tree: RolloutTree, args) -> torch.Tensor:
 
 @dataclass
 class LossSpec:
-    """`prepare(tree, A, args)` → extra per-turn tensors (0-dim: per tree); `compute(flat, args)` → scalar loss."""
+    """`prepare(tree, A, args)` → extra per-turn tensors (0-dim: per tree); `compute(flat, args)` → scalar loss;
+    for a loss that clips, `clip_counts(flat, args)` → the micro-batch's `losses.path_clip_counts` (GRPO's
+    `clip_ratio/*` metrics)."""
 
     prepare: Callable[[RolloutTree, torch.Tensor, object], dict[str, torch.Tensor]]
     compute: Callable[[dict, object], torch.Tensor]
+    clip_counts: Callable[[dict, object], torch.Tensor] | None = None
 
 
 def _teacher(tree, A, args):
@@ -120,7 +123,8 @@ def _teacher(tree, A, args):
 
 
 def _path_weights(tree, A, args):
-    return {"w": credit.path_token_weights(tree)}
+    """GRPO's seq-mean-token-mean weights, and the paths (for the clip metrics, which are per path like GRPO's)."""
+    return {"w": credit.path_token_weights(tree), **_path_intervals(tree, A, args)}
 
 
 def _nothing(tree, A, args):
@@ -155,6 +159,19 @@ def _path_pairs(f) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return pair_paths, pair_turns, path_trees
 
 
+def _clip_counts(count):
+    """`LossSpec.clip_counts` of a clipped surrogate: `count` is one of the `losses.*_clip_counts` functions."""
+
+    def clip_counts(f, a):
+        pair_paths, pair_turns, path_trees = _path_pairs(f)
+        return count(
+            f["logps"], f["old_logps"], f["turn_ids"], f["A"], pair_paths, pair_turns, path_trees.numel(),
+            epsilon_low=a.epsilon, epsilon_high=a.epsilon_high or a.epsilon,
+        )
+
+    return clip_counts
+
+
 LOSSES: dict[str, LossSpec] = {
     "treeopsd": LossSpec(
         _teacher,
@@ -174,6 +191,7 @@ LOSSES: dict[str, LossSpec] = {
             f["logps"], f["old_logps"], f["turn_ids"], f["A"], f["w"], f["tree_ids"],
             epsilon_low=a.epsilon, epsilon_high=a.epsilon_high or a.epsilon, num_trees=f["num_trees"],
         ),
+        _clip_counts(losses.turn_clip_counts),
     ),
     "grpo": LossSpec(
         _path_weights,
@@ -181,6 +199,7 @@ LOSSES: dict[str, LossSpec] = {
             f["logps"], f["old_logps"], f["turn_ids"], f["A"], f["w"], f["tree_ids"],
             epsilon_low=a.epsilon, epsilon_high=a.epsilon_high or a.epsilon, num_trees=f["num_trees"],
         ),
+        _clip_counts(losses.token_clip_counts),
     ),
     "gspo_token": LossSpec(  # TreeAdv D4: GSPO-token over the tree's K root-to-leaf sequences
         _path_intervals,
@@ -188,6 +207,7 @@ LOSSES: dict[str, LossSpec] = {
             f["logps"], f["old_logps"], f["turn_ids"], f["A"], *_path_pairs(f),
             epsilon_low=a.epsilon, epsilon_high=a.epsilon_high or a.epsilon, num_trees=f["num_trees"],
         ),
+        _clip_counts(losses.gspo_token_clip_counts),
     ),
 }
 

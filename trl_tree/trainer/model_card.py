@@ -6,7 +6,13 @@ but not with which tree, and a tree-trained model is not reproducible without it
 rollouts M, the branches N per rollout, the teacher radius ρ, the optimizer blocks E per generation batch and the turn
 limit (for TreeFlex, which grows no tree: the group of K searches, the blocks per search, the process penalties, the
 aggregation and the dual clip). So the tree trainers keep TRL's card (metadata, quick start, framework versions, the
-method's and TRL's citations) and add a section with those hyperparameters, the dataset, and trl-tree itself.
+method's and TRL's citations) and add a section with those hyperparameters, the dataset, the tools and reward
+functions the model was trained with, and trl-tree itself.
+
+Two things of TRL's card are fixed for models that do not come from the Hub: the base model of a model loaded from a
+local folder is named from the folder (or from the folder's own card, when it records a Hub base model) instead of
+"[None]", and the quick-start snippet loads the model from where this card lives (the Hub repository, else the output
+directory) instead of `model="None"`.
 
 Wiring (one line in ``TreeTrainer``'s class body)::
 
@@ -15,6 +21,7 @@ Wiring (one line in ``TreeTrainer``'s class body)::
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 
@@ -107,6 +114,33 @@ def _rows(args, fields) -> list[str]:
     return rows
 
 
+def _one_line(tool) -> str:
+    """The first line of a tool's docstring (what the model read about it in the tool schema)."""
+    doc = inspect.getdoc(tool) or ""
+    return next((line.strip() for line in doc.splitlines() if line.strip()), "(no description)")
+
+
+def tools_and_rewards(trainer) -> list[str]:
+    """Card lines naming the tools (with their one-line descriptions) and the weighted reward functions."""
+    lines = []
+    tools = getattr(trainer, "tools", None) or []
+    factories = getattr(trainer, "environment_factories", None) or {}
+    if tools:
+        lines += ["Tools the model was trained to call (pass the same tools to the chat template at inference):", ""]
+        lines += [f"- `{getattr(t, '__name__', type(t).__name__)}`: {_one_line(t)}" for t in tools]
+        lines += [""]
+    if factories:
+        names = ", ".join(f"`{getattr(f, '__name__', type(f).__name__)}`" for f in factories.values())
+        lines += [f"Environments (`environment_factory`): {names}.", ""]
+    names = getattr(trainer, "reward_func_names", None) or []
+    if names:
+        weights = getattr(trainer, "reward_weights", None)
+        weights = [1.0] * len(names) if weights is None else [float(w) for w in weights]
+        rewards = ", ".join(f"`{n}` (weight {w:g})" for n, w in zip(names, weights))
+        lines += [f"Reward functions: {rewards}; a leaf's reward is their weighted sum.", ""]
+    return lines
+
+
 def tree_section(trainer, dataset_name: str | None = None) -> str:
     """The card section that records how the model was trained: method, trl-tree, tree and run hyperparameters."""
     args = trainer.args
@@ -160,6 +194,7 @@ def tree_section(trainer, dataset_name: str | None = None) -> str:
             "generated it, and each search's score is compared within its group.",
             "",
         ]
+    lines += tools_and_rewards(trainer)
     lines += ["| hyperparameter | value | meaning |", "|---|---|---|"]
     lines += _rows(args, _TREE_FIELDS) + _rows(args, _RUN_FIELDS)
     return "\n".join(lines) + "\n"
@@ -170,24 +205,61 @@ def _is_hub_id(name: str) -> bool:
     return bool(_HUB_ID.match(name)) and not os.path.exists(name)
 
 
+def base_model_of(model) -> tuple[str | None, str]:
+    """(Hub id for the card metadata, or None; how the card names the base model).
+
+    As TRL does, the model's `config._name_or_path` is the base model when it is a Hub id. A model loaded from a local
+    folder is named after the folder, unless the folder's own card (a model fine-tuned earlier and saved there)
+    records a Hub base model, which is then the base model.
+    """
+    from trl.trainer.utils import get_config_model_id
+
+    config = getattr(model, "config", None)
+    name = get_config_model_id(config) if config is not None else ""
+    if name and not os.path.isdir(name):
+        return name, f"[{name}](https://huggingface.co/{name})"
+    model_type = getattr(config, "model_type", None) or "transformers"
+    if not name:
+        return None, f"a `{model_type}` model built in code (no Hub id or folder recorded in its config)"
+    recorded = _recorded_base_model(name)
+    if recorded:
+        return recorded, f"[{recorded}](https://huggingface.co/{recorded})"
+    return None, f"a local `{model_type}` model (folder `{os.path.basename(os.path.normpath(name))}`)"
+
+
+def _recorded_base_model(folder: str) -> str | None:
+    """The Hub base model that the folder's README.md metadata records, if any (read offline)."""
+    readme = os.path.join(folder, "README.md")
+    if not os.path.isfile(readme):
+        return None
+    try:
+        from huggingface_hub import ModelCard
+
+        base = ModelCard.load(readme).data.base_model
+    except Exception:  # a README without valid metadata names nothing
+        return None
+    base = base[0] if isinstance(base, list) and base else base
+    return base if isinstance(base, str) and base and not os.path.exists(base) else None
+
+
+def usage_model_id(trainer) -> str:
+    """What the quick-start snippet loads: the Hub repository the model is pushed to, else its output directory."""
+    return getattr(trainer, "hub_model_id", None) or getattr(trainer.args, "hub_model_id", None) or trainer.args.output_dir
+
+
 def tree_model_card_text(
     trainer, model_name: str | None = None, dataset_name: str | None = None, tags: str | list[str] | None = None
 ) -> str:
     """The model card of a tree trainer, as markdown with YAML metadata: TRL's card plus :func:`tree_section`.
 
     Mirrors ``trl.trainer.base_trainer._BaseTrainer.create_model_card`` (base model, tags, experiment-tracker links,
-    the method's citation from ``trainer._paper``) so the card stays what TRL users expect, then inserts the tree
-    section before "Framework versions" and lists trl-tree's version there.
+    the method's citation from ``trainer._paper``) so the card stays what TRL users expect, with the base model and
+    the quick-start model of :func:`base_model_of` and :func:`usage_model_id`; then inserts the tree section before
+    "Framework versions" and lists trl-tree's version there.
     """
-    from trl.trainer.utils import (
-        generate_model_card,
-        get_comet_experiment_url,
-        get_config_model_id,
-        get_trackio_space_url,
-    )
+    from trl.trainer.utils import generate_model_card, get_comet_experiment_url, get_trackio_space_url
 
-    model_id = get_config_model_id(trainer.model.config)
-    base_model = model_id if model_id and not os.path.isdir(model_id) else None
+    base_model, base_model_text = base_model_of(trainer.model)
     tags = set() if tags is None else {tags} if isinstance(tags, str) else set(tags)
     tags.update(getattr(trainer, "_tag_names", []))
     tags.add(TRL_TREE_NAME)
@@ -208,7 +280,7 @@ def tree_model_card_text(
     card = generate_model_card(
         base_model=base_model,
         model_name=model_name,
-        hub_model_id=getattr(trainer, "hub_model_id", None),
+        hub_model_id=usage_model_id(trainer),
         dataset_name=dataset_name if dataset_name and _is_hub_id(dataset_name) else None,
         tags=sorted(tags),
         wandb_url=wandb_url,
@@ -221,6 +293,8 @@ def tree_model_card_text(
         paper_id=paper.get("id"),
     )
     text = str(card)
+    if base_model is None:  # TRL's template links the base model unconditionally: "[None](https://huggingface.co/None)"
+        text = text.replace("[None](https://huggingface.co/None)", base_model_text, 1)
     section = tree_section(trainer, dataset_name)
     marker = "### Framework versions\n\n"
     if marker in text:

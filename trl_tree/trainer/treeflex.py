@@ -454,37 +454,35 @@ class TreeFlexTrainer(TreeTrainer):
         loss = (w.to(per_token) * per_token).sum() / max(int(flat["num_trees"]), 1)
         with torch.no_grad():
             ratio = (flat["logps"] - flat["old_logps"]).exp()
-            eps_high = a.epsilon_high if a.epsilon_high is not None else a.epsilon
-            clipped = ((ratio < 1 - a.epsilon) & (A < 0)) | ((ratio > 1 + eps_high) & (A > 0))
             dual = (A < 0) & (ratio > a.dual_clip_c)
             s = losses.turn_mean_log_ratio(flat["logps"], flat["old_logps"], ids, flat["A"].numel())
+            self._log_clip_ratio(mode, _search_clip_counts(flat, a))
         block = self._optimizer_block()
         metrics = self._metrics[mode]
         metrics[f"tree/abs_log_ratio/block_{block}"].append(self._mean_over_ranks(s.abs().tolist()))
-        metrics["treeflex/clip_fraction"].append(self._mean_over_ranks(clipped.float().tolist()))
         metrics["treeflex/dual_clip_fraction"].append(self._mean_over_ranks(dual.float().tolist()))
         return loss
 
     # ---------------------------------------------------------------- metrics
 
     def _log_flex(self, mode, prompts, groups: list[FlexGroup], scores, per_turn, forward_tokens: int):
+        """GRPO's metrics (`TreeTrainer._log_rollout_metrics`: a completion is a complete search, its group the task's
+        searches; a search counts as cut when any of its turns was cut by its block's budget) and TreeFlex's own."""
         metrics = self._metrics[mode]
-        device = self.accelerator.device
-        all_scores = self.accelerator.gather(torch.cat(scores).to(device)).float()
-        metrics["reward"].append(all_scores.mean().item())
-        metrics["reward_std"].append(all_scores.std().item() if all_scores.numel() > 1 else 0.0)
-        for i, name in enumerate(self.reward_func_names):
-            col = self.accelerator.gather(self._last_rewards_per_func[:, i].to(device))
-            metrics[f"rewards/{name}/mean"].append(torch.nanmean(col).item())
         searches = [s for g in groups for s in g.searches]
+        self._count_forward_tokens(mode, forward_tokens)
+        self._log_rollout_metrics(
+            mode, [len(g.searches) for g in groups],
+            [sum(len(t.action_ids) for b in s.blocks for t in b.turns) for s in searches],
+            [any(t.truncated for b in s.blocks for t in b.turns) for s in searches],
+            [s.tool_calls for s in searches], [s.tool_failures for s in searches],
+        )
         metrics["tree/leaves_per_tree"].append(self._mean_over_ranks([len(g.searches) for g in groups]))
         metrics["treeflex/blocks_per_search"].append(self._mean_over_ranks([len(s.blocks) for s in searches]))
         metrics["treeflex/turns_per_search"].append(self._mean_over_ranks(
             [sum(len(b.turns) for b in s.blocks) for s in searches]))
         metrics["treeflex/context_tokens_per_block"].append(self._mean_over_ranks(
             [len(t.prompt_ids) for g in groups for t in g.trees]))
-        metrics["completions/mean_length"].append(self._mean_over_ranks(
-            [sum(len(t.action_ids) for b in s.blocks for t in b.turns) for s in searches]))
         penalties = [q for g in groups for q in g.penalties.tolist()]
         metrics["treeflex/penalised_turn_fraction"].append(self._mean_over_ranks([float(q < 0) for q in penalties]))
         metrics["treeflex/mean_turn_penalty"].append(self._mean_over_ranks(penalties))
@@ -493,10 +491,6 @@ class TreeFlexTrainer(TreeTrainer):
         for r, role in enumerate(self.harness.roles):
             share = [float(g.lengths[g.turn_role == r].sum() / g.lengths.sum().clamp(min=1)) for g in groups]
             metrics[f"treeflex/token_share/{role}"].append(self._mean_over_ranks(share))
-        self._log_tool_use(metrics, [s.tool_calls for s in searches], [s.tool_failures for s in searches])
-        if mode == "train":
-            tokens = torch.tensor(float(forward_tokens), device=device)
-            self.state.num_input_tokens_seen += int(self.accelerator.reduce(tokens, reduction="sum").item())
         if self.log_completions:
             self._log_flex_completions(prompts, groups)
 
@@ -518,6 +512,18 @@ class TreeFlexTrainer(TreeTrainer):
             self._logs["rewards"][name].extend(col.tolist())
         self._logs["advantages"].extend(gather_object(rows_adv))
         self._logs["extra"]["blocks"].extend(gather_object(rows_blocks))
+
+
+def _search_clip_counts(flat: dict[str, Tensor], args: TreeFlexConfig) -> Tensor:
+    """GRPO's clip counts (`losses.token_clip_counts`) with each complete search as the sequence: a turn belongs to
+    exactly one search, numbered across the micro-batch's groups."""
+    searches = flat["search"].long()
+    _, path_of_turn = torch.unique(flat["tree_ids"].long() * (int(searches.max()) + 1) + searches, return_inverse=True)
+    return losses.token_clip_counts(
+        flat["logps"], flat["old_logps"], flat["turn_ids"], flat["A"], path_of_turn,
+        torch.arange(path_of_turn.numel(), device=path_of_turn.device), int(path_of_turn.max()) + 1,
+        epsilon_low=args.epsilon, epsilon_high=args.epsilon_high if args.epsilon_high is not None else args.epsilon,
+    )
 
 
 def _as_scored(search: FlexSearch) -> _Scored:
