@@ -22,6 +22,7 @@ A preset of `TreeTrainer` (sampler="token_entropy", credit="leaf_mean", loss="gr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from .base import TreeTrainer
 from .config import TreeConfig
@@ -43,7 +44,10 @@ class TreeAdvConfig(TreeConfig):
     )
     credit: str = field(default="leaf_mean", metadata={"help": "leaf_mean (D2 segment advantage) | path | ..."})
     loss: str = field(default="grpo", metadata={"help": "grpo | gspo_token | ..."})
-    num_initial_rollouts: int = field(default=4, metadata={"help": "M: trees per prompt."})
+    num_initial_rollouts: int | None = field(
+        default=None, metadata={"help": "M: trees per prompt (default 4, or from num_generations)."}
+    )
+    default_num_initial_rollouts: ClassVar[int] = 4
 
 
 class TreeAdvTrainer(TreeTrainer):
