@@ -22,7 +22,6 @@ A preset of `TreeTrainer` (sampler="token_entropy", credit="leaf_mean", loss="gr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 from .base import TreeTrainer
 from .config import TreeConfig
@@ -47,7 +46,6 @@ class TreeAdvConfig(TreeConfig):
     num_initial_rollouts: int | None = field(
         default=None, metadata={"help": "M: trees per prompt (default 4, or from num_generations)."}
     )
-    default_num_initial_rollouts: ClassVar[int] = 4
 
 
 class TreeAdvTrainer(TreeTrainer):
