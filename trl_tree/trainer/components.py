@@ -115,12 +115,13 @@ def budget_field(args) -> str:
 def budget_for_generations(args, num_generations: int) -> int | None:
     """The value of `budget_field` (M, or TreeFlex's K) whose `num_generations_of` is exactly G, or None.
 
-    The budget grows by at least one trajectory per unit of M, so at most one value fits."""
+    Every budget is linear in that field, b(M) = b0 + slope·M with slope ≥ 1, so at most one M has ⌈b(M)⌉ = G:
+    G − 1 < b0 + slope·M ≤ G."""
     field = budget_field(args)
-    for value in range(1, num_generations + 1):
-        if num_generations_of(replace_fields(args, **{field: value})) == num_generations:
-            return value
-    return None
+    b0 = trajectory_budget(replace_fields(args, **{field: 0}))
+    slope = trajectory_budget(replace_fields(args, **{field: 1})) - b0
+    value = math.floor((num_generations - b0) / slope)
+    return value if value >= 1 and b0 + slope * value > num_generations - 1 else None
 
 
 def valid_budgets(args, num_generations: int, limit: int = 8) -> list[str]:

@@ -134,6 +134,9 @@ class TreeConfig(GRPOConfig):
         per_device_train_batch_size, generation_batch_size: count trajectories of budget, as GRPO counts completions:
             a micro-batch holds per_device_train_batch_size / G whole trees (a whole number ≥ 1), a generation batch
             generation_batch_size / G prompts. A GRPO config so trains the same prompts per step.
+        per_device_eval_batch_size: the same for evaluation (GRPO's loader repeats each prompt G times; one tree is
+            grown per prompt), so it must be a multiple of G when evaluating. `num_generations_eval` must stay unset
+            (or equal G): evaluation grows the training trees.
         max_tool_calling_iterations (`int`, *optional*): TRL's cap on tool-calling rounds per trajectory; sets
             `max_turns` = k + 1 (an explicit, different `max_turns` is an error).
         multi_objective_aggregation (`str`, defaults to `"sum_then_normalize"`): as in GRPO, with a tree's K leaves
