@@ -143,6 +143,7 @@ def test_a_num_generations_that_no_m_gives_lists_the_settings_that_do(tmp_path):
         (dict(per_device_train_batch_size=4), "Set per_device_train_batch_size to 8, or"),
         (dict(max_tool_calling_iterations=2, max_turns=5), "allows 3 assistant turns.*max_turns=5"),
         (dict(multi_objective_aggregation="mean"), "multi_objective_aggregation must be one of"),
+        (dict(num_generations_eval=4), r"num_generations_eval \(4\) differs from num_generations \(8\)"),
     ],
 )
 def test_a_bad_budget_or_batch_size_is_one_clear_error(fields, message, tmp_path):
@@ -160,8 +161,10 @@ def test_num_generations_sets_m_for_each_sampler(tmp_path):
     for config_cls, fields, M in cases:
         args = config_cls(output_dir=str(tmp_path), num_generations=8, **fields, **CPU)
         assert args.num_initial_rollouts == M and args.num_generations == 8
-    # neither set: each preset keeps its documented M, and G follows
-    assert AT2POConfig(output_dir=str(tmp_path), per_device_train_batch_size=16, **CPU).num_initial_rollouts == 10
+    # neither set: each preset keeps its documented M, G follows, and an unset micro-batch is one tree
+    args = AT2POConfig(output_dir=str(tmp_path), **CPU)
+    assert (args.num_initial_rollouts, args.num_generations, args.per_device_train_batch_size) == (10, 16, 16)
+    assert TreeOPSDConfig(output_dir=str(tmp_path), **CPU).per_device_train_batch_size == 8  # GRPO's default
 
 
 def test_evaluation_grows_one_tree_per_prompt_with_grpos_eval_batch_size(tmp_path):

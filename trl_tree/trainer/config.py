@@ -133,7 +133,8 @@ class TreeConfig(GRPOConfig):
             the two must agree. An error lists the settings that give the G asked for.
         per_device_train_batch_size, generation_batch_size: count trajectories of budget, as GRPO counts completions:
             a micro-batch holds per_device_train_batch_size / G whole trees (a whole number ≥ 1), a generation batch
-            generation_batch_size / G prompts. A GRPO config so trains the same prompts per step.
+            generation_batch_size / G prompts. A GRPO config so trains the same prompts per step. Unset,
+            per_device_train_batch_size is G: one tree per micro-batch (GRPO's default 8 with its default G = 8).
         per_device_eval_batch_size: the same for evaluation (GRPO's loader repeats each prompt G times; one tree is
             grown per prompt), so it must be a multiple of G when evaluating. `num_generations_eval` must stay unset
             (or equal G): evaluation grows the training trees.
@@ -192,6 +193,10 @@ class TreeConfig(GRPOConfig):
     )
     num_generations: int | None = field(
         default=None, metadata={"help": "G: rollout budget per prompt in complete trajectories (default: from M, N)."}
+    )
+    per_device_train_batch_size: int | None = field(
+        default=None, metadata={"help": "Trajectories of budget per micro-batch per device, a multiple of G (default G:"
+                                " one tree)."}
     )
     vllm_importance_sampling_correction: bool = field(
         default=False, metadata={"help": "Not applied: π_old is recomputed by the training model (False with vLLM)."}
@@ -277,6 +282,8 @@ class TreeConfig(GRPOConfig):
     def _check_micro_batch(self):
         """Trees stay whole in a micro-batch: per_device_train_batch_size must be a multiple of G (and so must
         per_device_eval_batch_size when evaluating: GRPO's loader gives each evaluation prompt G rows)."""
+        if self.per_device_train_batch_size is None:
+            self.per_device_train_batch_size = self.num_generations
         G, size = self.num_generations, self.per_device_train_batch_size
         if self.num_generations_eval not in (None, G):
             raise ValueError(
@@ -452,7 +459,8 @@ class TreePOConfig(TreeConfig):
 class AT2POConfig(TreeConfig):
     """Configuration of `AT2POTrainer`: entropy-guided expansion (M = 10 initial trajectories, L = 2 rounds of K = 6
     branches), turn credit by a softmax over child entropies (A4) on population-standardised leaves (A3), and the
-    ATPO loss (per-turn geometric-mean ratio, per-turn clip, GRPO's path aggregation; A5).
+    ATPO loss (per-turn geometric-mean ratio, per-turn clip, GRPO's path aggregation; A5). Its default budget is
+    G = M + L·K/2 = 16 trajectories; a GRPO config's `num_generations` = 8 gives M = 2 with the same rounds.
 
     The paper's ablations are switches: `expansion_mode="random"`, `loss="grpo"` (token-level ratio and clip),
     `credit="path"` (turn credit off), `credit="child_mean"` / `"leaf_mean"` (other backups)."""
@@ -465,6 +473,3 @@ class AT2POConfig(TreeConfig):
         default=None, metadata={"help": "M: initial trajectories per prompt (default 10, or from num_generations)."}
     )
     default_num_initial_rollouts: ClassVar[int] = 10
-    per_device_train_batch_size: int = field(
-        default=16, metadata={"help": "Trajectories of budget per micro-batch: one default tree (G = 16)."}
-    )
