@@ -288,10 +288,13 @@ def build_trainer(method: str, model, tokenizer, task: Task, budget: Budget, out
 
     name = TREE_METHODS[method]
     config_class, trainer_class = getattr(trl_tree, f"{name}Config"), getattr(trl_tree, f"{name}Trainer")
+    sampler_fields = matched_sampler_fields(method, budget)
+    trees_per_block = budget.prompts // budget.blocks
     args = config_class(
         **common,
-        **matched_sampler_fields(method, budget),
-        per_device_train_batch_size=budget.prompts // budget.blocks,
+        **sampler_fields,
+        # counts trajectories of budget, as GRPO's: the same trees per block (and tokens) as before
+        per_device_train_batch_size=trees_per_block * config_class.num_generations_for(**sampler_fields),
         max_turns=budget.max_turns,
         packing=packing,
         malformed_tool_calls=budget.malformed_tool_calls,

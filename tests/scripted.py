@@ -57,10 +57,10 @@ def arithmetic_dataset(n: int) -> Dataset:
     )
 
 
-def config(cls, tmp_path, **overrides):
+def config(cls, tmp_path, trees_per_micro_batch=1, **overrides):
+    """A one-step CPU config; per_device_train_batch_size counts trajectories of budget (trees × G), as in GRPO."""
     defaults = dict(
         output_dir=str(tmp_path),
-        per_device_train_batch_size=1,
         steps_per_generation=1,
         max_steps=1,
         num_initial_rollouts=2,
@@ -77,6 +77,7 @@ def config(cls, tmp_path, **overrides):
         seed=0,
     )
     defaults.update(overrides)
+    defaults.setdefault("per_device_train_batch_size", trees_per_micro_batch * cls.num_generations_for(**defaults))
     return cls(**defaults)
 
 

@@ -143,7 +143,7 @@ def test_offline_run_of_a_new_method_trains_a_few_steps_and_saves_the_model(meth
     (~10 s each on 2 cores)."""
     tiny = (
         "--num_train 4 --num_eval 2 --warm_start_steps 2 --warm_start_batch_size 2 --max_steps 1 "
-        f"--per_device_train_batch_size 1 --steps_per_generation 1 {tree} --max_turns 2 --max_completion_length 48"
+        f"--per_device_train_batch_size 3 --steps_per_generation 1 {tree} --max_turns 2 --max_completion_length 48"
     ).split()
     out = tmp_path / "model"
     argv = [*tiny, "--output_dir", str(out), "--bm25_cache_dir", str(tmp_path / "bm25")]

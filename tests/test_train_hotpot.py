@@ -28,7 +28,7 @@ def _load_example(name):
 
 TINY = (
     "--num_train 4 --num_eval 3 --warm_start_steps 2 --warm_start_batch_size 2 --max_steps 1 "
-    "--per_device_train_batch_size 1 --steps_per_generation 1 --num_initial_rollouts 2 --num_branches 1 "
+    "--per_device_train_batch_size 3 --steps_per_generation 1 --num_initial_rollouts 2 --num_branches 1 "
     "--max_turns 2 --max_completion_length 48"
 ).split()
 
@@ -117,7 +117,8 @@ def test_the_paper_recipe_parses_to_the_papers_hyperparameters():
     assert script_args.dataset_name == "hotpotqa/hotpot_qa" and script_args.warm_start_steps == 0
     assert (training_args.num_initial_rollouts, training_args.num_branches) == (4, 2)
     assert training_args.target_radius == 0.25 and training_args.num_optimizer_blocks == 4
-    assert training_args.per_device_train_batch_size * 8 * training_args.steps_per_generation == 256
+    assert training_args.num_generations == 8 and training_args.trees_per_micro_batch == 8
+    assert training_args.trees_per_micro_batch * 8 * training_args.steps_per_generation == 256
     assert training_args.learning_rate == 1e-6 and training_args.weight_decay == 0.01
     assert (training_args.adam_beta1, training_args.adam_beta2) == (0.9, 0.999)
     assert training_args.max_turns == 5 and script_args.topk == 3

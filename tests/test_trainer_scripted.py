@@ -269,7 +269,7 @@ def test_a_reward_function_that_raises_or_returns_nan_is_named_with_the_sample(t
         ({"target_radius": 0.0}, "0 < ρ < 1/2"),
         ({"num_iterations": 2}, "steps_per_generation = E × gradient_accumulation_steps"),
         ({"beta": 0.04}, "beta=0.0"),
-        ({"num_generations": 8}, "num_initial_rollouts and num_branches"),
+        ({"num_generations": 8}, r"num_initial_rollouts=2 costs 3\. Settings that give G = 8: \(M, N\) = \(8, 0\)"),
         ({"packing": "flat"}, "packing must be one of"),
         ({"malformed_tool_calls": "retry"}, "malformed_tool_calls must be one of"),
         ({"steps_per_generation": 3, "gradient_accumulation_steps": 2}, "multiple of gradient_accumulation_steps"),

@@ -452,7 +452,9 @@ def _score(head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float,
     vocab) floats, often larger than the whole model's activations.
     """
     logps, entropies = [], []
-    for start in range(0, hidden.shape[0], chunk):
+    # At least one (possibly empty) chunk: with nothing to score (every turn masked, e.g. all truncated) the empty
+    # result still hangs off the head and the forward, so the loss is a zero with a grad_fn, as GRPO's masked loss.
+    for start in range(0, max(hidden.shape[0], 1), chunk):
         args = (head, hidden[start : start + chunk], targets[start : start + chunk], temperature, compute_entropy)
         if torch.is_grad_enabled():
             lp, ent = checkpoint(_score_chunk, *args, use_reentrant=False)
@@ -460,8 +462,6 @@ def _score(head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float,
             lp, ent = _score_chunk(*args)
         logps.append(lp)
         entropies.append(ent)
-    if not logps:
-        return hidden.new_zeros(0, dtype=torch.float32), hidden.new_zeros(0, dtype=torch.float32)
     return torch.cat(logps), torch.cat(entropies)
 
 

@@ -83,8 +83,9 @@ def build_trainer(out: str, use_lora: bool = False, max_steps: int = 2, packing:
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     tree_fields = {"num_initial_rollouts": 2, "num_branches": 1, **overrides}
+    one_tree = config_cls.num_generations_for(**tree_fields)  # per_device_train_batch_size counts trajectories
     args = config_cls(
-        output_dir=out, per_device_train_batch_size=1, gradient_accumulation_steps=1, steps_per_generation=2,
+        output_dir=out, per_device_train_batch_size=one_tree, gradient_accumulation_steps=1, steps_per_generation=2,
         max_steps=max_steps, packing=packing, **tree_fields, max_turns=3, max_completion_length=max_completion_length,
         learning_rate=1e-2, logging_steps=1, report_to="none", bf16=False, gradient_checkpointing=False,
         save_strategy="no", use_cpu=not torch.cuda.is_available(), seed=0,

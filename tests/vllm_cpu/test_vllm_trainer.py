@@ -39,7 +39,7 @@ def test_treeopsd_samples_trees_with_vllm_and_trains(tmp_path):
     ds = Dataset.from_dict({"prompt": [c[:1] for c in conversations[:4]],
                             "answer": [c[-1]["content"].split()[-1].rstrip(".") for c in conversations[:4]]})
     args = TreeOPSDConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=1, steps_per_generation=2, max_steps=2,
+        output_dir=str(tmp_path), per_device_train_batch_size=3, steps_per_generation=2, max_steps=2,  # 1 tree, G = 3
         num_initial_rollouts=2, num_branches=1, max_turns=3, max_completion_length=96, learning_rate=1e-2,
         logging_steps=1, report_to="none", bf16=False, gradient_checkpointing=False, save_strategy="no",
         use_cpu=True, use_vllm=True, vllm_mode="colocate", vllm_max_model_length=1024,

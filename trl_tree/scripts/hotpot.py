@@ -201,7 +201,8 @@ OFFLINE_TRAINING_DEFAULTS: dict[str, Any] = {
     "target_radius": 0.25,
     "max_turns": 4,  # two searches and an answer, one turn to spare
     "max_completion_length": 768,  # a scripted trajectory (observations included) is 280-680 tiny-BPE tokens
-    "per_device_train_batch_size": 4,
+    # trajectories of budget, as GRPO counts completions: 4 trees of G = 8 (every method's offline budget below)
+    "per_device_train_batch_size": 32,
     "steps_per_generation": 2,  # E = 2 optimizer blocks of 4 trees per generation batch of 8 trees
     "max_steps": 8,  # 4 generation batches: each training question once
     # At temperature 1.0 no sampled leaf of the warm-started tiny model earned a reward (every tree flat, nothing to

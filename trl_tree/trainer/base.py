@@ -22,10 +22,11 @@ import numbers
 from typing import Any
 
 import torch
+from datasets import IterableDataset
 from trl import GRPOTrainer
 from trl.chat_template_utils import parse_response
 from trl.data_utils import is_conversational
-from trl.trainer.utils import is_async_callable, nanstd
+from trl.trainer.utils import RepeatSampler, is_async_callable, nanstd, repeat_iterable_dataset
 
 from .. import credit, losses
 from ..packing import PackedTrees, pack_cheapest, pack_trees, packed_token_logps, unwrap_model
@@ -67,15 +68,71 @@ class TreeTrainer(GRPOTrainer):
                 "`environment_factory=` for tool use."
             )
         super().__init__(model, reward_funcs, args=args, **kwargs)
-        self._resize_completion_logs(args.generation_batch_size * args.leaves_per_tree)
+        # The dataloader yields prompts, one tree each: a micro-batch of per_device_train_batch_size trajectories of
+        # budget is per_device_train_batch_size / G trees (GRPO's micro-batch holds the same prompts, G times each).
+        self._train_batch_size = args.trees_per_micro_batch
+        self._check_enough_prompts()
+        self._resize_completion_logs(args.prompts_per_generation * args.leaves_per_tree)
         self._hide_fork_from_tools()
         self.reward_funcs = [_guard_reward_func(f, n) for f, n in zip(self.reward_funcs, self.reward_func_names)]
         self.generation_engine = self._build_engine()
         self._turn_loop = self._build_turn_loop()
         self.sampler = self.build_sampler(self._turn_loop)
         self.environment_pool = self._build_environment_pool()
+        self._print_effective_batch()
 
     # ---------------------------------------------------------------- set-up
+
+    def _check_enough_prompts(self):
+        """A dataset smaller than one generation batch would train 0 steps and exit as if it had succeeded."""
+        dataset, needed = self.train_dataset, self.args.prompts_per_generation
+        if dataset is None or isinstance(dataset, IterableDataset) or len(dataset) >= needed:
+            return
+        raise ValueError(
+            f"train_dataset has {len(dataset)} prompts, but one generation batch needs {needed} "
+            f"(generation_batch_size {self.args.generation_batch_size} / num_generations {self.args.num_generations}"
+            f" = per_device_train_batch_size / num_generations × processes × steps_per_generation). Lower "
+            "per_device_train_batch_size, steps_per_generation or generation_batch_size, or use more prompts."
+        )
+
+    def _print_effective_batch(self):
+        """What a step costs, in the user's terms, once at start-up (main process)."""
+        a = self.args
+        per_step = a.trees_per_micro_batch * a.world_size * a.gradient_accumulation_steps
+        self.accelerator.print(
+            f"{type(self).__name__}: num_generations G = {a.num_generations} trajectories of budget per prompt; "
+            f"{a.prompts_per_generation} prompts per generation batch; {a.trees_per_micro_batch} trees per micro-batch "
+            f"per process; K = {a.leaves_per_tree} leaves per tree"
+            + (" (at most)" if a.sampler == "token_entropy" else "")
+            + f"; {per_step} prompts and {per_step * float(components.trajectory_budget(a)):g} expected trajectories "
+            f"per optimizer step; E = {a.num_optimizer_blocks} optimizer blocks per generation batch."
+        )
+
+    def _get_train_sampler(self, dataset=None):
+        """GRPO's sampler, drawing each prompt once: the tree is the prompt's whole group."""
+        return RepeatSampler(
+            data_source=self.train_dataset if dataset is None else dataset,
+            mini_repeat_count=1,
+            batch_size=self.args.prompts_per_generation,
+            repeat_count=self.num_iterations * self.args.steps_per_generation,
+            shuffle=self.shuffle_dataset,
+            seed=self.args.seed,
+        )
+
+    def get_train_dataloader(self):
+        """GRPOTrainer's loader (a generation batch per step) without its G copies of each prompt."""
+        dataset = self.train_dataset
+        if isinstance(dataset, IterableDataset):
+            if self.shuffle_dataset:
+                dataset = dataset.shuffle(seed=self.args.seed)
+            dataset = repeat_iterable_dataset(
+                dataset, mini_repeat_count=1, batch_size=self.args.prompts_per_generation,
+                repeat_count=self.num_iterations * self.args.steps_per_generation,
+            )
+        return self._get_dataloader(
+            dataset=dataset, description="Training", batch_size=self._train_batch_size * self.args.steps_per_generation,
+            sampler_fn=self._get_train_sampler, is_training=True,
+        )
 
     def _resize_completion_logs(self, maxlen: int):
         """GRPOTrainer keeps one generation batch of completions for `log_completions`; a tree batch has K leaves
@@ -167,11 +224,22 @@ class TreeTrainer(GRPOTrainer):
         whole-batch forward pads differently and leaves ~1e-9 of noise, which Adam can blow up when every reward of
         a block is equal.) Trees are not shuffled again: the prompt sampler already shuffles."""
         if not self.model.training:
-            return self._generate_and_score_completions(generation_batch)
+            return self._generate_and_score_completions(self._one_row_per_prompt(generation_batch))
         generate_every = self.args.steps_per_generation * self.num_iterations
         if self._step % generate_every == 0 or self._buffered_inputs is None:
             self._buffered_inputs = self._generate_micro_batches(generation_batch, self.args.steps_per_generation)
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+    def _one_row_per_prompt(self, batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """GRPO's evaluation loader repeats each prompt G times in a row (per_device_eval_batch_size counts
+        completions, as in training); a tree is the prompt's whole group, so keep one row of each group."""
+        G = self.num_generations_eval
+        if len(batch) % G != 0:
+            raise ValueError(
+                f"An evaluation batch of {len(batch)} rows does not hold whole groups of num_generations ({G}) copies "
+                "of its prompts: make per_device_eval_batch_size a multiple of num_generations."
+            )
+        return batch[::G]
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         return self._generate_micro_batches(inputs, 1)[0]
@@ -292,8 +360,19 @@ class TreeTrainer(GRPOTrainer):
         self._flush_reward_logs(n)
         start = self.accelerator.process_index * width
         self._last_rewards_per_func = per_func[start : start + n].cpu()
-        sizes = [len(b) for b in branches_per_tree]
-        return [_rewards_for_credit(r) for r in torch.split(self._weighted_rewards(), sizes)]
+        return self._leaf_rewards_for_credit([len(b) for b in branches_per_tree])
+
+    def _leaf_rewards_for_credit(self, sizes: list[int]) -> list[torch.Tensor]:
+        """Each tree's leaf rewards for its credit: the reward functions combined by GRPO's
+        `multi_objective_aggregation` with the tree as the group, and leaves that no function scores filled as
+        `_rewards_for_credit` says."""
+        per_func = self._last_rewards_per_func
+        unscored = torch.isnan(per_func).all(dim=1)
+        weights, mode = self.reward_weights.cpu(), self.multi_objective_aggregation
+        return [
+            _rewards_for_credit(components.aggregate_leaf_rewards(rows, weights, mode).masked_fill(none, float("nan")))
+            for rows, none in zip(torch.split(per_func, sizes), torch.split(unscored, sizes))
+        ]
 
     def _weighted_rewards(self) -> torch.Tensor:
         """GRPO's reward of each leaf: the weighted sum of the reward functions that apply (None → NaN: does not

@@ -17,10 +17,14 @@ and with no branching the same pipeline is flat multi-turn GRPO, the baseline ev
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
+from types import SimpleNamespace
 
 import torch
+from trl.trainer.utils import nanstd
 
 from .. import credit, losses
 from ..rollout.expansion import tree_turn_entropies
@@ -64,7 +68,105 @@ def leaves_per_tree(args) -> int:
     return args.num_initial_rollouts + args.expansion_rounds * args.branches_per_round
 
 
+def trajectory_budget(args) -> Fraction:
+    """A tree's expected cost in complete trajectories: what GRPO's `num_generations` (G) buys per prompt.
+
+    A continuation regenerates, on average, half a trajectory (it resumes from a turn or token drawn inside one):
+
+        init_expand      M(1 + N/2)      M complete trajectories, N continuations of each from a uniform turn
+        flat             M
+        entropy_guided   M + L·K/2       L rounds of K continuations from entropy-selected turns (AT2PO)
+        token_entropy    M(1 + b/2)      at most b continuations per trajectory from high-entropy tokens (TreeAdv):
+                                         a cap, so the cost actually spent may be lower
+        two_role         K               TreeFlex: the group of K complete searches (`num_searches`)
+
+    so (M, N) = (4, 2) matches GRPO's default G = 8. `num_generations_of` rounds it up to whole trajectories.
+    """
+    M = args.num_initial_rollouts
+    if args.sampler == "init_expand":
+        return M * (1 + Fraction(args.num_branches, 2))
+    if args.sampler == "flat":
+        return Fraction(M)
+    if args.sampler == "entropy_guided":
+        return M + Fraction(args.expansion_rounds * args.branches_per_round, 2)
+    if args.sampler == "token_entropy":
+        return M * (1 + Fraction(args.max_branches_per_tree, 2))
+    if args.sampler == "two_role":
+        return Fraction(args.num_searches)
+    raise ValueError(f"sampler must be one of {SAMPLERS}; got {args.sampler!r}.")
+
+
+BUDGET_FORMULAS = {
+    "init_expand": "M(1 + N/2)", "flat": "M", "entropy_guided": "M + L·K/2 (L = expansion_rounds, "
+    "K = branches_per_round)", "token_entropy": "M(1 + b/2) (b = max_branches_per_tree)", "two_role": "num_searches",
+}
+
+
+def num_generations_of(args) -> int:
+    """G for a configuration: `trajectory_budget` rounded up to whole trajectories."""
+    return math.ceil(trajectory_budget(args))
+
+
+def budget_field(args) -> str:
+    """The field that `num_generations` sets when only G is given: M, or TreeFlex's group size."""
+    return "num_searches" if args.sampler == "two_role" else "num_initial_rollouts"
+
+
+def budget_for_generations(args, num_generations: int) -> int | None:
+    """The value of `budget_field` (M, or TreeFlex's K) whose `num_generations_of` is exactly G, or None.
+
+    Every budget is linear in that field, b(M) = b0 + slope·M with slope ≥ 1, so at most one M has ⌈b(M)⌉ = G:
+    G − 1 < b0 + slope·M ≤ G."""
+    field = budget_field(args)
+    b0 = trajectory_budget(replace_fields(args, **{field: 0}))
+    slope = trajectory_budget(replace_fields(args, **{field: 1})) - b0
+    value = math.floor((num_generations - b0) / slope)
+    return value if value >= 1 and b0 + slope * value > num_generations - 1 else None
+
+
+def valid_budgets(args, num_generations: int, limit: int = 8) -> list[str]:
+    """Settings of the sampler's budget fields that give G, for error messages (init_expand: every (M, N))."""
+    field = budget_field(args)
+    if args.sampler != "init_expand":
+        value = budget_for_generations(args, num_generations)
+        return [] if value is None else [f"{field}={value}"]
+    found = []
+    for n in range(0, 2 * num_generations + 1):
+        m = budget_for_generations(replace_fields(args, num_branches=n), num_generations)
+        if m is not None and m * (n + 1) >= 2:
+            found.append(f"(M, N) = ({m}, {n})")
+    return found[:limit] + (["…"] if len(found) > limit else [])
+
+
+def replace_fields(args, **changes):
+    """A shallow copy of a config-like object with some fields changed (for what-if budget arithmetic)."""
+    return SimpleNamespace(**{**vars(args), **changes})
+
+
 # -------------------------------------------------------------------------------------------------------- credit
+
+
+MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+
+
+def aggregate_leaf_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor, mode: str) -> torch.Tensor:
+    """One tree's leaf rewards [K] from its reward functions' outputs [K, F] (NaN: the function returned None), by
+    GRPO's `multi_objective_aggregation` with the tree's K leaves as the group:
+
+        sum_then_normalize   R_k = Σ_f w_f r_kf                                  (normalised later, over the tree)
+        normalize_then_sum   R_k = Σ_f w_f (r_kf − mean_f) / (std_f + 1e-4)      mean, sample std over the K leaves
+
+    NaNs are skipped (nanmean / nansum, as GRPO). GRPO then normalises the summed rewards over the whole batch; a tree
+    standardises them over its own leaves (`leaf_advantages`) instead.
+    """
+    weights = weights.to(rewards_per_func)
+    if mode == "sum_then_normalize":
+        return (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
+    if mode == "normalize_then_sum":
+        mean = torch.nanmean(rewards_per_func, dim=0, keepdim=True)
+        std = nanstd(rewards_per_func, dim=0, keepdim=True) if len(rewards_per_func) > 1 else torch.zeros_like(mean)
+        return ((rewards_per_func - mean) / (std + 1e-4) * weights.unsqueeze(0)).nansum(dim=1)
+    raise ValueError(f"multi_objective_aggregation must be one of {MULTI_OBJECTIVE_AGGREGATIONS}; got {mode!r}.")
 
 
 def leaf_advantages(tree: RolloutTree, args) -> torch.Tensor:

@@ -1,27 +1,66 @@
 """Configurations of the tree trainers: `GRPOConfig` subclasses with the tree fields (DESIGN §1, §3).
 
-Sequential optimizer blocks (the paper's E): one generation batch of B prompts is split into E mini-batches of whole
-trees, one optimizer step each. In TRL terms, with W processes:
+A GRPO config carries over with only the class swap; its numbers keep GRPO's meaning. With W processes and
+G = `num_generations`:
 
-    per_device_train_batch_size   trees per micro-batch on each process
+    num_generations               G, the rollout budget per prompt in complete trajectories: a tree's expected cost
+                                  (`components.trajectory_budget`, e.g. M(1 + N/2) for init-expand, so (4, 2) ⇔ 8)
+    per_device_train_batch_size   trajectories of budget per micro-batch on each process, as in GRPO: the micro-batch
+                                  holds per_device_train_batch_size / G whole trees (one per prompt)
+    generation_batch_size         trajectories of budget per generation batch: B = generation_batch_size / G prompts
     gradient_accumulation_steps   micro-batches per optimizer step
-    steps_per_generation          micro-batches per generation batch  = E × gradient_accumulation_steps
-    B = per_device_train_batch_size × W × steps_per_generation
+    steps_per_generation          micro-batches per generation batch = E × gradient_accumulation_steps
 
-e.g. the paper's B = 256, E = 4 on 8 GPUs: per_device_train_batch_size = 8, gradient_accumulation_steps = 1,
-steps_per_generation = 4 (each block: 64 trees). `num_iterations` stays 1: the repeated optimisation on one batch
-*is* the E blocks.
+so a GRPO config trains the same number of prompts per optimizer step with a tree trainer as with `GRPOTrainer`.
+Sequential optimizer blocks (the paper's E): one generation batch of B prompts is split into E mini-batches of whole
+trees, one optimizer step each. E.g. the paper's B = 256, E = 4 on 8 GPUs with G = 8: per_device_train_batch_size =
+64 (8 trees), gradient_accumulation_steps = 1, steps_per_generation = 4 (each block: 64 trees). `num_iterations`
+stays 1: the repeated optimisation on one batch *is* the E blocks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import ClassVar
 
 from trl import GRPOConfig
-from trl.trainer.base_config import _BaseConfig
 
 from ..rollout.env import ENVIRONMENT_BRANCHING, check_tool_execution
 
+_GRPO_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+# GRPO options without an effect on any tree trainer, and what to use instead (`TreeConfig.unused_grpo_options`)
+_REJECTED_ADVICE = {
+    "loss_type": "the aggregation is the chosen `loss`'s own (treeopsd/treepo: token mean per tree; atpo/grpo/"
+    "gspo_token: GRPO's mean over root-to-leaf paths; TreeFlex: `aggregation`): choose it with `loss`.",
+    "scale_rewards": "leaves are always standardised over their tree: choose the std with reward_std ('sample' or "
+    "'population').",
+    "delta": "no tree loss has the two-sided upper clip; the clipped losses take epsilon and epsilon_high.",
+    "importance_sampling_level": "the ratio's level is the loss's: loss='gspo_token' (GSPO-token over paths), "
+    "'atpo' (one ratio per turn) or 'grpo' (per token).",
+    "beta": "the tree losses bound each update themselves (a frozen teacher or a clip) and train without a "
+    "reference-model KL: set beta=0.0.",
+    "num_iterations": "repeated optimisation on one generation batch is done by sequential optimizer blocks: set "
+    "steps_per_generation = E × gradient_accumulation_steps and keep num_iterations = 1.",
+    "top_entropy_quantile": "every unique turn is trained; the turn-level loss has no token entropy mask.",
+    "entropy_coef": "the tree losses have no entropy bonus.",
+    "use_adaptive_entropy": "the tree losses have no entropy bonus.",
+    "off_policy_mask_threshold": "π_old is recomputed per micro-batch in the packed forward (the first block's "
+    "log-ratio is exactly 0); there is no off-policy sequence mask.",
+    "use_transformers_continuous_batching": "tree sampling continues token-id prefixes with model.generate or vLLM: set "
+    "use_vllm=True for throughput, or leave it off.",
+}
+
+
+def _as_grpo_reads(name: str, value):
+    """GRPOConfig's own mapping of a legacy value (scale_rewards=True is "group", False is "none")."""
+    if name == "scale_rewards" and isinstance(value, bool):
+        return "group" if value else "none"
+    return value
+
+
+UNCLIPPED_LOSSES = ("treeopsd", "treepo")  # the losses that read neither epsilon nor epsilon_high
 PACKING_LAYOUTS = ("tree", "paths", "auto")
 MALFORMED_TOOL_CALL_POLICIES = ("observe", "end")
 ANCHOR_RULES = ("uniform",)
@@ -42,7 +81,8 @@ class TreeConfig(GRPOConfig):
         loss (`str`, defaults to `"treeopsd"`): the turn-level objective.
         reward_std (`str`, defaults to `"sample"`): leaf standardisation: `"sample"` (ddof = 1, no epsilon; TreeOPSD
             T1, TreeAdv D1) or `"population"` (ddof = 0, + 1e-6; AT2PO A3).
-        num_initial_rollouts (`int`, defaults to `4`): M, complete trajectories sampled per prompt.
+        num_initial_rollouts (`int`, *optional*): M, complete trajectories sampled per prompt. Defaults to the
+            preset's M (4; AT2PO 10) or, when only `num_generations` is set, to the M whose budget is G.
         num_branches (`int`, defaults to `2`): N, continuations branched from each initial trajectory at uniformly
             drawn turn prefixes ("init_expand"). K = M(N + 1); (4, 2) matches GRPO's G = 8 in expected cost.
         anchor_rule (`str`, defaults to `"uniform"`): N turn indices uniformly from {1..T−1} with replacement (index
@@ -60,8 +100,10 @@ class TreeConfig(GRPOConfig):
         branching_rounds (`int`, defaults to `1`): rounds of token-level branching; a continuation may branch again
             in a later round ("token_entropy").
         target_radius (`float`, defaults to `0.25`): ρ for the "treeopsd" loss: q ∈ [1/2 − ρ, 1/2 + ρ], 0 < ρ < 1/2.
-        max_turns (`int`, defaults to `5`): assistant turns per trajectory, the final answer included (the paper's
-            five for multi-hop QA). A tool call in the last allowed turn ends the trajectory unexecuted.
+        max_turns (`int`, *optional*, defaults to `5`): assistant turns per trajectory, the final answer included
+            (the paper's five for multi-hop QA). A tool call in the last allowed turn ends the trajectory unexecuted.
+            With GRPO's `max_tool_calling_iterations` = k set instead, it is k + 1 (TRL's loop: at most k rounds of
+            tool execution, each followed by one more generation).
         packing (`str`, defaults to `"tree"`): `"tree"` forwards each tree once as a packed row of its unique tokens
             with an ancestor-only attention mask (sdpa / eager / flex_attention); `"paths"` forwards one causal row
             per root-to-leaf path (any attention kernel, e.g. flash-attention) and still trains each unique token once.
@@ -105,7 +147,38 @@ class TreeConfig(GRPOConfig):
             short ones (a `DynamicCache` is re-concatenated at every step). `"dynamic"`: transformers' default.
             Models without static-cache support, and ZeRO-3 / FSDP runs on several processes (synchronised
             generation), use the dynamic cache; GRPOConfig's `cache_implementation`, when set, is passed through.
-        num_generations: not used: a tree's size is set by the sampler fields. Must stay 1 (one tree per prompt).
+
+    GRPO fields, as a GRPO user reads them:
+        num_generations (`int`, *optional*): G, GRPO's per-prompt rollout budget, read as the paper's matched budget in
+            complete trajectories: a tree's expected cost is `components.trajectory_budget` (init_expand M(1 + N/2),
+            flat M, entropy_guided M + L·K/2, token_entropy M(1 + b/2), TreeFlex its K searches), rounded up. Unset:
+            derived from the sampler fields. Set alone: M (TreeFlex: `num_searches`) is derived from it. Set with M:
+            the two must agree. An error lists the settings that give the G asked for.
+        per_device_train_batch_size, generation_batch_size: count trajectories of budget, as GRPO counts completions:
+            a micro-batch holds per_device_train_batch_size / G whole trees (a whole number ≥ 1), a generation batch
+            generation_batch_size / G prompts. A GRPO config so trains the same prompts per step. Unset,
+            per_device_train_batch_size is G: one tree per micro-batch (GRPO's default 8 with its default G = 8).
+        per_device_eval_batch_size: the same for evaluation (GRPO's loader repeats each prompt G times; one tree is
+            grown per prompt), so it must be a multiple of G when evaluating. `num_generations_eval` must stay unset
+            (or equal G): evaluation grows the training trees.
+        max_tool_calling_iterations (`int`, *optional*): TRL's cap on tool-calling rounds per trajectory; sets
+            `max_turns` = k + 1 (an explicit, different `max_turns` is an error).
+        multi_objective_aggregation (`str`, defaults to `"sum_then_normalize"`): as in GRPO, with a tree's K leaves
+            as the group. `"sum_then_normalize"`: the leaf reward is the weighted sum of the reward functions, then
+            standardised over the tree (`reward_std`). `"normalize_then_sum"`: each function's rewards are first
+            normalised over the tree's leaves, (r − mean)/(std + 1e-4) with the sample std as GRPO, then summed with
+            the weights; the tree's standardisation takes the place of GRPO's batch-level normalisation.
+        mask_truncated_completions (`bool`, defaults to `False`): a turn cut by the token budget is context only, not
+            trained (GRPO masks the whole truncated completion; here the complete turns before it still train).
+        epsilon, epsilon_high: honoured by the clipped losses ("atpo", "grpo", "gspo_token", TreeFlex's dual clip).
+        vllm_importance_sampling_correction (`bool`, defaults to `False`, unlike GRPO): not applied: π_old is
+            recomputed by the training model, and the sampler's log-probs are not used. With `use_vllm=True` it must
+            stay False, so that the run does not silently differ from the GRPO run it replaces.
+        Rejected when set to anything but GRPOConfig's default, all named in one error with what to use instead
+        (`TreeConfig.unused_grpo_options`): loss_type, scale_rewards, delta, importance_sampling_level, beta,
+        num_iterations, top_entropy_quantile, entropy_coef, use_adaptive_entropy, off_policy_mask_threshold,
+        use_transformers_continuous_batching, epsilon / epsilon_high (for the "treeopsd" and "treepo" losses),
+        max_tool_calling_iterations (TreeFlex).
     """
 
     sampler: str = field(
@@ -114,7 +187,9 @@ class TreeConfig(GRPOConfig):
     credit: str = field(default="likelihood", metadata={"help": "likelihood | child_mean | child_softmax | leaf_mean | path"})
     loss: str = field(default="treeopsd", metadata={"help": "treeopsd | treepo | atpo | grpo | gspo_token"})
     reward_std: str = field(default="sample", metadata={"help": "sample (ddof=1) | population (ddof=0, +1e-6)"})
-    num_initial_rollouts: int = field(default=4, metadata={"help": "M: full trajectories per prompt."})
+    num_initial_rollouts: int | None = field(
+        default=None, metadata={"help": "M: full trajectories per prompt (default: the preset's, or from num_generations)."}
+    )
     num_branches: int = field(default=2, metadata={"help": "N: continuations per initial trajectory."})
     anchor_rule: str = field(default="uniform", metadata={"help": "Branch points: 'uniform' over turn prefixes."})
     expansion_rounds: int = field(default=2, metadata={"help": "L: entropy-guided expansion rounds."})
@@ -126,7 +201,9 @@ class TreeConfig(GRPOConfig):
     min_segment_length: int = field(default=8, metadata={"help": "Fewest tokens per split segment."})
     branching_rounds: int = field(default=1, metadata={"help": "Rounds of token-level branching."})
     target_radius: float = field(default=0.25, metadata={"help": "ρ: q ∈ [1/2 − ρ, 1/2 + ρ], 0 < ρ < 1/2."})
-    max_turns: int = field(default=5, metadata={"help": "Assistant turns per trajectory, the final answer included."})
+    max_turns: int | None = field(
+        default=None, metadata={"help": "Assistant turns per trajectory, the final answer included (default 5)."}
+    )
     packing: str = field(default="tree", metadata={"help": "'tree' (one packed row per tree), 'paths' or 'auto'."})
     tool_timeout: float | None = field(default=30.0, metadata={"help": "Seconds a tool call may run."})
     tool_execution: str = field(
@@ -143,45 +220,176 @@ class TreeConfig(GRPOConfig):
     generation_cache: str = field(
         default="static", metadata={"help": "static (one preallocated KV cache per generate call) | dynamic"}
     )
-    num_generations: int | None = field(default=1, metadata={"help": "Unused by tree trainers; must be 1."})
-    vllm_importance_sampling_correction: bool = field(
-        default=False, metadata={"help": "Unused: π_old is recomputed by the training model (must be False)."}
+    num_generations: int | None = field(
+        default=None, metadata={"help": "G: rollout budget per prompt in complete trajectories (default: from M, N)."}
     )
+    per_device_train_batch_size: int | None = field(
+        default=None, metadata={"help": "Trajectories of budget per micro-batch per device, a multiple of G (default G:"
+                                " one tree)."}
+    )
+    vllm_importance_sampling_correction: bool = field(
+        default=False, metadata={"help": "Not applied: π_old is recomputed by the training model (False with vLLM)."}
+    )
+
+    default_num_initial_rollouts: ClassVar[int] = 4  # the preset's M when neither M nor G is set
+    default_max_turns: ClassVar[int] = 5
+    maps_tool_calling_iterations: ClassVar[bool] = True  # TreeFlex's max_turns is per segment, not per trajectory
 
     def __post_init__(self):
         self._check_composition()
         self._check_tree_fields()
-        self._reject_grpo_options()
-        # GRPOConfig.__post_init__ insists on num_generations ≥ 2 groups inside the generation batch; trees are whole
-        # on one process instead, so run the base post-init and derive the batch sizes the way GRPOConfig does.
-        _BaseConfig.__post_init__(self)
-        if isinstance(self.pad_to_multiple_of, str):
-            self.pad_to_multiple_of = None if self.pad_to_multiple_of.lower() in ("none", "null", "auto") else int(
-                self.pad_to_multiple_of
-            )
-        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
-        if self.auto_find_batch_size:
-            raise ValueError("auto_find_batch_size is not supported: it would split trees across micro-batches.")
-        self._derive_generation_batch()
-
-    def _derive_generation_batch(self):
-        per_step = self.per_device_train_batch_size * self.world_size
-        if self.generation_batch_size is None and self.steps_per_generation is None:
-            self.steps_per_generation = self.gradient_accumulation_steps
-        elif self.generation_batch_size is not None and self.steps_per_generation is None:
-            if self.generation_batch_size % per_step != 0:
-                raise ValueError(
-                    f"generation_batch_size ({self.generation_batch_size}) must be divisible by the global batch of "
-                    f"trees per micro-batch ({per_step})."
-                )
-            self.steps_per_generation = self.generation_batch_size // per_step
-        elif self.generation_batch_size is not None:
-            raise ValueError("Set either generation_batch_size or steps_per_generation, not both.")
-        self.generation_batch_size = per_step * self.steps_per_generation
+        self._reject_unused_grpo_options()
+        self._check_micro_batch()
+        # GRPOConfig's checks and mappings (scale_rewards, pad_to_multiple_of, generation batch, …) run unchanged:
+        # with the batch sizes counting trajectories of budget, its divisibility by G is that of whole trees.
+        super().__post_init__()
         if self.steps_per_generation % self.gradient_accumulation_steps != 0:
             raise ValueError(
                 f"steps_per_generation ({self.steps_per_generation}) must be a multiple of gradient_accumulation_steps "
                 f"({self.gradient_accumulation_steps}): each optimizer block is a whole number of micro-batches."
+            )
+
+    @property
+    def trees_per_micro_batch(self) -> int:
+        """Prompts (= trees) in one micro-batch on one process: per_device_train_batch_size / G."""
+        return self.per_device_train_batch_size // self.num_generations
+
+    @property
+    def prompts_per_generation(self) -> int:
+        """B, prompts (= trees) in one generation batch over all processes: generation_batch_size / G."""
+        return self.generation_batch_size // self.num_generations
+
+    @classmethod
+    def num_generations_for(cls, **fields) -> int:
+        """G that a config of this class built with `fields` has, without building it (e.g. to size
+        per_device_train_batch_size = trees × G)."""
+        from .components import budget_field, num_generations_of
+
+        if fields.get("num_generations") is not None:
+            return fields["num_generations"]
+        args = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+        probe = SimpleNamespace(**{**args, **fields})
+        field_name = budget_field(probe)
+        if getattr(probe, field_name) is None:
+            setattr(probe, field_name, cls._default_budget(field_name))
+        return num_generations_of(probe)
+
+    @classmethod
+    def _default_budget(cls, field_name: str) -> int:
+        return cls.default_num_initial_rollouts
+
+    def _resolve_budget(self):
+        """num_generations ↔ the sampler's budget: derive whichever is unset, or check that the two agree."""
+        from .components import (
+            BUDGET_FORMULAS,
+            budget_field,
+            budget_for_generations,
+            num_generations_of,
+            valid_budgets,
+        )
+
+        name = budget_field(self)
+        G = self.num_generations
+        if G is not None and (not isinstance(G, int) or G < 1):
+            raise ValueError(f"num_generations must be a whole number of trajectories ≥ 1; got {G!r}.")
+        if getattr(self, name) is None:
+            setattr(self, name, self._default_budget(name) if G is None else budget_for_generations(self, G))
+        if getattr(self, name) is not None and G in (None, num_generations_of(self)):
+            self.num_generations = num_generations_of(self)
+            return
+        options = valid_budgets(self, G)
+        given = f"{name}={getattr(self, name)} costs {num_generations_of(self)}" if getattr(self, name) else (
+            f"no {name} ≥ 1 costs exactly that")
+        raise ValueError(
+            f"num_generations={G} is the rollout budget per prompt in complete trajectories; for sampler="
+            f"{self.sampler!r} a tree costs {BUDGET_FORMULAS[self.sampler]} (rounded up), and {given}. "
+            + (f"Settings that give G = {G}: {', '.join(options)}. " if options else
+               f"No setting of {name} gives G = {G} with the other sampler fields as they are. ")
+            + f"Set those, or leave num_generations unset to derive it from {name}."
+        )
+
+    def _check_micro_batch(self):
+        """Trees stay whole in a micro-batch: per_device_train_batch_size must be a multiple of G (and so must
+        per_device_eval_batch_size when evaluating: GRPO's loader gives each evaluation prompt G rows)."""
+        if self.per_device_train_batch_size is None:
+            self.per_device_train_batch_size = self.num_generations
+        G, size = self.num_generations, self.per_device_train_batch_size
+        if self.num_generations_eval not in (None, G):
+            raise ValueError(
+                f"num_generations_eval ({self.num_generations_eval}) differs from num_generations ({G}): evaluation "
+                "grows the same trees as training (the sampler fields set their size), so leave num_generations_eval "
+                "unset."
+            )
+        evaluates = getattr(self.eval_strategy, "value", self.eval_strategy) != "no"
+        if evaluates and self.per_device_eval_batch_size % G != 0:
+            raise ValueError(
+                f"per_device_eval_batch_size ({self.per_device_eval_batch_size}) counts trajectories, as in GRPO: it "
+                f"must be a multiple of num_generations ({G}) so that evaluation batches hold whole trees."
+            )
+        if size >= G and size % G == 0:
+            return
+        below, above = (size // G) * G, (size // G + 1) * G
+        nearest = f"{above}" if below == 0 else f"{below} or {above}"
+        divisors = [d for d in range(2, size + 1) if size % d == 0]
+        raise ValueError(
+            f"per_device_train_batch_size ({size}) counts trajectories, as in GRPO: a micro-batch holds "
+            f"per_device_train_batch_size / num_generations whole trees, so it must be a multiple of num_generations "
+            f"({G}). Set per_device_train_batch_size to {nearest}"
+            + (f", or choose sampler fields whose num_generations divides {size} (one of {divisors})." if divisors
+               else ".")
+        )
+
+    def _apply_tool_calling_iterations(self):
+        """TRL's tool loop runs at most k = max_tool_calling_iterations rounds of tool execution, each followed by one
+        more generation, so a trajectory has at most k + 1 assistant turns: exactly `max_turns` = k + 1 (a tool call
+        in the last allowed turn ends the trajectory unexecuted, as TRL leaves it)."""
+        k = self.max_tool_calling_iterations
+        if k is None or not self.maps_tool_calling_iterations:
+            if self.max_turns is None:
+                self.max_turns = self.default_max_turns
+            return
+        if not isinstance(k, int) or k < 0:
+            raise ValueError(f"max_tool_calling_iterations must be a whole number ≥ 0; got {k!r}.")
+        if self.max_turns is not None and self.max_turns != k + 1:
+            raise ValueError(
+                f"max_tool_calling_iterations={k} allows {k + 1} assistant turns per trajectory (k tool rounds and the "
+                f"answer), but max_turns={self.max_turns}: set only one of them (max_turns = k + 1)."
+            )
+        self.max_turns = k + 1
+
+    def unused_grpo_options(self) -> dict[str, str]:
+        """GRPO options that would change nothing here, set to something other than GRPOConfig's default, with what
+        to use instead. "Set" compares with GRPOConfig's own default (`scale_rewards=True` is "group")."""
+        found = {
+            name: advice for name, advice in sorted(_REJECTED_ADVICE.items())
+            if _as_grpo_reads(name, getattr(self, name)) != _GRPO_DEFAULTS[name]
+        }
+        if self.loss in UNCLIPPED_LOSSES:
+            for name in ("epsilon", "epsilon_high"):
+                if getattr(self, name) != _GRPO_DEFAULTS[name]:
+                    found[name] = (
+                        f"the {self.loss!r} loss has no ratio clip (its teacher / fixed credit bounds the update); the "
+                        "clipped losses 'atpo', 'grpo' and 'gspo_token' read it."
+                    )
+        if self.max_tool_calling_iterations is not None and not self.maps_tool_calling_iterations:
+            found["max_tool_calling_iterations"] = (
+                "a search is several causal blocks here: cap tool use per block with max_turns and the blocks with "
+                "max_blocks."
+            )
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            found["vllm_importance_sampling_correction"] = (
+                "π_old is recomputed by the training model in the packed forward and vLLM's sampling log-probs are not "
+                "used, so no correction is applied: set it to False."
+            )
+        return found
+
+    def _reject_unused_grpo_options(self):
+        found = self.unused_grpo_options()
+        if found:
+            lines = "\n".join(f"  - {name}={getattr(self, name)!r}: {advice}" for name, advice in found.items())
+            raise ValueError(
+                f"{type(self).__name__} does not use these GRPO options (they would change nothing); unset them:\n"
+                f"{lines}"
             )
 
     @property
@@ -206,8 +414,6 @@ class TreeConfig(GRPOConfig):
         ):
             if value not in valid:
                 raise ValueError(f"{name} must be one of {valid}; got {value!r}.")
-        if self.num_initial_rollouts is None or self.num_initial_rollouts < 1:
-            raise ValueError(f"num_initial_rollouts (M) must be ≥ 1; got {self.num_initial_rollouts}.")
         if self.num_branches is None or self.num_branches < 0:
             raise ValueError(f"num_branches (N) must be ≥ 0; got {self.num_branches}.")
         if self.expansion_rounds < 0 or self.branches_per_round < 0:
@@ -217,6 +423,9 @@ class TreeConfig(GRPOConfig):
                 "Token-level branching needs max_branches_per_tree ≥ 0, min_segment_length ≥ 1 and branching_rounds ≥ "
                 f"1; got {self.max_branches_per_tree}, {self.min_segment_length}, {self.branching_rounds}."
             )
+        self._resolve_budget()
+        if self.num_initial_rollouts < 1:
+            raise ValueError(f"num_initial_rollouts (M) must be ≥ 1; got {self.num_initial_rollouts}.")
         if self.entropy_threshold != self.entropy_threshold:
             raise ValueError("entropy_threshold is NaN; use float('inf') to turn token-level branching off.")
         if self.leaves_per_tree < 2:
@@ -233,15 +442,18 @@ class TreeConfig(GRPOConfig):
                     "The treeopsd loss needs reward_std='sample': Samuelson's bound |A| ≤ (K−1)/√K on sample-"
                     "standardised rewards is what keeps q = 1/2 + V/τ inside [1/2 − ρ, 1/2 + ρ]."
                 )
-        if self.beta != 0.0:
-            raise ValueError(
-                f"{type(self).__name__} trains without a reference-model KL (β = 0): the tree losses bound each "
-                "update themselves (a frozen teacher or a clip). Set beta=0.0."
-            )
 
     def _check_tree_fields(self):
+        self._apply_tool_calling_iterations()
         if self.max_turns is None or self.max_turns < 1:
             raise ValueError(f"max_turns must be ≥ 1 (assistant turns per trajectory); got {self.max_turns}.")
+        from .components import MULTI_OBJECTIVE_AGGREGATIONS
+
+        if self.multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
+            raise ValueError(
+                f"multi_objective_aggregation must be one of {MULTI_OBJECTIVE_AGGREGATIONS}; got "
+                f"{self.multi_objective_aggregation!r}."
+            )
         if self.packing not in PACKING_LAYOUTS:
             raise ValueError(f"packing must be one of {PACKING_LAYOUTS}; got {self.packing!r}.")
         check_tool_execution(self.tool_execution)
@@ -264,39 +476,6 @@ class TreeConfig(GRPOConfig):
                 "preallocates the KV cache of each generate call, 'dynamic' grows it token by token."
             )
 
-    def _reject_grpo_options(self):
-        rejected = {
-            "num_generations": (
-                self.num_generations not in (None, 1),
-                "a tree's size is set by the sampler (e.g. num_initial_rollouts and num_branches): leave "
-                "num_generations unset.",
-            ),
-            "num_iterations": (
-                self.num_iterations != 1,
-                "repeated optimisation on one generation batch is done by sequential optimizer blocks: set "
-                "steps_per_generation = E × gradient_accumulation_steps and keep num_iterations = 1.",
-            ),
-            "use_transformers_continuous_batching": (
-                self.use_transformers_continuous_batching,
-                "tree sampling continues token-id prefixes with model.generate or vLLM: set use_vllm=True for "
-                "throughput, or leave it off.",
-            ),
-            "top_entropy_quantile": (
-                self.top_entropy_quantile != 1.0,
-                "every unique turn is trained; the turn-level loss has no token entropy mask.",
-            ),
-            "vllm_importance_sampling_correction": (
-                self.vllm_importance_sampling_correction,
-                "π_old is recomputed by the training model in the packed forward (no sampler/trainer mismatch to "
-                "correct); leave it False.",
-            ),
-        }
-        for name, (bad, advice) in rejected.items():
-            if bad:
-                raise ValueError(f"{type(self).__name__} does not use `{name}`: {advice}")
-
-
-
 
 @dataclass
 class TreeOPSDConfig(TreeConfig):
@@ -316,7 +495,8 @@ class TreePOConfig(TreeConfig):
 class AT2POConfig(TreeConfig):
     """Configuration of `AT2POTrainer`: entropy-guided expansion (M = 10 initial trajectories, L = 2 rounds of K = 6
     branches), turn credit by a softmax over child entropies (A4) on population-standardised leaves (A3), and the
-    ATPO loss (per-turn geometric-mean ratio, per-turn clip, GRPO's path aggregation; A5).
+    ATPO loss (per-turn geometric-mean ratio, per-turn clip, GRPO's path aggregation; A5). Its default budget is
+    G = M + L·K/2 = 16 trajectories; a GRPO config's `num_generations` = 8 gives M = 2 with the same rounds.
 
     The paper's ablations are switches: `expansion_mode="random"`, `loss="grpo"` (token-level ratio and clip),
     `credit="path"` (turn credit off), `credit="child_mean"` / `"leaf_mean"` (other backups)."""
@@ -325,4 +505,7 @@ class AT2POConfig(TreeConfig):
     credit: str = field(default="child_softmax", metadata={"help": "likelihood | child_mean | child_softmax | leaf_mean | path"})
     loss: str = field(default="atpo", metadata={"help": "treeopsd | treepo | atpo | grpo"})
     reward_std: str = field(default="population", metadata={"help": "sample (ddof=1) | population (ddof=0, +1e-6)"})
-    num_initial_rollouts: int = field(default=10, metadata={"help": "M: initial trajectories per prompt."})
+    num_initial_rollouts: int | None = field(
+        default=None, metadata={"help": "M: initial trajectories per prompt (default 10, or from num_generations)."}
+    )
+    default_num_initial_rollouts: ClassVar[int] = 10

@@ -71,7 +71,9 @@ _TREE_FIELDS = (
     ("packing", "training layout of a tree", _NOT_FLEX),
 )
 _RUN_FIELDS = (
-    ("generation_batch_size", "prompts (trees) per generation batch, all processes", None),
+    ("num_generations", "G: rollout budget per prompt, in complete trajectories (a tree's expected cost)", None),
+    ("prompts_per_generation", "prompts (trees) per generation batch, all processes", None),
+    ("generation_batch_size", "trajectories of budget per generation batch, all processes (prompts × G)", None),
     ("learning_rate", "learning rate", None),
     ("lr_scheduler_type", "learning-rate schedule", None),
     ("max_steps", "optimizer steps", None),

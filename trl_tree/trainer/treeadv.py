@@ -43,7 +43,9 @@ class TreeAdvConfig(TreeConfig):
     )
     credit: str = field(default="leaf_mean", metadata={"help": "leaf_mean (D2 segment advantage) | path | ..."})
     loss: str = field(default="grpo", metadata={"help": "grpo | gspo_token | ..."})
-    num_initial_rollouts: int = field(default=4, metadata={"help": "M: trees per prompt."})
+    num_initial_rollouts: int | None = field(
+        default=None, metadata={"help": "M: trees per prompt (default 4, or from num_generations)."}
+    )
 
 
 class TreeAdvTrainer(TreeTrainer):

@@ -37,7 +37,7 @@ Design decisions
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -219,7 +219,9 @@ class TreeFlexConfig(TreeConfig):
             when a `harness=` object is passed to the trainer.
         credit (`str`, defaults to `"search"`): fixed: F1–F2 group-relative credit over complete searches.
         loss (`str`, defaults to `"dual_clip"`): fixed: F3 PPO clip with the dual clip.
-        num_searches (`int`, defaults to `4`): K, complete searches per task (the group; at least 2).
+        num_searches (`int`, *optional*): K, complete searches per task (the group; at least 2). Defaults to 4, or to
+            GRPO's `num_generations` when only that is set: a complete search is one member of the group, as a
+            completion is in GRPO, so G = K.
         max_blocks (`int`, defaults to `4`): causal blocks per search at most (two-role: one Reflection block and up
             to `max_blocks − 1` Execution segments).
         penalty_mode (`str`, defaults to `"pre_norm"`): `"pre_norm"` A = (R + Q − mean)/divisor, `"post_norm"`
@@ -239,7 +241,9 @@ class TreeFlexConfig(TreeConfig):
     sampler: str = field(default="two_role", metadata={"help": "The harness: two_role (or pass harness=)."})
     credit: str = field(default="search", metadata={"help": "Fixed: search-group credit with turn penalties."})
     loss: str = field(default="dual_clip", metadata={"help": "Fixed: PPO clip + dual clip."})
-    num_searches: int = field(default=4, metadata={"help": "K: complete searches per task (the group)."})
+    num_searches: int | None = field(
+        default=None, metadata={"help": "K: complete searches per task (the group; default 4, or num_generations)."}
+    )
     max_blocks: int = field(default=4, metadata={"help": "Causal blocks per search at most."})
     penalty_mode: str = field(default="pre_norm", metadata={"help": "pre_norm | post_norm"})
     aggregation: str = field(default="rollout", metadata={"help": "token | block | rollout | role"})
@@ -252,10 +256,16 @@ class TreeFlexConfig(TreeConfig):
     target_radius: float | None = field(default=None, metadata={"help": "Unused by TreeFlex."})
     anchor_rule: str | None = field(default=None, metadata={"help": "Unused by TreeFlex."})
 
+    maps_tool_calling_iterations: ClassVar[bool] = False  # max_turns is per segment here
+
     @property
     def leaves_per_tree(self) -> int:
         """K: complete searches per task (the group members)."""
         return self.num_searches
+
+    @classmethod
+    def _default_budget(cls, field_name: str) -> int:
+        return 4  # num_searches
 
     def _check_composition(self):
         fixed = {"credit": ("search", self.credit), "loss": ("dual_clip", self.loss)}
@@ -273,7 +283,8 @@ class TreeFlexConfig(TreeConfig):
         for name, value, valid in checks:
             if value not in valid:
                 raise ValueError(f"{name} must be one of {valid}; got {value!r}.")
-        if self.num_searches is None or self.num_searches < 2:
+        self._resolve_budget()
+        if self.num_searches < 2:
             raise ValueError(
                 f"num_searches (K) must be ≥ 2: the group compares complete searches; got {self.num_searches}."
             )
@@ -285,8 +296,6 @@ class TreeFlexConfig(TreeConfig):
             raise ValueError(f"dual_clip_c must exceed 1; got {self.dual_clip_c}.")
         if self.tool_failure_penalty > 0:
             raise ValueError(f"tool_failure_penalty is a process penalty Q ≤ 0; got {self.tool_failure_penalty}.")
-        if self.beta != 0.0:
-            raise ValueError("TreeFlexTrainer trains without a reference-model KL (β = 0): set beta=0.0.")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,267 @@
+"""A GRPO config carries over to the tree trainers with only the class swap (issue 9, "Configs").
+
+GRPO's numbers keep GRPO's meaning: `num_generations` is the per-prompt rollout budget in complete trajectories,
+the batch sizes count trajectories of budget, so the same prompts are trained per step; options that would change
+nothing are rejected together; `max_tool_calling_iterations`, `multi_objective_aggregation` and
+`mask_truncated_completions` are honoured.
+"""
+
+import pytest
+import torch
+from datasets import Dataset
+from scripted import CALL_1_PLUS_1, arithmetic_dataset, config, contains_answer, scripted_engine, tiny
+from trl import GRPOConfig, GRPOTrainer
+from trl.trainer.utils import nanstd
+
+from trl_tree import (
+    AT2POConfig,
+    TreeAdvConfig,
+    TreeFlexConfig,
+    TreeOPSDConfig,
+    TreeOPSDTrainer,
+    TreePOConfig,
+)
+from trl_tree.testing import calculator
+from trl_tree.trainer import components
+
+CPU = dict(report_to="none", use_cpu=True, bf16=False, save_strategy="no")
+
+# TRL's `trl grpo` defaults as a recipe sets them, with an agent's tool cap and GRPO's default G.
+GRPO_RECIPE = dict(
+    learning_rate=1e-6, num_generations=8, per_device_train_batch_size=16, gradient_accumulation_steps=2,
+    max_completion_length=256, beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group",
+    num_iterations=1, importance_sampling_level="token", temperature=1.0, max_tool_calling_iterations=3,
+    multi_objective_aggregation="sum_then_normalize", mask_truncated_completions=True, logging_steps=1, **CPU,
+)
+
+
+def _distinct_prompts(n: int) -> Dataset:
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"question {i}"}] for i in range(n)]})
+
+
+@pytest.mark.parametrize("config_cls", [TreeOPSDConfig, TreePOConfig, AT2POConfig, TreeAdvConfig])
+def test_a_grpo_recipe_builds_every_tree_config_unchanged(config_cls, tmp_path):
+    args = config_cls(output_dir=str(tmp_path), **GRPO_RECIPE)
+    assert args.num_generations == 8
+    assert float(components.trajectory_budget(args)) == 8  # M derived from G: (4, 2); AT2PO 2 + 2·6/2; TreeAdv 4(1 + 1)
+    assert args.trees_per_micro_batch == 2 and args.max_turns == 4  # 16 / 8 trees; k = 3 tool rounds and an answer
+    grpo = GRPOConfig(output_dir=str(tmp_path), **GRPO_RECIPE)
+    assert args.generation_batch_size == grpo.generation_batch_size and args.steps_per_generation == 2
+    assert args.prompts_per_generation == grpo.generation_batch_size // grpo.num_generations
+
+
+def test_treeflex_takes_the_recipe_as_its_group_and_rejects_the_per_trajectory_tool_cap(tmp_path):
+    recipe = {k: v for k, v in GRPO_RECIPE.items() if k != "max_tool_calling_iterations"}
+    args = TreeFlexConfig(output_dir=str(tmp_path), **recipe)
+    assert args.num_searches == 8 and args.trees_per_micro_batch == 2
+    with pytest.raises(ValueError, match="max_tool_calling_iterations=3: a search is several causal blocks"):
+        TreeFlexConfig(output_dir=str(tmp_path), **GRPO_RECIPE)
+
+
+def test_a_grpo_config_trains_the_same_prompts_per_step_as_grpo_trainer(tmp_path):
+    """Built from the same kwargs, GRPOTrainer's first generation batch holds each prompt G times; the tree trainer's
+    holds each of the same prompts once, in the same order, and its micro-batches split them alike."""
+    kwargs = dict(output_dir=str(tmp_path), num_generations=8, per_device_train_batch_size=16,
+                  steps_per_generation=4, gradient_accumulation_steps=2, max_completion_length=32, seed=3, **CPU)
+    dataset = _distinct_prompts(24)
+    model, tok = tiny()
+    grpo = GRPOTrainer(model=model, reward_funcs=contains_answer, args=GRPOConfig(**kwargs), train_dataset=dataset,
+                       processing_class=tok)
+    tree = TreeOPSDTrainer(model=model, reward_funcs=contains_answer, args=TreeOPSDConfig(**kwargs),
+                           train_dataset=dataset, processing_class=tok)
+
+    def prompts(batch):
+        return [x["prompt"][0]["content"] for x in batch]
+
+    grpo_batch, tree_batch = (prompts(next(iter(t.get_train_dataloader()))) for t in (grpo, tree))
+    G = grpo.args.num_generations
+    assert grpo_batch == [p for p in tree_batch for _ in range(G)]
+    assert len(tree_batch) == tree.args.prompts_per_generation == 8
+    # per micro-batch (TRL splits the generation batch into steps_per_generation slices) and per optimizer step
+    assert grpo.args.per_device_train_batch_size // G == tree.args.trees_per_micro_batch == len(tree_batch) // 4
+    assert tree.args.num_optimizer_blocks == 2 and tree.get_total_train_batch_size(tree.args) == 4  # prompts
+
+
+def test_startup_prints_the_effective_numbers(tmp_path, capsys):
+    model, tok = tiny()
+    args = config(TreeOPSDConfig, tmp_path, trees_per_micro_batch=2, steps_per_generation=2)
+    TreeOPSDTrainer(model=model, reward_funcs=contains_answer, args=args, train_dataset=arithmetic_dataset(4),
+                    processing_class=tok)
+    out = capsys.readouterr().out
+    for part in ("G = 3", "4 prompts per generation batch", "2 trees per micro-batch", "K = 4 leaves per tree",
+                 "2 prompts and 6 expected trajectories per optimizer step", "E = 2 optimizer blocks"):
+        assert part in out
+
+
+def test_every_unused_grpo_option_is_named_in_one_error_with_what_to_use(tmp_path):
+    unused = dict(loss_type="grpo", scale_rewards="batch", epsilon=0.3, epsilon_high=0.28, delta=1.5,
+                  importance_sampling_level="sequence", beta=0.04, num_iterations=2, top_entropy_quantile=0.2,
+                  entropy_coef=0.01, off_policy_mask_threshold=0.5, use_transformers_continuous_batching=True)
+    with pytest.raises(ValueError) as error:
+        TreeOPSDConfig(output_dir=str(tmp_path), **unused, **CPU)
+    message = str(error.value)
+    for name, value in unused.items():
+        assert f"- {name}={value!r}: " in message
+    assert "reward_std" in message and "loss='gspo_token'" in message and "steps_per_generation" in message
+    # scale_rewards=True is GRPOConfig's "group" (its default), so it is not "set"
+    assert TreeOPSDConfig(output_dir=str(tmp_path), scale_rewards=True, **CPU).scale_rewards == "group"
+
+
+def test_vllm_importance_sampling_correction_is_rejected_only_where_grpo_would_apply_it(tmp_path):
+    args = TreeOPSDConfig(output_dir=str(tmp_path), vllm_importance_sampling_correction=True, **CPU)
+    assert "vllm_importance_sampling_correction" not in args.unused_grpo_options()  # no vLLM: GRPO ignores it too
+    args.use_vllm = True
+    assert "set it to False" in args.unused_grpo_options()["vllm_importance_sampling_correction"]
+
+
+@pytest.mark.parametrize("loss", ["atpo", "grpo", "gspo_token"])
+def test_the_clipped_losses_keep_epsilon_and_epsilon_high(loss, tmp_path):
+    args = TreeOPSDConfig(output_dir=str(tmp_path), loss=loss, credit="path", reward_std="population",
+                          epsilon=0.1, epsilon_high=0.3, **CPU)
+    assert (args.epsilon, args.epsilon_high) == (0.1, 0.3)
+
+
+def test_a_num_generations_that_no_m_gives_lists_the_settings_that_do(tmp_path):
+    with pytest.raises(ValueError, match="num_generations=7") as error:
+        TreeOPSDConfig(output_dir=str(tmp_path), num_generations=7, **CPU)
+    listed = [pair.split(" = ")[1] for pair in str(error.value).split("G = 7: ")[1].split(". Set")[0].split(", (M")]
+    assert listed and "(7, 0)" in listed[0]
+    for pair in listed:  # every listed (M, N) indeed gives G = 7
+        m, n = (int(x) for x in pair.strip("()").split(", "))
+        assert TreeOPSDConfig(output_dir=str(tmp_path), num_initial_rollouts=m, num_branches=n,
+                              per_device_train_batch_size=7, **CPU).num_generations == 7
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(num_generations=8, num_initial_rollouts=3), "num_initial_rollouts=3 costs 6"),
+        (dict(num_generations=1), "No setting of num_initial_rollouts gives G = 1"),
+        (dict(num_generations=0), "num_generations must be a whole number of trajectories ≥ 1"),
+        (dict(per_device_train_batch_size=12), r"per_device_train_batch_size \(12\).*num_generations \(8\)\. Set "
+         r"per_device_train_batch_size to 8 or 16"),
+        (dict(per_device_train_batch_size=4), "Set per_device_train_batch_size to 8, or"),
+        (dict(max_tool_calling_iterations=2, max_turns=5), "allows 3 assistant turns.*max_turns=5"),
+        (dict(multi_objective_aggregation="mean"), "multi_objective_aggregation must be one of"),
+        (dict(num_generations_eval=4), r"num_generations_eval \(4\) differs from num_generations \(8\)"),
+    ],
+)
+def test_a_bad_budget_or_batch_size_is_one_clear_error(fields, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        TreeOPSDConfig(output_dir=str(tmp_path), **fields, **CPU)
+
+
+def test_num_generations_sets_m_for_each_sampler(tmp_path):
+    cases = [
+        (TreeOPSDConfig, dict(num_branches=0), 8),  # flat-like init_expand: M = G
+        (TreeOPSDConfig, dict(sampler="flat", credit="path", loss="grpo", reward_std="population"), 8),
+        (AT2POConfig, dict(), 2),  # 2 + 2·6/2 = 8
+        (TreeAdvConfig, dict(max_branches_per_tree=2), 4),  # 4(1 + 2/2) = 8
+    ]
+    for config_cls, fields, M in cases:
+        args = config_cls(output_dir=str(tmp_path), num_generations=8, **fields, **CPU)
+        assert args.num_initial_rollouts == M and args.num_generations == 8
+    # neither set: each preset keeps its documented M, G follows, and an unset micro-batch is one tree
+    args = AT2POConfig(output_dir=str(tmp_path), **CPU)
+    assert (args.num_initial_rollouts, args.num_generations, args.per_device_train_batch_size) == (10, 16, 16)
+    assert TreeOPSDConfig(output_dir=str(tmp_path), **CPU).per_device_train_batch_size == 8  # GRPO's default
+
+
+def test_evaluation_grows_one_tree_per_prompt_with_grpos_eval_batch_size(tmp_path):
+    """per_device_eval_batch_size counts trajectories too: GRPO's loader repeats each prompt G times, and the tree
+    trainer grows one tree per prompt of the batch."""
+    model, tok = tiny()
+    args = config(TreeOPSDConfig, tmp_path, num_branches=0, eval_strategy="steps", eval_steps=1,
+                  per_device_eval_batch_size=4)  # G = M = 2: 2 prompts per evaluation batch
+    dataset = _distinct_prompts(4).add_column("answer", ["2"] * 4)
+    trainer = TreeOPSDTrainer(model=model, reward_funcs=contains_answer, args=args, train_dataset=dataset,
+                              eval_dataset=dataset, processing_class=tok)
+    trainer.generation_engine = scripted_engine(tok, {"": ["The answer is 2."] * 100})
+    seen = []
+    original = trainer._generate_and_score_completions
+    trainer._generate_and_score_completions = lambda inputs: seen.append(inputs) or original(inputs)
+    metrics = trainer.evaluate()
+    batches = [sorted(x["prompt"][0]["content"] for x in inputs) for inputs in seen]
+    assert [len(b) for b in batches] == [2, 2] and sorted(sum(batches, [])) == [f"question {i}" for i in range(4)]
+    assert metrics["eval_reward"] == 1.0
+    with pytest.raises(ValueError, match=r"per_device_eval_batch_size \(3\) counts trajectories"):
+        config(TreeOPSDConfig, tmp_path, num_branches=0, eval_strategy="steps", eval_steps=1,
+               per_device_eval_batch_size=3)
+
+
+def test_too_little_data_for_one_generation_batch_is_an_error_at_init(tmp_path):
+    model, tok = tiny()
+    args = config(TreeOPSDConfig, tmp_path, trees_per_micro_batch=2, steps_per_generation=4)  # 8 prompts per batch
+    with pytest.raises(ValueError, match="train_dataset has 6 prompts, but one generation batch needs 8.*Lower"):
+        TreeOPSDTrainer(model=model, reward_funcs=contains_answer, args=args, train_dataset=arithmetic_dataset(6),
+                        processing_class=tok)
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_max_tool_calling_iterations_caps_tool_rounds_per_trajectory_as_trls_loop(k, tmp_path):
+    """TRL runs at most k rounds of tool execution, each followed by one more generation; a tool call after the
+    last round stays unexecuted and ends the completion."""
+    model, tok = tiny()
+    args = config(TreeOPSDConfig, tmp_path, max_turns=None, max_tool_calling_iterations=k, num_branches=0)
+    trainer = TreeOPSDTrainer(model=model, reward_funcs=contains_answer, args=args,
+                              train_dataset=arithmetic_dataset(1), processing_class=tok, tools=[calculator])
+    always_call = {"<|im_start|>assistant\n": [CALL_1_PLUS_1] * 20,
+                   "</tool_response><|im_end|>\n<|im_start|>assistant\n": [CALL_1_PLUS_1] * 20}
+    trainer.generation_engine = scripted_engine(tok, always_call)
+    _, roots = trainer._prepare_roots([trainer.train_dataset[0]])
+    leaves = [b for branches in trainer.sampler.sample(roots) for b in branches]
+    assert leaves and all(b.tool_calls == k and len(b.turns) == k + 1 for b in leaves)
+
+
+def _grpo_normalize_then_sum(rewards_per_func, weights, num_generations):
+    """GRPOTrainer._generate_and_score_completions, multi_objective_aggregation="normalize_then_sum", up to the
+    summed reward (TRL 1.16)."""
+    grouped = rewards_per_func.view(-1, num_generations, rewards_per_func.shape[1])
+    mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+    std_k = nanstd(grouped, dim=1, keepdim=True)
+    reward_k = ((grouped - mean_k) / (std_k + 1e-4)).view(-1, rewards_per_func.shape[1])
+    return (reward_k * weights.unsqueeze(0)).nansum(dim=1)
+
+
+def test_multi_objective_aggregation_is_grpos_arithmetic_over_a_trees_leaves():
+    rewards = torch.tensor([[1.0, 0.2], [0.0, float("nan")], [1.0, 0.9], [0.0, 0.4]])
+    weights = torch.tensor([1.0, 0.5])
+    expected = _grpo_normalize_then_sum(rewards, weights, num_generations=4)
+    torch.testing.assert_close(components.aggregate_leaf_rewards(rewards, weights, "normalize_then_sum"), expected)
+    torch.testing.assert_close(components.aggregate_leaf_rewards(rewards, weights, "sum_then_normalize"),
+                               torch.tensor([1.1, 0.0, 1.45, 0.2]))
+
+
+def test_the_trainer_scores_leaves_with_the_configured_aggregation(tmp_path):
+    from test_trainer_scripted import REPLIES
+
+    def short(completions, **kwargs):
+        return [1.0 / len(c[-1]["content"]) for c in completions]
+
+    model, tok = tiny()
+    args = config(TreeOPSDConfig, tmp_path, multi_objective_aggregation="normalize_then_sum", reward_weights=[1.0, 2.0])
+    trainer = TreeOPSDTrainer(model=model, reward_funcs=[contains_answer, short], args=args,
+                              train_dataset=arithmetic_dataset(1), processing_class=tok, tools=[calculator])
+    trainer.generation_engine = scripted_engine(tok, REPLIES)
+    captured = {}
+    original = trainer.turn_credit
+    trainer.turn_credit = lambda tree: captured.setdefault("tree", tree) and original(tree)
+    trainer._generate_and_score_completions([trainer.train_dataset[0]])
+    per_func = trainer._last_rewards_per_func
+    expected = _grpo_normalize_then_sum(per_func, torch.tensor([1.0, 2.0]), num_generations=per_func.shape[0])
+    assert captured["tree"].rewards == pytest.approx(expected.tolist())
+
+
+def test_a_micro_batch_of_only_truncated_turns_trains_to_a_zero_loss(tmp_path):
+    """mask_truncated_completions: when every turn was cut by the budget nothing is trained, and the step runs (GRPO
+    gives an all-masked batch a zero loss that still has a grad_fn)."""
+    model, tok = tiny()
+    args = config(TreeOPSDConfig, tmp_path, mask_truncated_completions=True, max_completion_length=12)
+    trainer = TreeOPSDTrainer(model=model, reward_funcs=contains_answer, args=args,
+                              train_dataset=arithmetic_dataset(1), processing_class=tok, tools=[calculator])
+    rambling = "The answer is 2. " + "blah " * 40
+    trainer.generation_engine = scripted_engine(tok, {"<|im_start|>assistant\n": [rambling] * 8})
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    result = trainer.train()
+    assert result.training_loss == 0.0
+    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
