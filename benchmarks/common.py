@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from trl_tree import trl_internals
+
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -495,7 +497,7 @@ class BatchMeter(TrainerCallback):
         record.generation_seconds += seconds
         if self.is_tree:
             # the trainer logs per-tree means of these (DESIGN: tree/* metrics); one process, so mean × trees
-            metrics = self.trainer._metrics["train" if self.trainer.model.training else "eval"]
+            metrics = trl_internals.metrics(self.trainer, "train" if self.trainer.model.training else "eval")
             batches = batches if isinstance(batches, list) else [batches]
             trees = sum(batch["input_ids"].shape[0] for batch in batches)
             record.unique_tokens += round(metrics["tree/unique_tokens"][-1] * trees)

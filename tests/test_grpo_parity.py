@@ -18,9 +18,7 @@ both trainers generate through `model.generate`, so one script drives both.
 Most tests leave `num_generations` at GRPO's default (8), with `per_device_train_batch_size=8`, so that each test
 exercises its own feature; `test_num_generations_and_batch_size_carry_over` sets it explicitly.
 
-A test that shows a known gap of the tree trainer marks only its tree parametrization `xfail(strict=True)`, with the
-gap as the reason and the exception it fails with: once the gap is closed, strict xfail reports the pass as a
-failure, and the mark is removed.
+Every test passes on both trainers: a gap of the tree trainer is a failing test here, not a skip.
 """
 
 import socket
@@ -65,32 +63,10 @@ COMMON = dict(
 # Scripted tool calls need room for the call, the tool response and an answer.
 TOOL_BUDGET = dict(max_completion_length=128)
 
-# Gaps of the tree trainer, named once: each is the reason of the xfail marks of the tests that show it.
-GAP_NUM_GENERATIONS = "TreeConfig rejects num_generations (config carry-over: G read as the budget M(1+N/2))"
-GAP_REWARD_STD = "tree trainers do not log GRPO's rewards/<name>/std"
-GAP_GRPO_METRICS = (
-    "tree trainers do not log GRPO's metrics num_tokens, rewards/<name>/std, frac_reward_zero_std, "
-    "completions/min_length, max_length, clipped_ratio, *_terminated_length, entropy"
-)
-GAP_LOG_METRIC = "log_metric / log_extra from reward functions are dropped by tree trainers"
-GAP_TENSOR_REWARD = "a reward function returning a tensor fails in the tree trainer's reward guard"
-GAP_MISSING_PROMPT = "a dataset without a prompt column trains on empty prompts instead of raising"
-GAP_AGGREGATION = "multi_objective_aggregation is accepted and ignored by tree trainers"
-GAP_TOOL_ITERATIONS = "max_tool_calling_iterations is accepted and ignored by tree trainers"
-GAP_MASK_TRUNCATED = (
-    "mask_truncated_completions crashes ('element 0 of tensors does not require grad') on a micro-batch whose "
-    "turns are all truncated"
-)
-GAP_TOOL_RESULTS = "tree trainers JSON-encode a tool's result where GRPO passes str(result) to the tool message"
-GAP_UNCOPYABLE_ENV = "environments that cannot be copied (no fork(), deepcopy fails) cannot be branched"
-
-
-def trainers(tree_gap: str | None = None, raises: type[BaseException] | None = None):
-    """Parametrize a test over both trainers; `tree_gap` marks only the tree trainer's run as a strict xfail."""
-    marks = [pytest.mark.xfail(strict=True, reason=tree_gap, raises=raises)] if tree_gap else []
+def trainers():
+    """Parametrize a test over both trainers: GRPOTrainer is the reference, TreeOPSDTrainer the drop-in."""
     return pytest.mark.parametrize(
-        "trainer_cls",
-        [pytest.param(GRPOTrainer, id="grpo"), pytest.param(TreeOPSDTrainer, id="treeopsd", marks=marks)],
+        "trainer_cls", [pytest.param(GRPOTrainer, id="grpo"), pytest.param(TreeOPSDTrainer, id="treeopsd")]
     )
 
 
@@ -279,7 +255,7 @@ def test_extra_columns_and_trainer_state_reach_reward_functions(trainer_cls, mod
     assert seen and all(expected[question] == value for question, value in seen)
 
 
-@trainers(tree_gap=GAP_MISSING_PROMPT, raises=pytest.fail.Exception)
+@trainers()
 def test_dataset_without_prompt_column_raises(trainer_cls, model_path, tmp_path):
     dataset = Dataset.from_dict({"question": QUESTIONS})
     with pytest.raises((KeyError, ValueError), match="prompt"):  # GRPO raises in train(); at init is as good
@@ -289,7 +265,7 @@ def test_dataset_without_prompt_column_raises(trainer_cls, model_path, tmp_path)
         trainer.train()
 
 
-@trainers(tree_gap=GAP_NUM_GENERATIONS, raises=ValueError)
+@trainers()
 def test_num_generations_and_batch_size_carry_over(trainer_cls, model_path, tmp_path):
     """A GRPO config with num_generations=4 and per_device_train_batch_size=4 trains one prompt per step."""
     prompts_seen = set()
@@ -311,7 +287,7 @@ def test_num_generations_and_batch_size_carry_over(trainer_cls, model_path, tmp_
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-@trainers(tree_gap=GAP_REWARD_STD, raises=AssertionError)
+@trainers()
 def test_multiple_reward_funcs_with_weights_are_logged(trainer_cls, model_path, tmp_path):
     args = make_args(trainer_cls, tmp_path, reward_weights=[0.7, 0.3])
     trainer = trainer_cls(
@@ -369,10 +345,7 @@ def _logged_advantages(trainer_cls, aggregation, scale, model_path, tmp_path):
         pytest.param(GRPOTrainer, "sum_then_normalize", id="grpo-sum_then_normalize"),
         pytest.param(GRPOTrainer, "normalize_then_sum", id="grpo-normalize_then_sum"),
         pytest.param(TreeOPSDTrainer, "sum_then_normalize", id="treeopsd-sum_then_normalize"),
-        pytest.param(
-            TreeOPSDTrainer, "normalize_then_sum", id="treeopsd-normalize_then_sum",
-            marks=pytest.mark.xfail(strict=True, reason=GAP_AGGREGATION, raises=AssertionError),
-        ),
+        pytest.param(TreeOPSDTrainer, "normalize_then_sum", id="treeopsd-normalize_then_sum"),
     ],
 )
 def test_normalize_then_sum_makes_advantages_independent_of_a_reward_scale(
@@ -421,7 +394,7 @@ def test_reward_funcs_returning_none_for_some_or_all_samples(trainer_cls, model_
     assert torch.isfinite(torch.tensor(logged["rewards/every_other/mean"]))
 
 
-@trainers(tree_gap=GAP_TENSOR_REWARD, raises=RuntimeError)
+@trainers()
 def test_reward_func_returning_a_tensor(trainer_cls, model_path, tmp_path):
     def tensor_reward(completions, **kwargs):
         return torch.tensor(length_reward(completions))
@@ -577,7 +550,7 @@ def product_record(a: int, b: int) -> dict:
     return {"a": a, "b": b, "product": a * b}
 
 
-@trainers(tree_gap=GAP_TOOL_RESULTS, raises=AssertionError)
+@trainers()
 def test_tool_results_reach_the_reward_function_as_grpo_passes_them(trainer_cls, model_path, tmp_path):
     """GRPO puts a tool's result into the tool message as `str(result)` (a list, for multimodal content, as it is)."""
     tool_contents = []
@@ -629,7 +602,7 @@ def test_malformed_tool_calls_run_no_tool_and_training_goes_on(trainer_cls, mode
     assert not ran
 
 
-@trainers(tree_gap=GAP_TOOL_ITERATIONS, raises=AssertionError)
+@trainers()
 def test_max_tool_calling_iterations_caps_the_tool_calls_of_a_completion(trainer_cls, model_path, tmp_path):
     completions_seen = []
 
@@ -727,7 +700,7 @@ def close_connections():
         RemoteCounterClient.opened.pop().close()
 
 
-@trainers(tree_gap=GAP_UNCOPYABLE_ENV, raises=TypeError)
+@trainers()
 def test_environment_that_cannot_be_copied(trainer_cls, model_path, tmp_path, close_connections):
     check_environment_run(trainer_cls, RemoteCounterClient, model_path, tmp_path)
 
@@ -752,7 +725,7 @@ def test_log_completions_fills_the_completion_table(trainer_cls, model_path, tmp
     assert all(p in [[{"role": "user", "content": q}] for q in QUESTIONS] for p in logs["prompt"])
 
 
-@trainers(tree_gap=GAP_LOG_METRIC, raises=AssertionError)
+@trainers()
 def test_reward_func_log_metric_and_log_extra(trainer_cls, model_path, tmp_path):
     def reward(completions, log_metric, log_extra, **kwargs):
         log_metric("custom_accuracy", 0.75)
@@ -805,7 +778,7 @@ GRPO_METRICS = [
 ]
 
 
-@trainers(tree_gap=GAP_GRPO_METRICS, raises=AssertionError)
+@trainers()
 def test_grpo_metrics_are_logged_under_grpo_names(trainer_cls, model_path, tmp_path):
     trainer = trainer_cls(
         model=model_path, reward_funcs=length_reward, args=make_args(trainer_cls, tmp_path),
@@ -860,7 +833,7 @@ def test_checkpoints_hold_the_trainer_state_and_training_resumes(trainer_cls, mo
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-@trainers(tree_gap=GAP_MASK_TRUNCATED, raises=RuntimeError)
+@trainers()
 def test_mask_truncated_completions_all_truncated_leaves_the_model_unchanged(trainer_cls, model_path, tmp_path):
     """Every completion runs past max_completion_length: with the mask on, nothing is trained and the loss is 0."""
     args = make_args(trainer_cls, tmp_path, mask_truncated_completions=True)

@@ -57,9 +57,6 @@ class AgentTemplate:
             self.chat_template = get_training_chat_template(tokenizer)
         else:
             self.chat_template = None
-        # attributes `GRPOTrainer._get_tool_suffix_ids` reads from its trainer (see `observation_ids`)
-        self.processing_class = self._tokenizer = tokenizer
-        self._is_vlm = False
 
     def prompt_ids(self, prompt: list[dict[str, Any]]) -> list[int]:
         """The conversational prompt rendered with the tool schema and the generation prompt."""
@@ -83,15 +80,11 @@ class AgentTemplate:
         return parse_response(self.tokenizer, ids, prefix=prefix, tools=self.tools)
 
     def observation_ids(self, tool_messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of the tool messages and the next assistant header: TRL's own ``_get_tool_suffix_ids``.
+        """Token ids of the tool messages and the next assistant header, rendered by TRL's own tool-suffix code so
+        they are byte-identical to those the trainer appends during rollouts."""
+        from trl_tree.trl_internals import render_tool_suffix
 
-        Called unbound with this object as the trainer, so the observation tokens are byte-identical to those the
-        trainer appends during rollouts (it reads ``processing_class``, ``chat_template``, ``chat_template_kwargs``,
-        ``_is_vlm`` and ``_tokenizer``).
-        """
-        from trl import GRPOTrainer
-
-        return list(GRPOTrainer._get_tool_suffix_ids(self, tool_messages))
+        return render_tool_suffix(self.tokenizer, self.chat_template, self.chat_template_kwargs, tool_messages)
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:

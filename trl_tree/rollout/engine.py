@@ -17,6 +17,8 @@ from typing import Protocol
 
 import torch
 
+from .. import trl_internals
+
 logger = logging.getLogger(__name__)
 
 
@@ -65,7 +67,7 @@ class HFEngine:
         self.trainer = trainer
         self.with_scores = with_scores
         self.eos_ids = set(trainer.eos_token_ids)
-        self.pad_id = trainer._tokenizer.pad_token_id
+        self.pad_id = trl_internals.tokenizer(trainer).pad_token_id
         self.cache = getattr(trainer.args, "generation_cache", "static")
         if self.cache not in ("static", "dynamic"):
             raise ValueError(f"generation_cache must be 'static' or 'dynamic'; got {self.cache!r}.")
@@ -136,7 +138,7 @@ class HFEngine:
                 generation_kwargs=trainer.generation_kwargs,
                 gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
             ) as unwrapped,
-            trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False),
+            trl_internals.distributed(trainer).summon_full_params(trainer.model_wrapped, recurse=False),
         ):
             cache = self._static_cache(unwrapped, width + budget)
             out = unwrapped.generate(

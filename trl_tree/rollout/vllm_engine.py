@@ -22,6 +22,7 @@ import math
 
 from accelerate.utils import gather_object
 
+from .. import trl_internals
 from .engine import Continuation, _cut_at_eos
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class VLLMEngine:
 
     Args:
         trainer: a GRPOTrainer (or subclass) built with `use_vllm=True`. Used: `vllm_generation`, `state.global_step`,
-            `_last_loaded_step`, `eos_token_ids`, `_tokenizer.pad_token_id`, and `args.report_to` /
+            the last weight-sync step, `eos_token_ids`, the tokenizer's pad id, and `args.report_to` /
             `accelerator.is_main_process` for TRL's profiling context.
         with_scores: also return per-token entropy *estimates* (`topk_entropy`), for the entropy-guided samplers.
             Same meaning as `HFEngine(with_scores=...)`. Log-probs are returned either way: vLLM computes them anyway.
@@ -74,7 +75,7 @@ class VLLMEngine:
         self.with_scores = with_scores
         self.entropy_top_k = entropy_top_k
         self.eos_ids = set(trainer.eos_token_ids)
-        self.pad_id = trainer._tokenizer.pad_token_id
+        self.pad_id = trl_internals.tokenizer(trainer).pad_token_id
         if self.prefix_caching_enabled() is False:
             logger.warning(
                 "vLLM runs without prefix caching: every branch of a rollout tree recomputes its whole prefix. "
@@ -108,10 +109,10 @@ class VLLMEngine:
         from trl.extras.profiling import profiling_context
 
         trainer = self.trainer
-        if trainer.state.global_step != getattr(trainer, "_last_loaded_step", None):
+        if trainer.state.global_step != trl_internals.last_loaded_step(trainer):
             with profiling_context(trainer, "sync_weights"):
                 self.vllm_generation.sync_weights()
-            trainer._last_loaded_step = trainer.state.global_step
+            trl_internals.set_last_loaded_step(trainer, trainer.state.global_step)
 
     @contextlib.contextmanager
     def _sampling_overrides(self, max_tokens: int):

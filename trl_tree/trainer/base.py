@@ -28,7 +28,7 @@ from trl.chat_template_utils import parse_response
 from trl.data_utils import is_conversational
 from trl.trainer.utils import RepeatSampler, is_async_callable, nanstd, repeat_iterable_dataset
 
-from .. import credit, losses
+from .. import credit, losses, trl_internals
 from ..packing import PackedTrees, pack_cheapest, pack_trees, packed_token_logps, unwrap_model
 from ..rollout.engine import HFEngine
 from ..rollout.env import EnvironmentPool, TreeEnvironment, environment_tools
@@ -67,10 +67,11 @@ class TreeTrainer(GRPOTrainer):
                 f"{type(self).__name__} grows its own rollout trees; `rollout_func` does not apply. Pass `tools=` or "
                 "`environment_factory=` for tool use."
             )
+        trl_internals.check_installed()  # a TRL release that renamed what we build on fails here, with the names
         super().__init__(model, reward_funcs, args=args, **kwargs)
         # The dataloader yields prompts, one tree each: a micro-batch of per_device_train_batch_size trajectories of
         # budget is per_device_train_batch_size / G trees (GRPO's micro-batch holds the same prompts, G times each).
-        self._train_batch_size = args.trees_per_micro_batch
+        trl_internals.set_train_batch_size(self, args.trees_per_micro_batch)
         self._check_enough_prompts()
         self._resize_completion_logs(args.prompts_per_generation * args.leaves_per_tree)
         self._hide_fork_from_tools()
@@ -129,8 +130,10 @@ class TreeTrainer(GRPOTrainer):
                 dataset, mini_repeat_count=1, batch_size=self.args.prompts_per_generation,
                 repeat_count=self.num_iterations * self.args.steps_per_generation,
             )
-        return self._get_dataloader(
-            dataset=dataset, description="Training", batch_size=self._train_batch_size * self.args.steps_per_generation,
+        return trl_internals.get_dataloader(
+            self,
+            dataset=dataset, description="Training",
+            batch_size=trl_internals.train_batch_size(self) * self.args.steps_per_generation,
             sampler_fn=self._get_train_sampler, is_training=True,
         )
 
@@ -139,7 +142,7 @@ class TreeTrainer(GRPOTrainer):
         per prompt."""
         from collections import defaultdict, deque
 
-        self._logs = {
+        logs = {
             "images": deque(maxlen=maxlen),
             "prompt": deque(maxlen=maxlen),
             "completion": deque(maxlen=maxlen),
@@ -147,13 +150,15 @@ class TreeTrainer(GRPOTrainer):
             "advantages": deque(maxlen=maxlen),
             "extra": defaultdict(lambda: deque(maxlen=maxlen)),
         }
+        trl_internals.set_completion_logs(self, logs)
 
     def _hide_fork_from_tools(self):
         """An environment's `fork()` is how we branch it, not a tool for the model."""
         if self.environment_factories is None:
             return
-        for name, tools in self._env_tools.items():
-            self._env_tools[name] = [t for t in tools if getattr(t, "__name__", "") != "fork"]
+        env_tools = trl_internals.environment_tools_by_name(self)
+        for name, tools in env_tools.items():
+            env_tools[name] = [t for t in tools if getattr(t, "__name__", "") != "fork"]
         self.tools = [t for t in self.tools if getattr(t, "__name__", "") != "fork"]
 
     def _build_environment_pool(self) -> EnvironmentPool | None:
@@ -161,7 +166,8 @@ class TreeTrainer(GRPOTrainer):
         `environment_branching` rule."""
         if self.environment_factories is None:
             return None
-        return EnvironmentPool(self.environment_factories, self._environment_pool, self.args.environment_branching)
+        pool = trl_internals.environment_pool(self)
+        return EnvironmentPool(self.environment_factories, pool, self.args.environment_branching)
 
     def _build_engine(self):
         if self.use_vllm:
@@ -193,7 +199,7 @@ class TreeTrainer(GRPOTrainer):
         return TurnLoop(
             engine=_EngineProxy(self),
             parse=self._parse_action,
-            observation_ids=self._get_tool_suffix_ids,
+            observation_ids=functools.partial(trl_internals.tool_suffix_ids, self),
             settings=settings,
             any_active=self._any_rank_active,
             event_loop=getattr(self, "async_loop", None),  # GRPOTrainer starts it when a tool is async
@@ -205,9 +211,9 @@ class TreeTrainer(GRPOTrainer):
 
     def _parse_action(self, ids: list[int], prefix: list[int]) -> dict:
         if not self.tools:
-            return {"role": "assistant", "content": self._tokenizer.decode(ids, skip_special_tokens=True)}
+            return {"role": "assistant", "content": trl_internals.tokenizer(self).decode(ids, skip_special_tokens=True)}
         prefix = _after_text_prompt(prefix, getattr(self, "_text_prompt_ids", ()))
-        return parse_response(self._tokenizer, ids, prefix=prefix, tools=self.tools)
+        return parse_response(trl_internals.tokenizer(self), ids, prefix=prefix, tools=self.tools)
 
     def _any_rank_active(self, flag: bool) -> bool:
         if self.accelerator.num_processes == 1:
@@ -226,9 +232,11 @@ class TreeTrainer(GRPOTrainer):
         if not self.model.training:
             return self._generate_and_score_completions(self._one_row_per_prompt(generation_batch))
         generate_every = self.args.steps_per_generation * self.num_iterations
-        if self._step % generate_every == 0 or self._buffered_inputs is None:
-            self._buffered_inputs = self._generate_micro_batches(generation_batch, self.args.steps_per_generation)
-        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+        step = trl_internals.micro_step(self)
+        if step % generate_every == 0 or trl_internals.buffered_inputs(self) is None:
+            batches = self._generate_micro_batches(generation_batch, self.args.steps_per_generation)
+            trl_internals.set_buffered_inputs(self, batches)
+        return trl_internals.buffered_inputs(self)[step % self.args.steps_per_generation]
 
     def _one_row_per_prompt(self, batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """GRPO's evaluation loader repeats each prompt G times in a row (per_device_eval_batch_size counts
@@ -282,7 +290,7 @@ class TreeTrainer(GRPOTrainer):
         """One micro-batch of trees packed, and π_old's log-probs on it (written back into the trees' turns)."""
         packed = self._pack(trees)
         if self.args.packing == "auto":
-            self._metrics[mode]["tree/packed_as_tree"].append(float(packed.input_ids.shape[1] == 1))
+            trl_internals.metrics(self, mode)["tree/packed_as_tree"].append(float(packed.input_ids.shape[1] == 1))
         old_logps = self._behaviour_logps(packed, trees)
         if self.mask_truncated_completions:
             _mask_truncated_turns(packed, trees)
@@ -291,8 +299,8 @@ class TreeTrainer(GRPOTrainer):
     def _pack(self, trees: list[RolloutTree]) -> PackedTrees:
         """One micro-batch of trees in the configured layout ("auto": the cheaper forward for this model)."""
         if self.args.packing == "auto":
-            return pack_cheapest(trees, self._tokenizer.pad_token_id, unwrap_model(self.model).config)
-        return pack_trees(trees, self._tokenizer.pad_token_id, layout=self.args.packing)
+            return pack_cheapest(trees, trl_internals.tokenizer(self).pad_token_id, unwrap_model(self.model).config)
+        return pack_trees(trees, trl_internals.tokenizer(self).pad_token_id, layout=self.args.packing)
 
     def _prepare_roots(self, inputs):
         """Reset one environment per prompt (its tools and state are the tree's root) and render the prompts.
@@ -312,27 +320,29 @@ class TreeTrainer(GRPOTrainer):
         prompts = [x.get("prompt", [{"role": "user", "content": ""}]) for x in inputs]
         envs, handles = [None] * len(inputs), [None] * len(inputs)
         if self.environment_factories is not None:
-            self._batch_environments = [x.get("environment") if self._multi_environment else None for x in inputs]
+            multi = trl_internals.multi_environment(self)
+            names = [x.get("environment") if multi else None for x in inputs]
+            trl_internals.set_batch_environments(self, names)
             self.environment_pool.release()
-            for i, (x, name) in enumerate(zip(inputs, self._batch_environments)):
+            for i, (x, name) in enumerate(zip(inputs, names)):
                 if name not in self.environment_factories:
                     raise ValueError(
                         f"Example has environment={name!r}, not among {list(self.environment_factories)}."
                     )
-                kwargs = {k: v for k, v in x.items() if k != "environment"} if self._multi_environment else x
+                kwargs = {k: v for k, v in x.items() if k != "environment"} if multi else x
                 handles[i] = TreeEnvironment(self.environment_pool, name, kwargs, self._turn_loop.run_call)
                 envs[i] = handles[i].start()
                 observation = handles[i].reset_observation
                 if isinstance(observation, str) and is_conversational({"prompt": prompts[i]}):
                     last = prompts[i][-1]
                     prompts[i] = prompts[i][:-1] + [{**last, "content": last["content"] + observation}]
-        prompt_ids, _, _ = self._tokenize_prompts(prompts)
+        prompt_ids, _, _ = trl_internals.tokenize_prompts(self, prompts)
         # a plain-text prompt is no chat turn: the response parser must not read it as the assistant's message
         conversational = is_conversational({"prompt": prompts[0]})
         self._text_prompt_ids = [] if conversational else sorted((list(p) for p in prompt_ids), key=len, reverse=True)
         roots = []
         for ids, env, handle in zip(prompt_ids, envs, handles):
-            tools = {t.__name__: t for t in self._standalone_tools}
+            tools = {t.__name__: t for t in trl_internals.standalone_tools(self)}
             if env is not None:
                 tools.update({m.__name__: m for m in environment_tools(env)})
             roots.append(TreeRoot(prompt_ids=list(ids), env=env, tools=tools, environment=handle))
@@ -356,7 +366,7 @@ class TreeTrainer(GRPOTrainer):
         for column in (leaf_inputs, leaf_prompts, completions, completion_ids, envs):
             column.extend(column[-1:] * (width - n))
         self.environments = envs if self.environment_factories is not None else None
-        per_func = self._calculate_rewards(leaf_inputs, leaf_prompts, completions, completion_ids)
+        per_func = trl_internals.calculate_rewards(self, leaf_inputs, leaf_prompts, completions, completion_ids)
         self._flush_reward_logs(n)
         start = self.accelerator.process_index * width
         self._last_rewards_per_func = per_func[start : start + n].cpu()
@@ -390,13 +400,14 @@ class TreeTrainer(GRPOTrainer):
         from accelerate.utils import gather_object
 
         mode = "train" if self.model.training else "eval"
-        for column in sorted(set(gather_object(list(self._pending_extra_logs)))):
-            values = self._pending_extra_logs.get(column, [None] * num_rows)[:num_rows]
-            self._logs["extra"][column].extend(gather_object(values))
-        self._pending_extra_logs.clear()
-        for name in sorted(set(gather_object(list(self._pending_metrics)))):
-            self._metrics[mode][name].append(self._mean_over_ranks(self._pending_metrics.get(name, [])))
-        self._pending_metrics.clear()
+        pending_metrics, pending_extra = trl_internals.pending_reward_logs(self)
+        for column in sorted(set(gather_object(list(pending_extra)))):
+            values = pending_extra.get(column, [None] * num_rows)[:num_rows]
+            trl_internals.completion_logs(self)["extra"][column].extend(gather_object(values))
+        pending_extra.clear()
+        for name in sorted(set(gather_object(list(pending_metrics)))):
+            trl_internals.metrics(self, mode)[name].append(self._mean_over_ranks(pending_metrics.get(name, [])))
+        pending_metrics.clear()
 
     @torch.no_grad()
     def _behaviour_logps(self, packed: PackedTrees, trees: list[RolloutTree]) -> torch.Tensor:
@@ -427,7 +438,8 @@ class TreeTrainer(GRPOTrainer):
         flat = _flatten_micro_batch(packed, logps, inputs)
         loss = self.turn_loss(flat, mode)
         # GRPO's `entropy`: mean entropy of the trained tokens (each unique token once), from the training forward
-        self._metrics[mode]["entropy"].append(self._mean_over_ranks(entropy[packed.turn_ids >= 0].detach()))
+        metrics = trl_internals.metrics(self, mode)
+        metrics["entropy"].append(self._mean_over_ranks(entropy[packed.turn_ids >= 0].detach()))
         if mode == "train":
             loss = loss / getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
         return loss
@@ -440,16 +452,16 @@ class TreeTrainer(GRPOTrainer):
                 self._log_clip_ratio(mode, spec.clip_counts(flat, self.args))
             num_turns = flat["A"].numel()
             s = losses.turn_mean_log_ratio(flat["logps"], flat["old_logps"], flat["turn_ids"], num_turns)
-        block = self._optimizer_block()
+        block, metrics = self._optimizer_block(), trl_internals.metrics(self, mode)
         if "q" in flat:  # how far each turn still is from its teacher
             gap = (torch.sigmoid(s) - flat["q"]).abs().tolist()
-            self._metrics[mode][f"treeopsd/abs_p_minus_q/block_{block}"].append(self._mean_over_ranks(gap))
-        self._metrics[mode][f"tree/abs_log_ratio/block_{block}"].append(self._mean_over_ranks(s.abs().tolist()))
+            metrics[f"treeopsd/abs_p_minus_q/block_{block}"].append(self._mean_over_ranks(gap))
+        metrics[f"tree/abs_log_ratio/block_{block}"].append(self._mean_over_ranks(s.abs().tolist()))
         return loss
 
     def _optimizer_block(self) -> int:
         """Which of the E sequential optimizer blocks of the current generation batch is being trained."""
-        return (self._step % self.args.steps_per_generation) // self.args.gradient_accumulation_steps
+        return (trl_internals.micro_step(self) % self.args.steps_per_generation) // self.args.gradient_accumulation_steps
 
     # ---------------------------------------------------------------- checkpoints
 
@@ -493,7 +505,7 @@ class TreeTrainer(GRPOTrainer):
         """GRPO's `clip_ratio/*` over every rank's root-to-leaf paths (`losses.clip_ratio_summary`)."""
         gathered = self._gather_uneven(path_counts.reshape(-1))
         for key, value in losses.clip_ratio_summary(gathered).items():
-            self._metrics[mode][f"clip_ratio/{key}"].append(value)
+            trl_internals.metrics(self, mode)[f"clip_ratio/{key}"].append(value)
 
     def _log_rollout_metrics(self, mode, group_sizes: list[int], lengths: list[int], clipped: list[bool],
                              tool_calls: list[int], tool_failures: list[int]) -> None:
@@ -517,7 +529,7 @@ class TreeTrainer(GRPOTrainer):
             tools/call_frequency         tool calls per completion (a leaf counts every call on its path)
             tools/failure_frequency      failed calls / calls (0 without calls)
         """
-        metrics = self._metrics[mode]
+        metrics = trl_internals.metrics(self, mode)
         per_func, rewards = self._last_rewards_per_func, self._weighted_rewards()
         for i, name in enumerate(self.reward_func_names):
             column = self._gather_uneven(per_func[:, i])  # NaN dropped: GRPO's nan-aware statistics
@@ -547,7 +559,7 @@ class TreeTrainer(GRPOTrainer):
             self.state.num_input_tokens_seen += int(self.accelerator.reduce(tokens, reduction="sum").item())
 
     def _log_generation(self, mode, prompts, trees, branches_per_tree, rewards, per_turn, forward_tokens: int):
-        metrics = self._metrics[mode]
+        metrics = trl_internals.metrics(self, mode)
         leaves = [b for branches in branches_per_tree for b in branches]
         self._count_forward_tokens(mode, forward_tokens)
         self._log_rollout_metrics(
@@ -577,7 +589,8 @@ class TreeTrainer(GRPOTrainer):
 
     def log_turn_credit(self, metrics, per_turn: list[dict[str, torch.Tensor]]) -> None:
         """Mean |A| of the turn credit, and for TreeOPSD mean |q − 1/2| (how far the teachers move the policy)."""
-        metrics["tree/abs_turn_advantage"].append(self._mean_over_ranks([a for d in per_turn for a in d["A"].abs().tolist()]))
+        advantages = [a for d in per_turn for a in d["A"].abs().tolist()]
+        metrics["tree/abs_turn_advantage"].append(self._mean_over_ranks(advantages))
         if "q" in per_turn[0]:
             gaps = [g for d in per_turn for g in (d["q"] - 0.5).abs().tolist()]
             metrics["treeopsd/abs_q_minus_half"].append(self._mean_over_ranks(gaps))
@@ -588,18 +601,19 @@ class TreeTrainer(GRPOTrainer):
         rows_prompt, rows_completion, rows_tree, rows_adv = [], [], [], []
         for prompt, tree, branches in zip(prompts, trees, branches_per_tree):
             A = credit.standardize(torch.tensor(tree.rewards), min_leaves=1) if tree.num_leaves > 1 else [0.0]
-            text = render_tree(tree, self._tokenizer)
+            text = render_tree(tree, trl_internals.tokenizer(self))
             for k, b in enumerate(branches):
                 rows_prompt.append(prompt)
                 rows_completion.append(b.messages)
                 rows_tree.append(text if k == 0 else f"(leaf {k} of the tree above: turns {tree.paths[k]})")
                 rows_adv.append(float(A[k]))
-        self._logs["prompt"].extend(gather_object(rows_prompt))
-        self._logs["completion"].extend(gather_object(rows_completion))
+        logs = trl_internals.completion_logs(self)
+        logs["prompt"].extend(gather_object(rows_prompt))
+        logs["completion"].extend(gather_object(rows_completion))
         for i, name in enumerate(self.reward_func_names):
-            self._logs["rewards"][name].extend(gather_object(self._last_rewards_per_func[:, i].tolist()))
-        self._logs["advantages"].extend(gather_object(rows_adv))
-        self._logs["extra"]["tree"].extend(gather_object(rows_tree))  # GRPOTrainer.log prints and saves the table
+            logs["rewards"][name].extend(gather_object(self._last_rewards_per_func[:, i].tolist()))
+        logs["advantages"].extend(gather_object(rows_adv))
+        logs["extra"]["tree"].extend(gather_object(rows_tree))  # GRPOTrainer.log prints and saves the table
 
 
 # -------------------------------------------------------------------- helpers

@@ -35,6 +35,8 @@ import torch
 from transformers.trainer_pt_utils import safe_globals
 from transformers.utils.import_utils import check_torch_load_is_safe
 
+from .. import trl_internals
+
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "trl_tree_state_{rank}.pth"
@@ -118,7 +120,7 @@ def _layout(trainer) -> dict[str, int]:
 
 def _generates_next(trainer) -> bool:
     """Whether the next training step starts a new generation batch (so the buffer need not be kept)."""
-    return trainer._step % (trainer.args.steps_per_generation * trainer.num_iterations) == 0
+    return trl_internals.micro_step(trainer) % (trainer.args.steps_per_generation * trainer.num_iterations) == 0
 
 
 def _to_device(value, device):
@@ -133,10 +135,10 @@ def _to_device(value, device):
 
 def save_state(trainer, output_dir: str) -> None:
     """Write this process's resume state into the checkpoint folder `output_dir`."""
-    buffered = None if _generates_next(trainer) else _to_device(trainer._buffered_inputs, "cpu")
+    buffered = None if _generates_next(trainer) else _to_device(trl_internals.buffered_inputs(trainer), "cpu")
     state = {
         "version": FORMAT_VERSION,
-        "step": trainer._step,
+        "step": trl_internals.micro_step(trainer),
         "layout": _layout(trainer),
         "buffered_inputs": buffered,
         "sampler": sampler_state(trainer.sampler),
@@ -161,8 +163,8 @@ def restore_state(trainer, checkpoint_dir: str) -> None:
         _resume_without_state(trainer, checkpoint_dir, reason or "another process cannot restore its resume state")
         return
     load_sampler_state(trainer.sampler, state["sampler"])
-    trainer._step = state["step"]
-    trainer._buffered_inputs = _to_device(state["buffered_inputs"], trainer.accelerator.device)
+    trl_internals.set_micro_step(trainer, state["step"])
+    trl_internals.set_buffered_inputs(trainer, _to_device(state["buffered_inputs"], trainer.accelerator.device))
 
 
 def _read_state(path: str) -> dict | None:
@@ -196,9 +198,10 @@ def _resume_without_state(trainer, checkpoint_dir: str, reason: str) -> None:
     """Keep the uninterrupted run's block order (`_step` counts micro-batches, as it would have), and say what is not
     exact: the sampler's generators restart from their seeds, and an interrupted generation batch is generated anew."""
     step = trainer.state.global_step
-    trainer._step = step * trainer.args.gradient_accumulation_steps
-    trainer._buffered_inputs = None
-    left = (-trainer._step) % trainer.args.steps_per_generation // trainer.args.gradient_accumulation_steps
+    trl_internals.set_micro_step(trainer, step * trainer.args.gradient_accumulation_steps)
+    trl_internals.set_buffered_inputs(trainer, None)
+    args = trainer.args
+    left = (-trl_internals.micro_step(trainer)) % args.steps_per_generation // args.gradient_accumulation_steps
     if left:
         how = (
             f"the generation batch interrupted at step {step} is generated anew (new trees for the same prompts) for "

@@ -42,7 +42,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from .. import credit, losses
+from .. import credit, losses, trl_internals
 from ..packing import PackedTrees, pack_trees, packed_token_logps, pad_rows
 from ..rollout.flex_harness import FlexBlock, FlexHarness, FlexKit, FlexSearch, FlexTask, TwoRoleHarness
 from ..tree import RolloutTree
@@ -364,7 +364,7 @@ class TreeFlexTrainer(TreeTrainer):
         """What the harness may use of the policy for one generation batch."""
         return FlexKit(
             loop=self._turn_loop, render=self._render_context, append=self._append_ids,
-            decode=lambda ids: self._tokenizer.decode(ids, skip_special_tokens=True),
+            decode=lambda ids: trl_internals.tokenizer(self).decode(ids, skip_special_tokens=True),
             num_searches=self.args.num_searches, max_blocks=self.args.max_blocks,
         )
 
@@ -383,7 +383,7 @@ class TreeFlexTrainer(TreeTrainer):
         dummy-conversation difference, so the history stays token-in, token-out.
         """
         if all(m.get("role") == "tool" for m in messages):
-            return list(self._get_tool_suffix_ids(messages))
+            return list(trl_internals.tool_suffix_ids(self, messages))
         dummy = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "dummy"}]
 
         def render(conversation, generation_prompt):
@@ -393,7 +393,7 @@ class TreeFlexTrainer(TreeTrainer):
             ))
 
         prefix, full = render(dummy, False), render(dummy + list(messages), True)
-        eos = [i for i, tok in enumerate(prefix) if tok == self._tokenizer.eos_token_id]
+        eos = [i for i, tok in enumerate(prefix) if tok == trl_internals.tokenizer(self).eos_token_id]
         if eos:
             prefix = prefix[: eos[-1] + 1]
         if full[: len(prefix)] != prefix:
@@ -445,7 +445,7 @@ class TreeFlexTrainer(TreeTrainer):
 
     def _pack_with_behaviour_logps(self, groups: list[FlexGroup], mode: str) -> tuple[PackedTrees, Tensor]:
         """One micro-batch of whole groups (one row per block) and π_old's log-probs on it."""
-        packed = pack_groups(groups, self._tokenizer.pad_token_id)
+        packed = pack_groups(groups, trl_internals.tokenizer(self).pad_token_id)
         with torch.no_grad():
             old_logps, _ = packed_token_logps(self.model, packed.to(self.accelerator.device),
                                               temperature=self.temperature)
@@ -467,7 +467,7 @@ class TreeFlexTrainer(TreeTrainer):
             s = losses.turn_mean_log_ratio(flat["logps"], flat["old_logps"], ids, flat["A"].numel())
             self._log_clip_ratio(mode, _search_clip_counts(flat, a))
         block = self._optimizer_block()
-        metrics = self._metrics[mode]
+        metrics = trl_internals.metrics(self, mode)
         metrics[f"tree/abs_log_ratio/block_{block}"].append(self._mean_over_ranks(s.abs().tolist()))
         metrics["treeflex/dual_clip_fraction"].append(self._mean_over_ranks(dual.float().tolist()))
         return loss
@@ -477,7 +477,7 @@ class TreeFlexTrainer(TreeTrainer):
     def _log_flex(self, mode, prompts, groups: list[FlexGroup], scores, per_turn, forward_tokens: int):
         """GRPO's metrics (`TreeTrainer._log_rollout_metrics`: a completion is a complete search, its group the task's
         searches; a search counts as cut when any of its turns was cut by its block's budget) and TreeFlex's own."""
-        metrics = self._metrics[mode]
+        metrics = trl_internals.metrics(self, mode)
         searches = [s for g in groups for s in g.searches]
         self._count_forward_tokens(mode, forward_tokens)
         self._log_rollout_metrics(
@@ -514,13 +514,13 @@ class TreeFlexTrainer(TreeTrainer):
                 rows_completion.append(search.completion)
                 rows_adv.append(a)
                 rows_blocks.append(" | ".join(f"{b.role}:{len(b.context_ids)}+{len(b.turns)}t" for b in search.blocks))
-        self._logs["prompt"].extend(gather_object(rows_prompt))
-        self._logs["completion"].extend(gather_object(rows_completion))
+        trl_internals.completion_logs(self)["prompt"].extend(gather_object(rows_prompt))
+        trl_internals.completion_logs(self)["completion"].extend(gather_object(rows_completion))
         for i, name in enumerate(self.reward_func_names):
             col = self.accelerator.gather(self._last_rewards_per_func[:, i].to(self.accelerator.device))
-            self._logs["rewards"][name].extend(col.tolist())
-        self._logs["advantages"].extend(gather_object(rows_adv))
-        self._logs["extra"]["blocks"].extend(gather_object(rows_blocks))
+            trl_internals.completion_logs(self)["rewards"][name].extend(col.tolist())
+        trl_internals.completion_logs(self)["advantages"].extend(gather_object(rows_adv))
+        trl_internals.completion_logs(self)["extra"]["blocks"].extend(gather_object(rows_blocks))
 
 
 def _search_clip_counts(flat: dict[str, Tensor], args: TreeFlexConfig) -> Tensor:

@@ -29,30 +29,37 @@ OVERRIDDEN: dict[str, tuple[str, tuple[str, ...]]] = {
     "_generate_and_score_completions": ("GRPOTrainer", ("inputs",)),
     "_prepare_inputs": ("GRPOTrainer", ("generation_batch",)),
     "_compute_loss": ("GRPOTrainer", ("model", "inputs")),
+    "_get_train_sampler": ("GRPOTrainer", ("dataset",)),
     "_save_rng_state": ("Trainer", ("output_dir",)),
     "_load_rng_state": ("Trainer", ("checkpoint",)),
 }
 
-CALLED: dict[str, tuple[str, ...]] = {
-    "_calculate_rewards": ("inputs", "prompts", "completions", "completion_ids_list"),
-    "_tokenize_prompts": ("prompts",),
-    "_get_tool_suffix_ids": ("tool_messages",),
+CALLED: dict[str, tuple[str, tuple[str, ...]]] = {
+    "_calculate_rewards": ("GRPOTrainer", ("inputs", "prompts", "completions", "completion_ids_list")),
+    "_tokenize_prompts": ("GRPOTrainer", ("prompts",)),
+    "_get_tool_suffix_ids": ("GRPOTrainer", ("tool_messages",)),
+    "_get_dataloader": ("Trainer", ("dataset", "description", "batch_size", "sampler_fn", "is_training")),
 }
 
-ATTRIBUTES: dict[str, str] = {
-    "_metrics": "logged scalars per mode, averaged and flushed by GRPOTrainer.log",
-    "_logs": "the completions table of log_completions",
-    "_step": "micro-step counter that selects the buffered micro-batch",
-    "_buffered_inputs": "the micro-batches of the current generation batch",
-    "_tokenizer": "the text tokenizer (the processing class, or its tokenizer for VLMs)",
-    "_standalone_tools": "tools passed with tools= (not bound to an environment)",
-    "_env_tools": "tools of each environment of environment_factory",
-    "_multi_environment": "whether environment_factory is a dict of named environments",
-    "_batch_environments": "the environment name of each row of the batch",
-    "_environment_pool": "GRPOTrainer's pool of environment instances",
-    "_last_loaded_step": "step of the last weight sync to vLLM",
-    "_dist": "the distributed helper whose summon_full_params gathers FSDP weights for generation",
-    "async_loop": "the background event loop of async tools and reward functions",
+ATTRIBUTES: dict[str, tuple[str, str]] = {
+    # name: (class whose __init__ sets it, what trl-tree uses it for)
+    "_metrics": ("GRPOTrainer", "logged scalars per mode, averaged and flushed by GRPOTrainer.log"),
+    "_logs": ("GRPOTrainer", "the completions table of log_completions"),
+    "_pending_metrics": ("GRPOTrainer", "what reward functions passed to log_metric, not yet flushed"),
+    "_pending_extra_logs": ("GRPOTrainer", "what reward functions passed to log_extra, not yet flushed"),
+    "_step": ("GRPOTrainer", "micro-step counter that selects the buffered micro-batch"),
+    "_buffered_inputs": ("GRPOTrainer", "the micro-batches of the current generation batch"),
+    "_tokenizer": ("GRPOTrainer", "the text tokenizer (the processing class, or its tokenizer for VLMs)"),
+    "_is_vlm": ("GRPOTrainer", "read by _get_tool_suffix_ids"),
+    "_standalone_tools": ("GRPOTrainer", "tools passed with tools= (not bound to an environment)"),
+    "_env_tools": ("GRPOTrainer", "tools of each environment of environment_factory"),
+    "_multi_environment": ("GRPOTrainer", "whether environment_factory is a dict of named environments"),
+    "_batch_environments": ("GRPOTrainer", "the environment name of each row of the batch"),
+    "_environment_pool": ("GRPOTrainer", "GRPOTrainer's pool of environment instances"),
+    "_last_loaded_step": ("GRPOTrainer", "step of the last weight sync to vLLM"),
+    "_dist": ("GRPOTrainer", "the distributed helper whose summon_full_params gathers FSDP weights"),
+    "async_loop": ("GRPOTrainer", "the background event loop of async tools and reward functions"),
+    "_train_batch_size": ("Trainer", "the dataloader's batch size (prompts for the tree trainers)"),
 }
 
 
@@ -74,16 +81,15 @@ def _parameters(function) -> tuple[str, ...]:
 def mismatches() -> tuple[str, ...]:
     """What of `OVERRIDDEN`, `CALLED` and `ATTRIBUTES` the installed TRL / transformers no longer has as declared."""
     classes = _classes()
-    grpo = classes["GRPOTrainer"]
     problems = []
     for name, (owner, params) in OVERRIDDEN.items():
         problems += _method_problems(classes[owner], name, params, "overridden")
-    for name, params in CALLED.items():
-        problems += _method_problems(grpo, name, params, "called")
-    source = inspect.getsource(grpo)
-    for name, use in ATTRIBUTES.items():
-        if not re.search(rf"self\.{re.escape(name)}\b[^=\n]*[^=<>!]=[^=]", source):  # an assignment, maybe of a tuple
-            problems.append(f"GRPOTrainer no longer sets `self.{name}` ({use})")
+    for name, (owner, params) in CALLED.items():
+        problems += _method_problems(classes[owner], name, params, "called")
+    sources = {owner: inspect.getsource(cls) for owner, cls in classes.items()}
+    for name, (owner, use) in ATTRIBUTES.items():
+        if not re.search(rf"self\.{re.escape(name)}\b[^=\n]*[^=<>!]=[^=]", sources[owner]):  # maybe a tuple's part
+            problems.append(f"{owner} no longer sets `self.{name}` ({use})")
     return tuple(problems)
 
 
@@ -166,8 +172,8 @@ def environment_pool(trainer):
     return trainer._environment_pool
 
 
-def last_loaded_step(trainer) -> int:
-    return trainer._last_loaded_step
+def last_loaded_step(trainer) -> int | None:
+    return getattr(trainer, "_last_loaded_step", None)
 
 
 def set_last_loaded_step(trainer, step: int) -> None:
@@ -183,6 +189,24 @@ def event_loop(trainer):
     return getattr(trainer, "async_loop", None)
 
 
+def pending_reward_logs(trainer) -> tuple[dict, dict]:
+    """What reward functions passed to TRL's `log_metric` and `log_extra` since the last flush (metrics, extras)."""
+    return trainer._pending_metrics, trainer._pending_extra_logs
+
+
+def set_train_batch_size(trainer, size: int) -> None:
+    trainer._train_batch_size = size
+
+
+def train_batch_size(trainer) -> int:
+    return trainer._train_batch_size
+
+
+def get_dataloader(trainer, **kwargs):
+    """transformers' `Trainer._get_dataloader` (dataset, description, batch_size, sampler_fn, is_training)."""
+    return trainer._get_dataloader(**kwargs)
+
+
 def calculate_rewards(trainer, inputs, prompts, completions, completion_ids) -> Any:
     """TRL's reward computation (reward functions, reward models, log_metric / log_extra), gathered over ranks."""
     return trainer._calculate_rewards(inputs, prompts, completions, completion_ids)
@@ -195,3 +219,17 @@ def tokenize_prompts(trainer, prompts: list):
 def tool_suffix_ids(trainer, tool_messages: list[dict]) -> list[int]:
     """Token ids of the tool messages and the next assistant header, rendered as TRL's tool loop renders them."""
     return trainer._get_tool_suffix_ids(tool_messages)
+
+
+def render_tool_suffix(processing_class, chat_template, chat_template_kwargs: dict, tool_messages: list[dict]):
+    """`_get_tool_suffix_ids` without a trainer (the held-out agent evaluation): the same rendering, byte for byte,
+    from the attributes that TRL's method reads."""
+    from types import SimpleNamespace
+
+    from trl import GRPOTrainer
+
+    owner = SimpleNamespace(
+        processing_class=processing_class, _tokenizer=processing_class, _is_vlm=False, chat_template=chat_template,
+        chat_template_kwargs=chat_template_kwargs,
+    )
+    return list(GRPOTrainer._get_tool_suffix_ids(owner, tool_messages))
