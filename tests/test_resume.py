@@ -33,8 +33,10 @@ from trl_tree.testing import calculator
 from trl_tree.trainer import resume
 
 TOOL_HEADER = "</tool_response><|im_end|>\n<|im_start|>assistant\n"
-RUN = dict(steps_per_generation=2, gradient_accumulation_steps=1, per_device_train_batch_size=2, max_steps=4,
-           save_strategy="steps", save_steps=1, logging_steps=1)
+# two trees per micro-batch and E = 2 optimizer blocks per generation batch; per_device_train_batch_size counts
+# trajectories of budget (2 trees × G), so the trainers below set it from their own G
+RUN = dict(steps_per_generation=2, gradient_accumulation_steps=1, max_steps=4, save_strategy="steps", save_steps=1,
+           logging_steps=1)
 
 
 def sampled_engine(tok, options) -> ScriptedEngine:
@@ -87,8 +89,9 @@ def questions(n: int) -> Dataset:
 
 def tree_trainer(output_dir):
     model, tok = tiny()
-    args = config(TreeOPSDConfig, output_dir, num_initial_rollouts=2, num_branches=2, max_turns=4,
-                  max_completion_length=160, **RUN)
+    fields = dict(num_initial_rollouts=2, num_branches=2)
+    args = config(TreeOPSDConfig, output_dir, **fields, max_turns=4, max_completion_length=160,
+                  per_device_train_batch_size=2 * TreeOPSDConfig.num_generations_for(**fields), **RUN)
     trainer = TreeOPSDTrainer(model=model, reward_funcs=contains_answer, args=args, train_dataset=questions(8),
                               processing_class=tok, tools=[calculator])
     trainer.generation_engine = sampled_engine(tok, agent_turn)
@@ -99,7 +102,7 @@ def tree_trainer(output_dir):
 def flex_trainer(output_dir):
     model, tok = tiny()
     args = config(TreeFlexConfig, output_dir, num_searches=2, max_blocks=3, max_turns=3, max_completion_length=200,
-                  **RUN)
+                  per_device_train_batch_size=2 * TreeFlexConfig.num_generations_for(num_searches=2), **RUN)
     trainer = TreeFlexTrainer(model=model, reward_funcs=contains_answer, args=args, train_dataset=questions(8),
                               processing_class=tok, tools=[calculator])
     trainer.generation_engine = sampled_engine(tok, two_role_turn)
