@@ -158,6 +158,7 @@ class AgentSettings:
 
     max_turns: int = 5
     max_completion_length: int = 512
+    max_turn_tokens: int | None = None
     max_observation_chars: int | None = 16384
     tool_timeout: float | None = 30.0
     batch_size: int = 64
@@ -187,6 +188,7 @@ def run_agent(
             max_completion_length=settings.max_completion_length,
             tool_timeout=settings.tool_timeout,
             max_observation_chars=settings.max_observation_chars,
+            max_turn_tokens=settings.max_turn_tokens,
         ),
     )
     tool_map = {tool.__name__: tool for tool in tools}

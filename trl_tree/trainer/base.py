@@ -121,6 +121,7 @@ class TreeTrainer(GRPOTrainer):
             max_observation_chars=self.args.max_observation_chars,
             failure_penalty=self.args.tool_failure_penalty,
             malformed_tool_calls=self.args.malformed_tool_calls,
+            max_turn_tokens=self.args.max_turn_tokens,
         )
         return TurnLoop(
             engine=_EngineProxy(self),

@@ -76,6 +76,10 @@ class TreeConfig(GRPOConfig):
             how to write the call, and the trajectory goes on (the model can repair it; TreeFlex penalises the
             turn). `"end"`: the trajectory ends at that turn and is scored as it is, as TRL's GRPO tool loop does
             (its parser finds no tool call, so the turn is final). Either way the call counts as a tool failure.
+        max_turn_tokens (`int` or `None`, defaults to `None`): tokens one sampled assistant turn may have (`None`: only
+            `max_completion_length` bounds it). A `generate` call lasts as long as its longest row, so one rambling
+            turn holds every other branch of the batch waiting; a turn cut by the cap ends its trajectory and is
+            masked out of the loss like a truncated completion. GRPOConfig has no such option.
         generation_cache (`str`, defaults to `"static"`): KV cache of `model.generate` sampling (not vLLM). `"static"`
             preallocates one cache per call, sized to the batch's prefix width + token budget: same sampled ids as
             `"dynamic"` (logits agree to ~1e-7), 10-21% less CPU time on 300-1500-token prefixes, about the same on
@@ -111,6 +115,7 @@ class TreeConfig(GRPOConfig):
     malformed_tool_calls: str = field(
         default="observe", metadata={"help": "observe (error observation, go on) | end (end the trajectory, as TRL)"}
     )
+    max_turn_tokens: int | None = field(default=None, metadata={"help": "Cap on one sampled assistant turn's tokens."})
     generation_cache: str = field(
         default="static", metadata={"help": "static (one preallocated KV cache per generate call) | dynamic"}
     )
@@ -222,6 +227,11 @@ class TreeConfig(GRPOConfig):
             )
         if self.max_completion_length is None or self.max_completion_length < 1:
             raise ValueError("max_completion_length must be a positive number of tokens per trajectory.")
+        if self.max_turn_tokens is not None and self.max_turn_tokens < 1:
+            raise ValueError(
+                f"max_turn_tokens must be a positive number of tokens per assistant turn, or None; got "
+                f"{self.max_turn_tokens}."
+            )
         if self.generation_cache not in GENERATION_CACHES:
             raise ValueError(
                 f"generation_cache must be one of {GENERATION_CACHES}; got {self.generation_cache!r}: 'static' "
