@@ -122,6 +122,16 @@ def test_missing_package_says_how_to_install(monkeypatch, tmp_path, no_hub):
     assert not list(tmp_path.iterdir())
 
 
+def test_missing_gguf_reader_says_how_to_install(monkeypatch, tmp_path, no_hub):
+    def no_gguf(*args, **kwargs):
+        raise ImportError("Loading a GGUF checkpoint in PyTorch requires the gguf package.")
+
+    monkeypatch.setattr(testing.AutoTokenizer, "from_pretrained", no_gguf)
+    with pytest.raises(testing.ModelFileError, match=INSTALL_COMMAND):
+        smollm2_path(cache_dir=str(tmp_path))
+    assert not list(tmp_path.iterdir())
+
+
 def test_truncated_gguf_says_how_to_reinstall(monkeypatch, tmp_path, no_hub):
     real = testing._smollm2_gguf_file()
     truncated = tmp_path / "src" / real.name

@@ -434,8 +434,8 @@ def _load_gguf(gguf_file: Path) -> tuple[PreTrainedTokenizerFast, LlamaForCausal
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    except ImportError:
-        raise
+    except ImportError as error:  # transformers reads GGUF files through the `gguf` package
+        raise ModelFileError(f"Reading {gguf_file} needs the gguf package ({error}): run `{SMOLLM2_INSTALL}`") from error
     except Exception as error:  # a truncated or corrupt file fails deep inside the reader, with any exception type
         raise ModelFileError(
             f"Could not read {gguf_file} ({type(error).__name__}: {error}); the file is incomplete or corrupt: "
