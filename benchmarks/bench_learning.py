@@ -35,6 +35,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
 import statistics
@@ -50,6 +51,7 @@ from common import (
     add_budget_arguments,
     budget_from_args,
     build_trainer,
+    cache_root,
     environment,
     fill_task_defaults,
     load_model,
@@ -144,8 +146,10 @@ class HeldOutEvaluation(TrainerCallback):
     for the calculator) on the held-out questions, before training and every `every` generation batches, against the
     rollout tokens sampled so far (read from the `BatchMeter`)."""
 
-    def __init__(self, trainer, meter: BatchMeter, task, settings, every_steps: int, token_budget: int | None = None):
+    def __init__(self, trainer, meter: BatchMeter, task, settings, every_steps: int, token_budget: int | None = None,
+                 start_path: str | None = None):
         self.trainer, self.meter, self.task, self.settings = trainer, meter, task, settings
+        self.start_path = start_path  # the untrained model's folder: its evaluation is shared by every method and seed
         self.every_steps = every_steps
         self.token_budget = token_budget
         self.curve: list[dict] = []
@@ -157,7 +161,8 @@ class HeldOutEvaluation(TrainerCallback):
         point = {"generation_batches": generation_batches,
                  "rollout_tokens": sum(b.generated_tokens for b in batches),
                  "leaves": sum(b.leaves for b in batches),
-                 **heldout_metrics(model, self.trainer.processing_class, self.task, self.settings),
+                 **heldout_metrics(model, self.trainer.processing_class, self.task, self.settings,
+                                   cached_as=self.start_path if generation_batches == 0 else None),
                  "eval_seconds": time.perf_counter() - start}
         self.curve.append(point)
         print(f"  batch {generation_batches:>3}  tokens {point['rollout_tokens']:>7}  EM {point['exact_match']:.3f}  "
@@ -176,17 +181,31 @@ class HeldOutEvaluation(TrainerCallback):
             self.evaluate(state.global_step // self.meter.steps_per_batch)
 
 
-def heldout_metrics(model, tokenizer, task, settings) -> dict:
-    """Greedy answers to the task's held-out questions: EM, F1, format rate, and the task's own reward (mean)."""
+def heldout_metrics(model, tokenizer, task, settings, cached_as: str | None = None) -> dict:
+    """Greedy answers to the task's held-out questions: EM, F1, format rate, and the task's own reward (mean).
+
+    `cached_as`: the folder `model` was loaded from, unchanged since (a LoRA adapter not yet trained adds exactly 0).
+    Greedy decoding of the same weights on the same questions gives the same answers, so the result is cached under
+    `cache_root()` and the warm start's evaluation (minutes for SmolLM2 on 128 questions) is paid once, not once per
+    method, seed and warm-start sweep."""
     from trl_tree.envs.agent_eval import evaluate_agent
 
+    cache = None
+    if cached_as is not None:
+        key = json.dumps([cached_as, task.fingerprint(), task.test_rows, vars(settings)], sort_keys=True, default=str)
+        cache = cache_root() / "heldout" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+        if cache.is_file():
+            return json.loads(cache.read_text())
     result = evaluate_agent(model, tokenizer, task.test_rows, task.tools, settings)
     records = result.records
     task_reward = task.reward_funcs[0](  # TRL's reward signature, keywords only
         prompts=[task.test_rows[r["index"]]["prompt"] for r in records],
         completions=[r["completion"] for r in records], answer=[r["answer"] for r in records])
-    return {"reward": statistics.fmean(task_reward),
-            **{k: v for k, v in result.summary().items() if k != "num_questions"}}
+    metrics = {"reward": statistics.fmean(task_reward),
+               **{k: v for k, v in result.summary().items() if k != "num_questions"}}
+    if cache is not None:
+        write_json(cache, metrics)
+    return metrics
 
 
 def agent_settings(args):
@@ -218,7 +237,7 @@ def run(method: str, seed: int, model_path: str, task, args) -> dict:
         meter = BatchMeter(trainer)
         evaluation = HeldOutEvaluation(trainer, meter, task, agent_settings(args),
                                        every_steps=args.eval_every * args.blocks,
-                                       token_budget=args.rollout_token_budget)
+                                       token_budget=args.rollout_token_budget, start_path=model_path)
         trainer.add_callback(evaluation)
         started = time.perf_counter()
         trainer.train()
@@ -246,7 +265,7 @@ def warm_start_sweep(args, task, base: str | None) -> None:
                                   lora_rank=args.lora_rank)
         model, tokenizer = load_model(path)
         started = time.perf_counter()
-        metrics = heldout_metrics(model, tokenizer, task, agent_settings(args))
+        metrics = heldout_metrics(model, tokenizer, task, agent_settings(args), cached_as=path)
         rows.append({"warm_start_steps": steps, **metrics, "eval_seconds": time.perf_counter() - started})
         print(markdown_table(rows[-1:], list(rows[-1])), flush=True)
     table = markdown_table(rows, list(rows[0]))
