@@ -101,6 +101,16 @@ def test_lora_warm_start_teaches_tool_calls_trl_parses(path, tokenizer):
     assert set(calls[0]["function"]["arguments"]) == {"expression"}
 
 
+def test_a_cached_hub_snapshot_is_used_instead_of_the_package(monkeypatch, tmp_path, path):
+    """With the Hub's files at hand (here: a stand-in folder), no GGUF is read; the prepared folder says its source."""
+    monkeypatch.setattr(testing, "_smollm2_hub_folder", lambda: path)
+    monkeypatch.setattr(testing, "_smollm2_gguf_file", lambda: pytest.fail("the GGUF file was read"))
+    prepared = smollm2_path(cache_dir=str(tmp_path))
+    assert Path(prepared).name.endswith("-hub")
+    tokenizer = AutoTokenizer.from_pretrained(prepared)
+    assert tokenizer.chat_template == qwen3_chat_template() and tokenizer.padding_side == "left"
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Bad installs
 # ---------------------------------------------------------------------------------------------------------------------
