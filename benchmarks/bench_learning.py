@@ -70,11 +70,13 @@ METHODS = ("grpo", "treepo", "treeopsd", "at2po", "treeadv")
 DEFAULT_METHODS = ("grpo", "treepo", "treeopsd")
 # What `--model smollm2` changes (each still overridable on the command line). The warm start (10 LoRA steps) leaves
 # held-out success well inside (0, 1) (see benchmarks/README.md); turns are capped so that one rambling sampled turn
-# does not hold a whole generate call open; held-out questions are 128 (32 give a standard error near 0.09).
+# does not hold a whole generate call open; held-out questions are 128 (32 give a standard error near 0.09). The
+# scripted two-search trajectory is about 330 completion tokens with SmolLM2's tokenizer (305 before the answer turn,
+# at most 341): 448 leaves room for the answer, where 320 ended most trajectories before it.
 MODEL_DEFAULTS = {
     "tiny": {},
     "smollm2": dict(warm_start_steps=10, warm_start_lr=1e-3, warm_start_batch_size=4, lora_rank=16, num_test=128,
-                    learning_rate=2e-4, max_turns=3, max_completion_length=320, max_turn_tokens=64, prompts=2,
+                    learning_rate=2e-4, max_turns=3, max_completion_length=448, max_turn_tokens=64, prompts=2,
                     blocks=1, generation_batches=8, eval_every=4),
 }
 
