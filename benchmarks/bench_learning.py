@@ -18,18 +18,30 @@ method has sampled so far (policy tokens only; observations are not generated). 
 seed drives sampling, anchors and data order; the warm start is shared). Output: a table of mean ± std over seeds,
 a PNG plot (matplotlib: `pip install trl-tree[plot]`) and, with `--output`, JSON.
 
+`--model smollm2` runs the same comparison with a real pretrained model, SmolLM2-135M-Instruct
+(`trl_tree.testing.smollm2_path`, offline): a LoRA warm start merged into the weights (shared by every method and
+seed), LoRA RL, 128 held-out questions, turns capped at `--max_turn_tokens`. With `--output FILE`, every method-seed
+run writes its own result (`FILE` without `.json`, + `.runs/METHOD-seedSEED.json`) as soon as it finishes, and a later
+invocation skips the runs whose result is there, so a table too long for one sitting is completed over several; the
+summary JSON, a Markdown table (`.md`) and the plot (`.png`, unless `--plot` says where) are written from every run
+result present. `--warm_start_sweep 5,10,20` measures the held-out success of warm starts of those lengths instead.
+
 Usage:
     python benchmarks/bench_learning.py --output learning.json --plot learning.png
+    python benchmarks/bench_learning.py --model smollm2 --methods grpo,treepo,treeopsd --seeds 0,1,2 --output FILE
     python benchmarks/bench_learning.py --quick
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import random
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 from common import (
@@ -39,9 +51,11 @@ from common import (
     add_budget_arguments,
     budget_from_args,
     build_trainer,
+    cache_root,
     environment,
     fill_task_defaults,
     load_model,
+    lora_config,
     make_task,
     markdown_table,
     warm_started_model,
@@ -54,13 +68,37 @@ from trl_tree.rewards import format_reward
 
 METHODS = ("grpo", "treepo", "treeopsd", "at2po", "treeadv")
 DEFAULT_METHODS = ("grpo", "treepo", "treeopsd")
+# What `--model smollm2` changes (each still overridable on the command line). The warm start (10 LoRA steps) leaves
+# held-out success well inside (0, 1) (see benchmarks/README.md); turns are capped so that one rambling sampled turn
+# does not hold a whole generate call open; held-out questions are 128 (32 give a standard error near 0.09). The
+# scripted two-search trajectory is about 330 completion tokens with SmolLM2's tokenizer (305 before the answer turn,
+# at most 341): 448 leaves room for the answer, where 320 ended most trajectories before it.
+MODEL_DEFAULTS = {
+    "tiny": {},
+    "smollm2": dict(warm_start_steps=10, warm_start_lr=1e-3, warm_start_batch_size=4, lora_rank=16, num_test=128,
+                    learning_rate=2e-4, max_turns=3, max_completion_length=448, max_turn_tokens=64, prompts=2,
+                    blocks=1, generation_batches=8, eval_every=4),
+}
+
+
+def _seed_list(text: str) -> list[int]:
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seeds takes comma-separated integers such as 0,1,2; got {text!r}") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"--seeds needs distinct seeds such as 0,1,2; got {text!r}")
+    return seeds
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model_name_or_path", default=None, help="model to train (default: the tiny offline Qwen3)")
+    p.add_argument("--model", choices=sorted(MODEL_DEFAULTS), default="tiny",
+                   help="tiny: the 2-layer offline Qwen3 (full fine-tuning); smollm2: SmolLM2-135M-Instruct "
+                        "(trl_tree.testing.smollm2_path; LoRA warm start and RL)")
+    p.add_argument("--model_name_or_path", default=None, help="base model folder or Hub id (overrides --model's)")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"comma-separated subset of {list(METHODS)}")
-    p.add_argument("--seeds", type=int, default=3, help="seeds per method (0, 1, ...)")
+    p.add_argument("--seeds", type=_seed_list, default=[0, 1, 2], help="comma-separated seeds (default 0,1,2)")
     p.add_argument("--generation_batches", type=int, default=10, help="generation batches per run")
     p.add_argument("--eval_every", type=int, default=2, help="evaluate every this many generation batches")
     p.add_argument("--task", choices=sorted(TASK_LIMITS), default="search",
@@ -73,18 +111,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num_test", type=int, default=None, help="held-out questions (default: 48 search, 32 calculator; "
                    "the search world is built from both counts, so changing them changes the cached warm start)")
     p.add_argument("--warm_start_steps", type=int, default=None,
-                   help="SFT steps on scripted trajectories (cached; default: 600 search, 150 calculator)")
+                   help="SFT steps on scripted trajectories (cached; default: 600 search, 150 calculator; smollm2 10)")
+    p.add_argument("--warm_start_lr", type=float, default=3e-3, help="learning rate of the warm start")
+    p.add_argument("--warm_start_batch_size", type=int, default=8, help="conversations per warm-start step")
+    p.add_argument("--lora_rank", type=int, default=None,
+                   help="train LoRA adapters of this rank (warm start and RL) instead of the whole model")
+    p.add_argument("--topk", type=int, default=None, help="passages per search (search task; default 2)")
+    p.add_argument("--rollout_token_budget", type=int, default=None,
+                   help="end a run at the first generation batch by which it has sampled this many rollout tokens "
+                        "(matched budgets whatever each method's turns cost; default: --generation_batches only)")
+    p.add_argument("--warm_start_sweep", default=None,
+                   help="comma-separated warm-start lengths: measure each one's held-out success and exit")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: 1 on CPU)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 1 seed, 1 generation batch of 2 prompts, 2 test questions, no warm start")
     p.add_argument("--plot", default=None, help="write the EM-vs-rollout-tokens plot here (PNG)")
     p.add_argument("--output", default=None, help="write the results as JSON here")
+    model_name = p.parse_known_args(argv)[0].model
+    p.set_defaults(**MODEL_DEFAULTS[model_name])
     args = p.parse_args(argv)
     fill_task_defaults(args)
     args.num_train = args.num_train or TASK_SIZES[args.task][0]
     args.num_test = args.num_test or TASK_SIZES[args.task][1]
     if args.quick:
-        args.seeds, args.generation_batches, args.eval_every, args.prompts, args.blocks = 1, 1, 1, 2, 1
+        args.seeds, args.generation_batches, args.eval_every, args.prompts, args.blocks = [0], 1, 1, 2, 1
         args.num_train, args.num_test, args.warm_start_steps = 8, 2, 0
         args.max_turns, args.max_completion_length = 2, 48
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -98,27 +148,23 @@ class HeldOutEvaluation(TrainerCallback):
     for the calculator) on the held-out questions, before training and every `every` generation batches, against the
     rollout tokens sampled so far (read from the `BatchMeter`)."""
 
-    def __init__(self, trainer, meter: BatchMeter, task, settings, every_steps: int):
+    def __init__(self, trainer, meter: BatchMeter, task, settings, every_steps: int, token_budget: int | None = None,
+                 start_path: str | None = None):
         self.trainer, self.meter, self.task, self.settings = trainer, meter, task, settings
+        self.start_path = start_path  # the untrained model's folder: its evaluation is shared by every method and seed
         self.every_steps = every_steps
+        self.token_budget = token_budget
         self.curve: list[dict] = []
 
     def evaluate(self, generation_batches: int):
-        from trl_tree.envs.agent_eval import evaluate_agent
-
         start = time.perf_counter()
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)
-        result = evaluate_agent(model, self.trainer.processing_class, self.task.test_rows, self.task.tools,
-                                self.settings)
         batches = self.meter.batches
-        records = result.records
-        task_reward = self.task.reward_funcs[0](  # TRL's reward signature, keywords only
-            prompts=[self.task.test_rows[r["index"]]["prompt"] for r in records],
-            completions=[r["completion"] for r in records], answer=[r["answer"] for r in records])
-        point = {"generation_batches": generation_batches, "reward": statistics.fmean(task_reward),
+        point = {"generation_batches": generation_batches,
                  "rollout_tokens": sum(b.generated_tokens for b in batches),
                  "leaves": sum(b.leaves for b in batches),
-                 **{k: v for k, v in result.summary().items() if k != "num_questions"},
+                 **heldout_metrics(model, self.trainer.processing_class, self.task, self.settings,
+                                   cached_as=self.start_path if generation_batches == 0 else None),
                  "eval_seconds": time.perf_counter() - start}
         self.curve.append(point)
         print(f"  batch {generation_batches:>3}  tokens {point['rollout_tokens']:>7}  EM {point['exact_match']:.3f}  "
@@ -128,32 +174,106 @@ class HeldOutEvaluation(TrainerCallback):
         self.evaluate(0)
 
     def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step % self.every_steps == 0 or state.global_step == state.max_steps:
+        at_batch_end = state.global_step % self.meter.steps_per_batch == 0
+        spent = sum(b.generated_tokens for b in self.meter.batches)
+        if at_batch_end and self.token_budget is not None and spent >= self.token_budget:
+            control.should_training_stop = True  # the matched budget is spent: this is the run's final point
+        if state.global_step % self.every_steps == 0 or state.global_step == state.max_steps or (
+                control.should_training_stop and at_batch_end):
             self.evaluate(state.global_step // self.meter.steps_per_batch)
 
 
-def run(method: str, seed: int, model_path: str, task, args) -> dict:
-    """Train one method with one seed; return its held-out curve and its per-batch training rewards."""
+def heldout_metrics(model, tokenizer, task, settings, cached_as: str | None = None) -> dict:
+    """Greedy answers to the task's held-out questions: EM, F1, format rate, and the task's own reward (mean).
+
+    `cached_as`: the folder `model` was loaded from, unchanged since (a LoRA adapter not yet trained adds exactly 0).
+    Greedy decoding of the same weights on the same questions gives the same answers, so the result is cached under
+    `cache_root()` and the warm start's evaluation (minutes for SmolLM2 on 128 questions) is paid once, not once per
+    method, seed and warm-start sweep."""
+    from trl_tree.envs.agent_eval import evaluate_agent
+
+    cache = None
+    if cached_as is not None:
+        key = json.dumps([cached_as, task.fingerprint(), task.test_rows, vars(settings)], sort_keys=True, default=str)
+        cache = cache_root() / "heldout" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+        if cache.is_file():
+            return json.loads(cache.read_text())
+    result = evaluate_agent(model, tokenizer, task.test_rows, task.tools, settings)
+    records = result.records
+    task_reward = task.reward_funcs[0](  # TRL's reward signature, keywords only
+        prompts=[task.test_rows[r["index"]]["prompt"] for r in records],
+        completions=[r["completion"] for r in records], answer=[r["answer"] for r in records])
+    metrics = {"reward": statistics.fmean(task_reward),
+               **{k: v for k, v in result.summary().items() if k != "num_questions"}}
+    if cache is not None:
+        write_json(cache, metrics)
+    return metrics
+
+
+def agent_settings(args):
+    """The held-out agent's limits: training's turn and token limits."""
     from trl_tree.envs.agent_eval import AgentSettings
 
+    return AgentSettings(max_turns=args.max_turns, max_completion_length=args.max_completion_length,
+                         max_turn_tokens=args.max_turn_tokens)
+
+
+def headline_metric(task_name: str) -> str:
+    """Held-out success: exact match of the `<answer>` span for search; the exact final number for the calculator
+    (its answers are plain text, not `<answer>` spans, so its own reward is the measure)."""
+    return "exact_match" if task_name == "search" else "reward"
+
+
+def run(method: str, seed: int, model_path: str, task, args) -> dict:
+    """Train one method with one seed; return its held-out curve (first point: the warm start; last: after training,
+    copied to `heldout_before` / `heldout_after`), its rollout tokens and its per-batch training rewards."""
     random.seed(seed)
     torch.manual_seed(seed)
     budget = budget_from_args(args, generation_batches=args.generation_batches, seed=seed)
-    settings = AgentSettings(max_turns=args.max_turns, max_completion_length=args.max_completion_length)
     model, tokenizer = load_model(model_path)
     with tempfile.TemporaryDirectory() as output_dir:
         weights = {"reward_weights": [1.0, args.format_reward_weight]} if args.format_reward_weight else {}
-        trainer = build_trainer(method, model, tokenizer, task, budget, output_dir, **weights)
+        peft = lora_config(args.lora_rank) if args.lora_rank else None
+        trainer = build_trainer(method, model, tokenizer, task, budget, output_dir, peft_config=peft, **weights)
         trainer.remove_callback(PrinterCallback)
         meter = BatchMeter(trainer)
-        evaluation = HeldOutEvaluation(trainer, meter, task, settings, every_steps=args.eval_every * args.blocks)
+        evaluation = HeldOutEvaluation(trainer, meter, task, agent_settings(args),
+                                       every_steps=args.eval_every * args.blocks,
+                                       token_budget=args.rollout_token_budget, start_path=model_path)
         trainer.add_callback(evaluation)
         started = time.perf_counter()
         trainer.train()
         meter.memory.close()
     rewards = [e["reward"] for e in trainer.state.log_history if "reward" in e]
-    return {"seed": seed, "curve": evaluation.curve, "train_reward": rewards,
-            "train_seconds": time.perf_counter() - started}
+    metric, curve = headline_metric(args.task), evaluation.curve
+    return {"method": method, "seed": seed, "heldout_metric": metric, "heldout_before": curve[0][metric],
+            "heldout_after": curve[-1][metric], "rollout_tokens": curve[-1]["rollout_tokens"], "curve": curve,
+            "train_reward": rewards, "train_seconds": time.perf_counter() - started,
+            "batches": [vars(b) for b in meter.batches]}
+
+
+def run_file(output: str, method: str, seed: int) -> Path:
+    """Where one method-seed run's result lives: next to `--output`, in `<output stem>.runs/`."""
+    output = Path(output)
+    return output.with_name(f"{output.stem}.runs") / f"{method}-seed{seed}.json"
+
+
+def warm_start_sweep(args, task, base: str | None) -> None:
+    """The held-out success of warm starts of several lengths (greedy, the benchmark's agent settings): the table
+    that picks a warm start leaving room for RL."""
+    rows = []
+    for steps in [int(s) for s in args.warm_start_sweep.split(",")]:
+        path = warm_started_model(task, base, steps, lr=args.warm_start_lr, batch_size=args.warm_start_batch_size,
+                                  lora_rank=args.lora_rank)
+        model, tokenizer = load_model(path)
+        started = time.perf_counter()
+        metrics = heldout_metrics(model, tokenizer, task, agent_settings(args), cached_as=path)
+        rows.append({"warm_start_steps": steps, **metrics, "eval_seconds": time.perf_counter() - started})
+        print(markdown_table(rows[-1:], list(rows[-1])), flush=True)
+    table = markdown_table(rows, list(rows[0]))
+    print(f"\nWarm starts, held-out greedy on {args.num_test} questions ({args.task}, {args.model})\n\n{table}")
+    if args.output:
+        write_json(args.output, {"config": vars(args), "environment": environment(), "warm_starts": rows})
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
@@ -216,40 +336,67 @@ def main(argv=None):
     args = parse_args(argv)
     if not torch.cuda.is_available():
         torch.set_num_threads(args.threads or 1)
-    task = make_task(args.task, args.num_train, args.num_test)
-    model_path = warm_started_model(task, args.model_name_or_path, args.warm_start_steps)
+    task = make_task(args.task, args.num_train, args.num_test, topk=args.topk)
     if args.format_reward_weight:
         task.reward_funcs = [*task.reward_funcs, format_reward]
-    runs: dict[str, list[dict]] = {m: [] for m in args.methods}
-    for seed in range(args.seeds):  # seeds outermost: a slow machine still gets every method at every seed it ran
-        for method in args.methods:
-            print(f"[{method} seed {seed}]", flush=True)
-            runs[method].append(run(method, seed, model_path, task, args))
+    base = args.model_name_or_path
+    if base is None and args.model == "smollm2":
+        from trl_tree.testing import smollm2_path
 
+        base = smollm2_path()
+    if args.warm_start_sweep:
+        return warm_start_sweep(args, task, base)
+    model_path = warm_started_model(task, base, args.warm_start_steps, lr=args.warm_start_lr,
+                                    batch_size=args.warm_start_batch_size, lora_rank=args.lora_rank)
+    runs: dict[str, list[dict]] = {m: [] for m in args.methods}
+    for seed in args.seeds:  # seeds outermost: a slow machine still gets every method at every seed it ran
+        for method in args.methods:
+            path = run_file(args.output, method, seed) if args.output else None
+            if path is not None and path.is_file():
+                print(f"[{method} seed {seed}] done before: {path}", flush=True)
+                runs[method].append(json.loads(path.read_text()))
+                continue
+            print(f"[{method} seed {seed}]", flush=True)
+            result = run(method, seed, model_path, task, args)
+            if path is not None:  # written at once, so an interrupted sitting keeps every finished run
+                write_json(path, {**result, "config": {**vars(args), "model_path": model_path}})
+            runs[method].append(result)
+    report(runs, args, model_path)
+
+
+def report(runs: dict[str, list[dict]], args, model_path: str) -> None:
+    """The table (stdout, and `.md` next to `--output`), the plot and the summary JSON of the runs."""
     summary = summarize(runs)
     if args.task == "search":
         columns = {"EM before": "initial_exact_match", "EM after": "final_exact_match", "best EM": "best_exact_match",
                    "F1 after": "final_f1", "format after": "final_format_rate"}
-        headline, task_title = "exact_match", "synthetic multi-hop search, reward F1>=0.3"
-    else:  # the calculator's answers are plain text, not <answer> spans: its own reward is the held-out measure
+        task_title = "synthetic multi-hop search, reward F1>=0.3"
+    else:
         columns = {"held-out reward before": "initial_reward", "held-out reward after": "final_reward",
                    "best held-out reward": "best_reward"}
-        headline, task_title = "reward", "calculator tool, reward = exact final answer"
+        task_title = "calculator tool, reward = exact final answer"
     rows = [{"method": m, **{label: _pm(s, key) for label, key in columns.items()},
              "train reward": _pm(s, "train_reward"), "train reward, first third": _pm(s, "train_reward_first"),
              "train reward, last third": _pm(s, "train_reward_last"), "rollout tokens": _pm(s, "rollout_tokens", digits=0)}
             for m, s in summary.items()]
-    print(f"\nHeld-out greedy answers to {args.num_test} questions ({args.task}), {args.seeds} seed(s), mean ± std, "
-          f"after {args.generation_batches} generation batches of {args.prompts} prompts\n")
-    print(markdown_table(rows, list(rows[0])))
-    title = (f"{task_title}, tiny Qwen3; P={args.prompts}, E={args.blocks}, G={args.group_size} vs "
-             f"(M,N)=({args.num_initial_rollouts},{args.num_branches}); {args.seeds} seeds"
+    seeds = ",".join(str(s) for s in args.seeds)
+    caption = (f"Held-out greedy answers to {args.num_test} questions ({args.task}, {args.model}), seeds {seeds}, "
+               f"mean ± std, after {args.generation_batches} generation batches of {args.prompts} prompts")
+    table = markdown_table(rows, list(rows[0]))
+    print(f"\n{caption}\n\n{table}")
+    model_name = {"tiny": "tiny Qwen3", "smollm2": "SmolLM2-135M-Instruct"}[args.model]
+    title = (f"{task_title}, {model_name}; P={args.prompts}, E={args.blocks}, G={args.group_size} vs "
+             f"(M,N)=({args.num_initial_rollouts},{args.num_branches}); seeds {seeds}"
              + (f" + {args.format_reward_weight:g} x format" if args.format_reward_weight else ""))
-    if args.plot:
-        plot(runs, args.plot, title, metric=headline)
+    plot_path = args.plot or (str(Path(args.output).with_suffix(".png")) if args.output else None)
+    if plot_path:
+        plot(runs, plot_path, title, metric=headline_metric(args.task))
     if args.output:
+        Path(args.output).with_suffix(".md").write_text(f"{caption}\n\n{table}\n")
+        results = {m: {str(r["seed"]): {k: r.get(k) for k in ("heldout_before", "heldout_after", "rollout_tokens")}
+                       for r in seeds_} for m, seeds_ in runs.items()}
         write_json(args.output, {"config": {**vars(args), "model_path": model_path}, "environment": environment(),
-                                 "summary": summary, "runs": runs})
+                                 "results": results, "summary": summary, "runs": runs})
 
 
 def _pm(summary: dict, name: str, digits: int = 3) -> str:

@@ -148,15 +148,18 @@ def fill_task_defaults(args) -> None:
             setattr(args, name, default)
 
 
-def make_task(name: str, num_train: int | None = None, num_test: int | None = None, seed: int = 0) -> Task:
+def make_task(name: str, num_train: int | None = None, num_test: int | None = None, seed: int = 0,
+              topk: int | None = None) -> Task:
     """A task by name, with the default sizes unless given (the synthetic world depends on the total number of
-    questions, so equal sizes are what lets two benchmarks share a cached warm start)."""
+    questions, so equal sizes are what lets two benchmarks share a cached warm start). `topk`: passages per search
+    (search task only; default 2)."""
     if name not in TASK_SIZES:
         raise ValueError(f"Unknown task {name!r}; choose one of {list(TASK_SIZES)}.")
     num_train = num_train or TASK_SIZES[name][0]
     num_test = num_test or TASK_SIZES[name][1]
-    build = calculator_task if name == "calculator" else search_task
-    return build(num_train, num_test, seed)
+    if name == "calculator":
+        return calculator_task(num_train, num_test, seed)
+    return search_task(num_train, num_test, seed, **({"topk": topk} if topk else {}))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -183,26 +186,42 @@ def load_model(path: str, attn_implementation: str = "sdpa"):
     return model.to(device()), tokenizer
 
 
+def lora_config(rank: int = 16):
+    """LoRA on every linear layer (how the SmolLM2 benchmark warm-starts and trains: a 135M model on 2 CPU cores)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+
+
 def warm_started_model(task: Task, model_name_or_path: str | None, steps: int, seed: int = 0, lr: float = 3e-3,
-                       batch_size: int = 8) -> str:
+                       batch_size: int = 8, lora_rank: int | None = None) -> str:
     """Folder of `model_name_or_path` (default: the tiny Qwen3) after `steps` SFT steps on the task's scripted
-    conversations; built once and cached under `cache_root()` (keyed by model, task data, steps, seed, lr)."""
+    conversations; built once and cached under `cache_root()` (keyed by model, task data, steps, seed, lr, LoRA).
+
+    With `lora_rank`, the SFT trains LoRA adapters (`lora_config`), merged into the weights before saving, so every
+    method starts from the same plain model."""
     from trl_tree.testing import tiny_model_path, warm_start
 
     base = model_name_or_path or tiny_model_path()
     if steps <= 0:
         return base
-    key = hashlib.sha256(json.dumps([base, task.fingerprint(), steps, seed, lr, batch_size]).encode()).hexdigest()
-    path = cache_root() / f"warm-{task.name}-{steps}steps-{key[:12]}"
+    key = hashlib.sha256(json.dumps([base, task.fingerprint(), steps, seed, lr, batch_size, lora_rank]).encode())
+    path = cache_root() / f"warm-{task.name}-{steps}steps-{key.hexdigest()[:12]}"
     if path.is_dir():
         return str(path)
     model, tokenizer = load_model(base)
+    if lora_rank:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, lora_config(lora_rank))
     torch.manual_seed(seed)
     started = time.perf_counter()
     losses = warm_start(model, tokenizer, task.warm_start_conversations, tools=task.tools, steps=steps, lr=lr,
                         batch_size=batch_size, seed=seed)
     print(f"[warm start] {task.name}: {steps} steps in {time.perf_counter() - started:.0f} s, "
           f"loss {losses[0]:.2f} -> {sum(losses[-10:]) / len(losses[-10:]):.2f}", flush=True)
+    if lora_rank:
+        model = model.merge_and_unload()
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     try:
@@ -238,6 +257,11 @@ class Budget:
     temperature: float = 1.0
     max_turns: int = 3
     max_completion_length: int = 96
+    # tokens one sampled turn may have: `max_turn_tokens` of the tree trainers and the held-out agent. GRPOConfig has
+    # no such field, but its transformers generation makes one `generate` call per turn with `generation_kwargs`
+    # over its defaults, so `max_new_tokens` there is the same cap (a cut turn has no complete call and ends the
+    # trajectory in both loops)
+    max_turn_tokens: int | None = None
     seed: int = 0
     # TRL's tool loop ends a trajectory at a tool call it cannot parse; the tree trainers do the same here (their
     # default, "observe", answers it with an error observation), so that both sides sample the same kind of episode
@@ -250,8 +274,9 @@ class Budget:
 
 
 def build_trainer(method: str, model, tokenizer, task: Task, budget: Budget, output_dir: str, packing: str = "tree",
-                  **overrides):
-    """GRPO (`method="grpo"`) or a tree trainer (`"treeopsd"`, `"treepo"`) on `task` at `budget`."""
+                  peft_config=None, **overrides):
+    """GRPO (`method="grpo"`) or a tree trainer (`"treeopsd"`, `"treepo"`) on `task` at `budget`; `peft_config`
+    trains adapters instead of the whole model (as TRL's `peft_config=`)."""
     from trl import GRPOConfig, GRPOTrainer
 
     common = dict(
@@ -275,13 +300,14 @@ def build_trainer(method: str, model, tokenizer, task: Task, budget: Budget, out
     )
     common.update(overrides)
     kwargs = dict(model=model, reward_funcs=task.reward_funcs, train_dataset=task.train_dataset(),
-                  processing_class=tokenizer, tools=task.tools)
+                  processing_class=tokenizer, tools=task.tools, peft_config=peft_config)
     if method == "grpo":
         args = GRPOConfig(
             **common,
             num_generations=budget.group_size,
             per_device_train_batch_size=budget.prompts * budget.group_size // budget.blocks,
             max_tool_calling_iterations=budget.max_turns - 1,  # the same number of assistant turns as max_turns
+            **({"generation_kwargs": {"max_new_tokens": budget.max_turn_tokens}} if budget.max_turn_tokens else {}),
         )
         return GRPOTrainer(args=args, **kwargs)
     if method not in TREE_METHODS:
@@ -298,6 +324,7 @@ def build_trainer(method: str, model, tokenizer, task: Task, budget: Budget, out
         # counts trajectories of budget, as GRPO's: the same trees per block (and tokens) as before
         per_device_train_batch_size=trees_per_block * config_class.num_generations_for(**sampler_fields),
         max_turns=budget.max_turns,
+        max_turn_tokens=budget.max_turn_tokens,
         packing=packing,
         malformed_tool_calls=budget.malformed_tool_calls,
     )
@@ -314,6 +341,8 @@ def add_budget_arguments(parser, learning_rate: float, max_turns: int | None, ma
     parser.add_argument("--max_turns", type=int, default=max_turns, help="assistant turns per trajectory")
     parser.add_argument("--max_completion_length", type=int, default=max_completion_length,
                         help="tokens per trajectory")
+    parser.add_argument("--max_turn_tokens", type=int, default=None,
+                        help="tokens per sampled turn (tree trainers and evaluation; GRPOTrainer has no such cap)")
     parser.add_argument("--learning_rate", type=float, default=learning_rate)
     parser.add_argument("--malformed_tool_calls", choices=("end", "observe"), default="end",
                         help="the tree trainers' policy for unparseable tool calls: 'end' the trajectory, as TRL's "
@@ -326,6 +355,7 @@ def budget_from_args(args, generation_batches: int, seed: int) -> Budget:
         num_initial_rollouts=args.num_initial_rollouts, num_branches=args.num_branches,
         generation_batches=generation_batches, learning_rate=args.learning_rate, max_turns=args.max_turns,
         max_completion_length=args.max_completion_length, seed=seed, malformed_tool_calls=args.malformed_tool_calls,
+        max_turn_tokens=getattr(args, "max_turn_tokens", None),
     )
 
 

@@ -65,6 +65,31 @@ def test_bench_learning_quick_writes_curves_and_a_summary_per_method(tmp_path, t
             assert isinstance(result["summary"][method][key], float)
 
 
+def test_bench_learning_smollm2_path_writes_each_run_at_once_and_skips_it_later(tmp_path):
+    """The `--model smollm2` code path (LoRA warm start and RL, per-turn cap, 128-question defaults, per-run files)
+    at toy size, with the tiny model standing in for SmolLM2 (a SmolLM2 run is minutes, not seconds, on 2 cores)."""
+    from trl_tree.testing import tiny_model_path
+
+    args = ("--quick", "--model", "smollm2", "--model_name_or_path", tiny_model_path(), "--methods", "grpo,treeopsd",
+            "--seeds", "0", "--rollout_token_budget", "1")
+    result = run_benchmark("bench_learning.py", *args, tmp_path=tmp_path)
+    assert result["config"]["lora_rank"] == 16 and result["config"]["max_turn_tokens"] == 64
+    runs = tmp_path / "bench_learning.runs"
+    assert sorted(p.name for p in runs.iterdir()) == ["grpo-seed0.json", "treeopsd-seed0.json"]
+    for method in ("grpo", "treeopsd"):
+        entry = result["results"][method]["0"]
+        assert 0.0 <= entry["heldout_before"] <= 1.0 and 0.0 <= entry["heldout_after"] <= 1.0
+        assert entry["rollout_tokens"] > 0
+        assert json.loads((runs / f"{method}-seed0.json").read_text())["heldout_after"] == entry["heldout_after"]
+    assert (tmp_path / "bench_learning.png").is_file() and (tmp_path / "bench_learning.md").is_file()
+
+    (runs / "grpo-seed0.json").write_text(json.dumps({**json.loads((runs / "grpo-seed0.json").read_text()),
+                                                      "heldout_after": 0.5}))
+    again = run_benchmark("bench_learning.py", *args, tmp_path=tmp_path)  # nothing left to train: reads both results
+    assert again["results"]["grpo"]["0"]["heldout_after"] == 0.5
+    assert again["results"]["treeopsd"]["0"] == result["results"]["treeopsd"]["0"]
+
+
 def test_bench_packing_gpu_cpu_smoke_writes_runs(tmp_path):
     result = run_benchmark("bench_packing_gpu.py", "--cpu-smoke", tmp_path=tmp_path)
     assert {r["variant"] for r in result["runs"]} == {"tree_sdpa", "paths_sdpa"}

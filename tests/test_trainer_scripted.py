@@ -272,6 +272,7 @@ def test_a_reward_function_that_raises_or_returns_nan_is_named_with_the_sample(t
         ({"num_generations": 8}, r"num_initial_rollouts=2 costs 3\. Settings that give G = 8: \(M, N\) = \(8, 0\)"),
         ({"packing": "flat"}, "packing must be one of"),
         ({"malformed_tool_calls": "retry"}, "malformed_tool_calls must be one of"),
+        ({"max_turn_tokens": 0}, "max_turn_tokens must be a positive number"),
         ({"steps_per_generation": 3, "gradient_accumulation_steps": 2}, "multiple of gradient_accumulation_steps"),
     ],
 )
@@ -321,3 +322,48 @@ def test_every_rank_issues_the_same_number_of_generate_calls():
     loop.run([branch])
     assert branch.done and len(branch.turns) == 1
     assert engine.calls == 3  # one real call, then two empty ones to match the other rank
+
+
+def test_max_turn_tokens_caps_each_sampled_turn_and_the_cut_turn_ends_the_trajectory(tmp_path):
+    """A rambling answer is cut at `max_turn_tokens` although the trajectory's budget has room; like a budget cut,
+    the cut turn is terminal, still scored, and masked from the loss with mask_truncated_completions."""
+    long_answer = "The answer is 2. " + "blah " * 200
+    replies = {
+        "<|im_start|>assistant\n": [CALL_1_PLUS_1] * 4,
+        "</tool_response><|im_end|>\n<|im_start|>assistant\n": [long_answer, "The answer is 3."] * 2,
+    }
+    trainer = _trainer(TreeOPSDTrainer, TreeOPSDConfig, tmp_path, replies=replies, max_completion_length=1000,
+                       max_turn_tokens=24, mask_truncated_completions=True)
+    requested = []
+    generate = trainer.generation_engine.generate
+    trainer.generation_engine.generate = lambda prefixes, budgets: requested.extend(budgets) or generate(
+        prefixes, budgets)
+    captured = {}
+    original = trainer.turn_credit
+    trainer.turn_credit = lambda tree: captured.setdefault("tree", tree) and original(tree)
+    batch = trainer._generate_and_score_completions([trainer.train_dataset[0]])
+    tree = captured["tree"]
+    assert requested and max(requested) <= 24
+    truncated = [i for i, t in enumerate(tree.turns) if t.truncated]
+    assert truncated and all(len(tree.turns[i].action_ids) == 24 for i in truncated)
+    assert all(len(t.action_ids) <= 24 for t in tree.turns)
+    assert 1.0 in tree.rewards  # "The answer is 2." fits in the cut turn and is scored
+    assert not torch.isin(batch["turn_ids"], torch.tensor(truncated)).any()
+
+
+def test_turn_cap_counts_the_head_a_mid_turn_branch_already_has():
+    """A branch resumed inside a turn (token-level branching) has part of the turn already: the cap is the turn's."""
+    from trl_tree.rollout.engine import ScriptedEngine
+    from trl_tree.rollout.samplers import Branch, SamplerSettings, TurnLoop
+    from trl_tree.tree import Turn
+
+    engine = ScriptedEngine(lambda prefix: [7] * 50 + [2], eos_ids=[2])
+    loop = TurnLoop(engine, parse=lambda ids, prefix: {"role": "assistant", "content": "x"},
+                    observation_ids=lambda msgs: [],
+                    settings=SamplerSettings(max_turns=2, max_completion_length=100, max_turn_tokens=10))
+    head = Turn([7, 7, 7], [0.0] * 3, [])
+    resumed = Branch(tree=0, prefix_ids=[1, 7, 7, 7], prompt_len=1, pending=head)
+    fresh = Branch(tree=0, prefix_ids=[1], prompt_len=1)
+    loop.run([resumed, fresh])
+    assert [len(b.turns[0].action_ids) for b in (resumed, fresh)] == [10, 10]
+    assert resumed.turns[0].truncated and fresh.turns[0].truncated

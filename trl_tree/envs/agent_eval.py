@@ -151,6 +151,7 @@ class AgentSettings:
 
     max_turns: int = 5
     max_completion_length: int = 512
+    max_turn_tokens: int | None = None
     max_observation_chars: int | None = 16384
     tool_timeout: float | None = 30.0
     tool_execution: str = "main"  # or "thread": see TreeConfig.tool_execution
@@ -182,6 +183,7 @@ def run_agent(
             tool_timeout=settings.tool_timeout,
             max_observation_chars=settings.max_observation_chars,
             tool_execution=settings.tool_execution,
+            max_turn_tokens=settings.max_turn_tokens,
         ),
     )
     tool_map = {tool.__name__: tool for tool in tools}

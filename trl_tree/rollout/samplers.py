@@ -166,6 +166,7 @@ class SamplerSettings:
     failure_penalty: float = -1.0
     malformed_tool_calls: str = "observe"  # or "end" (TreeConfig.malformed_tool_calls)
     tool_execution: str = "main"  # or "thread" (TreeConfig.tool_execution)
+    max_turn_tokens: int | None = None  # cap on one sampled assistant turn (TreeConfig.max_turn_tokens)
 
     def __post_init__(self):
         check_tool_execution(self.tool_execution)
@@ -213,10 +214,24 @@ class TurnLoop:
             self.step([b for b in branches if not b.done])
 
     def step(self, active: list[Branch]) -> None:
-        budgets = [self.settings.max_completion_length - b.completion_len for b in active]
+        budgets = [self._turn_budget(b) for b in active]
         outputs = self.engine.generate([b.prefix_ids for b in active], budgets)
         for branch, out in zip(active, outputs):
             self._append_turn(branch, out)
+
+    def _turn_budget(self, branch: Branch) -> int:
+        """New tokens the branch's next turn may sample: what is left of the trajectory's budget, capped per turn.
+
+        One generate call runs as long as its longest row, so a single rambling turn holds the whole batch open; the
+        per-turn cap (counting a pending head's tokens as the turn's) bounds that. A turn cut by either budget is
+        truncated: it ends the trajectory and is context, not trained.
+        """
+        budget = self.settings.max_completion_length - branch.completion_len
+        cap = self.settings.max_turn_tokens
+        if cap is not None:
+            head = len(branch.pending.action_ids) if branch.pending is not None else 0
+            budget = min(budget, max(1, cap - head))
+        return budget
 
     def _append_turn(self, branch: Branch, out) -> None:
         s = self.settings

@@ -195,6 +195,7 @@ class TreeTrainer(GRPOTrainer):
             failure_penalty=self.args.tool_failure_penalty,
             malformed_tool_calls=self.args.malformed_tool_calls,
             tool_execution=self.args.tool_execution,
+            max_turn_tokens=self.args.max_turn_tokens,
         )
         return TurnLoop(
             engine=_EngineProxy(self),

@@ -141,6 +141,10 @@ class TreeConfig(GRPOConfig):
             deepcopy, else replay. Snapshots are only taken when the sampler will branch (not for `sampler="flat"`,
             `num_branches=0`, no expansion rounds), and every trajectory that starts at the prompt gets its own
             instance reset with the row, as in GRPO; instances are pooled and reused across batches.
+        max_turn_tokens (`int` or `None`, defaults to `None`): tokens one sampled assistant turn may have (`None`: only
+            `max_completion_length` bounds it). A `generate` call lasts as long as its longest row, so one rambling
+            turn holds every other branch of the batch waiting; a turn cut by the cap ends its trajectory and is
+            masked out of the loss like a truncated completion. GRPOConfig has no such option.
         generation_cache (`str`, defaults to `"static"`): KV cache of `model.generate` sampling (not vLLM). `"static"`
             preallocates one cache per call, sized to the batch's prefix width + token budget: same sampled ids as
             `"dynamic"` (logits agree to ~1e-7), 10-21% less CPU time on 300-1500-token prefixes, about the same on
@@ -217,6 +221,7 @@ class TreeConfig(GRPOConfig):
     environment_branching: str = field(
         default="auto", metadata={"help": "auto | fork | copy | replay: how branches get a stateful environment's state."}
     )
+    max_turn_tokens: int | None = field(default=None, metadata={"help": "Cap on one sampled assistant turn's tokens."})
     generation_cache: str = field(
         default="static", metadata={"help": "static (one preallocated KV cache per generate call) | dynamic"}
     )
@@ -469,6 +474,11 @@ class TreeConfig(GRPOConfig):
                 f"environment_branching must be one of {ENVIRONMENT_BRANCHING}; got {self.environment_branching!r}: "
                 "'fork' uses the environment's fork(), 'copy' copy.deepcopy, 'replay' re-runs the recorded tool calls "
                 "on a fresh instance, 'auto' the first of these that works."
+            )
+        if self.max_turn_tokens is not None and self.max_turn_tokens < 1:
+            raise ValueError(
+                f"max_turn_tokens must be a positive number of tokens per assistant turn, or None; got "
+                f"{self.max_turn_tokens}."
             )
         if self.generation_cache not in GENERATION_CACHES:
             raise ValueError(
