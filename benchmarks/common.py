@@ -20,9 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import statistics
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -200,7 +198,7 @@ def warm_started_model(task: Task, model_name_or_path: str | None, steps: int, s
 
     With `lora_rank`, the SFT trains LoRA adapters (`lora_config`), merged into the weights before saving, so every
     method starts from the same plain model."""
-    from trl_tree.testing import tiny_model_path, warm_start
+    from trl_tree.testing import save_model_atomically, tiny_model_path, warm_start
 
     base = model_name_or_path or tiny_model_path()
     if steps <= 0:
@@ -222,17 +220,7 @@ def warm_started_model(task: Task, model_name_or_path: str | None, steps: int, s
           f"loss {losses[0]:.2f} -> {sum(losses[-10:]) / len(losses[-10:]):.2f}", flush=True)
     if lora_rank:
         model = model.merge_and_unload()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-    try:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        os.rename(staging, path)
-    except OSError:
-        if not path.is_dir():  # another process finished the same build first: use its copy
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    save_model_atomically(path, tokenizer, model)
     return str(path)
 
 

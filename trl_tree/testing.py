@@ -347,7 +347,7 @@ def tiny_model_path(cache_dir: str | None = None, seed: int = 0) -> str:
     if path.is_dir():
         return str(path)
     tokenizer = build_tokenizer()
-    _save_atomically(path, tokenizer, build_model(tokenizer, seed))
+    save_model_atomically(path, tokenizer, build_model(tokenizer, seed))
     return str(path)
 
 
@@ -501,12 +501,14 @@ def smollm2_path(cache_dir: str | None = None) -> str:
         model = LlamaForCausalLM.from_pretrained(hub_folder, dtype=torch.float32)
     else:
         tokenizer, model = _load_gguf(_smollm2_gguf_file())
-    _save_atomically(path, _prepare_smollm2(tokenizer, model), model)
+    save_model_atomically(path, _prepare_smollm2(tokenizer, model), model)
     return str(path)
 
 
-def _save_atomically(path: Path, tokenizer, model) -> None:
-    """Save into a fresh folder next to `path`, then rename it to `path`; whatever fails, remove the partial folder."""
+def save_model_atomically(path: Path, tokenizer, model) -> None:
+    """Save into a fresh folder next to `path`, then rename it to `path`; whatever fails, remove the partial folder,
+    so an interrupted save never leaves a folder that later loads as a broken model. If another process finished
+    the same folder first, its copy is kept."""
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     try:
