@@ -233,7 +233,7 @@ def warm_started_model(task: Task, model_name_or_path: str | None, steps: int, s
 class Budget:
     """One generation batch: `prompts` prompts, split into `blocks` optimizer steps (E); GRPO samples
     `group_size` completions per prompt, a tree trainer grows one (M, N) tree per prompt. M(1 + N/2) = G matches
-    the expected number of generated trajectories (DESIGN §3)."""
+    the expected number of generated trajectories (docs/design.md §3)."""
 
     prompts: int = 4
     blocks: int = 2
@@ -514,7 +514,7 @@ class BatchMeter(TrainerCallback):
         record = self._batch
         record.generation_seconds += seconds
         if self.is_tree:
-            # the trainer logs per-tree means of these (DESIGN: tree/* metrics); one process, so mean × trees
+            # the trainer logs per-tree means of these (TreeTrainer._log_generation: tree/* metrics); one process, so mean × trees
             metrics = trl_internals.metrics(self.trainer, "train" if self.trainer.model.training else "eval")
             batches = batches if isinstance(batches, list) else [batches]
             trees = sum(batch["input_ids"].shape[0] for batch in batches)

@@ -1,4 +1,4 @@
-"""AT2PO (DESIGN §3 A1–A5): turn entropy, entropy-guided node selection, path aggregation and the ATPO loss."""
+"""AT2PO (docs/design.md §3 A1–A5): turn entropy, entropy-guided node selection, path aggregation and the ATPO loss."""
 
 import math
 import random

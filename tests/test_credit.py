@@ -1,4 +1,4 @@
-"""TreeOPSD credit (DESIGN §3 T1–T4) and the other backups, checked against the paper's properties."""
+"""TreeOPSD credit (docs/design.md §3 T1–T4) and the other backups, checked against the paper's properties."""
 
 import math
 

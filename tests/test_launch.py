@@ -1,4 +1,4 @@
-"""Launched runs: 2 processes, LoRA and DeepSpeed ZeRO on CPU (DESIGN §7), a few TreeOPSD steps each.
+"""Launched runs: 2 processes, LoRA and DeepSpeed ZeRO on CPU (docs/design.md §7), a few TreeOPSD steps each.
 
 Each run warm-starts the tiny model on calculator conversations and trains two optimizer blocks; it must finish on
 every rank, change every trainable parameter and log the tree metrics.

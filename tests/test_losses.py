@@ -1,4 +1,4 @@
-"""TreeOPSD and TreePO losses (DESIGN §3 T5–T7): gradients checked by autograd against the closed form."""
+"""TreeOPSD and TreePO losses (docs/design.md §3 T5–T7): gradients checked by autograd against the closed form."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""Packed tree forwards equal separate path forwards (DESIGN §6).
+"""Packed tree forwards equal separate path forwards (docs/design.md §6).
 
 The reference for every property is the obvious computation: run each root-to-leaf path alone as a plain causal
 sequence and read log π(token | its history) from the previous position's logits.

@@ -1,4 +1,4 @@
-"""Tool calls are untrusted input (DESIGN §5): each failure becomes an observation, never a crash."""
+"""Tool calls are untrusted input (docs/design.md §5): each failure becomes an observation, never a crash."""
 
 import threading
 import time

@@ -1,4 +1,4 @@
-"""Properties of the rollout tree (DESIGN §3 T2, §4)."""
+"""Properties of the rollout tree (docs/design.md §3 T2, §4)."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""TreeAdv (DESIGN §3 D1–D4): segment advantages, per-token broadcast, and the GRPO / GSPO-token surrogates."""
+"""TreeAdv (docs/design.md §3 D1–D4): segment advantages, per-token broadcast, and the GRPO / GSPO-token surrogates."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""TreeAdvTrainer on scripted generations with scripted per-token entropies (DESIGN §3 D1–D4): branches start at the
+"""TreeAdvTrainer on scripted generations with scripted per-token entropies (docs/design.md §3 D1–D4): branches start at the
 high-entropy tokens, the cap and the minimum segment length hold, segment advantages are the mean of the leaf
 advantages below, a branch inside a tool call changes the call, GSPO-token travels through the batch, and with no
 branching TreeAdv is flat GRPO."""

@@ -1,4 +1,4 @@
-"""TreeFlex (DESIGN §3 F1–F4): search-level advantages, turn penalties, dual clip and loss aggregation."""
+"""TreeFlex (docs/design.md §3 F1–F4): search-level advantages, turn penalties, dual clip and loss aggregation."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""Turn-level credit on a rollout tree: pure functions, one per equation (DESIGN §3).
+"""Turn-level credit on a rollout tree: pure functions, one per equation (docs/design.md §3).
 
 Every function takes plain tensors (and a `RolloutTree` for its shape) and returns tensors; nothing here touches a
 model. Values are indexed like `tree.turns` (unique turns in DFS order) unless said otherwise.
@@ -272,7 +272,7 @@ def token_mean_weights(tree: RolloutTree, lengths: Tensor | None = None) -> Tens
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# TreeAdv (DESIGN §3 D1–D3)
+# TreeAdv (docs/design.md §3 D1–D3)
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -292,7 +292,7 @@ def token_advantages(node_advantages: Tensor, turn_ids: Tensor) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# TreeFlex (DESIGN §3 F1–F2)
+# TreeFlex (docs/design.md §3 F1–F2)
 # ---------------------------------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""Turn-level losses on flattened per-token tensors: pure functions, one per method (DESIGN §3, §4).
+"""Turn-level losses on flattened per-token tensors: pure functions, one per method (docs/design.md §3, §4).
 
 Conventions shared by every function:
     logps, old_logps   [n_tokens]  log π_θ and log π_old of each token (old is detached here)
@@ -146,7 +146,7 @@ def _weighted_tree_mean(per_turn_total: Tensor, tree_ids: Tensor, num_trees: int
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# AT2PO (DESIGN §3 A1, A5)
+# AT2PO (docs/design.md §3 A1, A5)
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -392,7 +392,7 @@ def clip_ratio_summary(path_counts: Tensor) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# TreeFlex (DESIGN §3 F3–F4)
+# TreeFlex (docs/design.md §3 F3–F4)
 # ---------------------------------------------------------------------------------------------------------------
 
 

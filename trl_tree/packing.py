@@ -1,4 +1,4 @@
-"""Packed forwards of rollout trees: a tree costs its unique tokens once (DESIGN §6).
+"""Packed forwards of rollout trees: a tree costs its unique tokens once (docs/design.md §6).
 
 Layouts
 -------

@@ -1,4 +1,4 @@
-"""The rollout tree: trajectories of a prompt merged by shared history (DESIGN §3 T2, §4).
+"""The rollout tree: trajectories of a prompt merged by shared history (docs/design.md §3 T2, §4).
 
 A trajectory is a list of `Turn`s: the tokens the policy generated (`action_ids`, trained) followed by the tokens the
 environment answered (`observation_ids`, context only). Two trajectories share a turn node iff their whole histories

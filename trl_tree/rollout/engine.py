@@ -1,4 +1,4 @@
-"""Generation backends: "continue these token-id prefixes until the turn ends" (DESIGN §5).
+"""Generation backends: "continue these token-id prefixes until the turn ends" (docs/design.md §5).
 
 A sampler round is one batched call. Token-in, token-out: prefixes are lists of token ids that only grow; nothing is
 decoded and re-tokenised. Every backend returns, per prefix, the generated ids, their sampling log-probs and (when
@@ -51,7 +51,7 @@ class HFEngine:
     With `with_scores=True`, entropies are exact (from the raw logits of every step) and log-probs are those of the
     sampling distribution (after temperature / top-p / top-k). Keeping every step's logits costs steps × batch × vocab
     floats, so it is off unless a sampler needs entropies (AT2PO, TreeAdv); π_old is recomputed by the training model
-    in the packed forward anyway (DESIGN T6), so the placeholders (0.0) are never used as log-probs.
+    in the packed forward anyway (docs/design.md T6), so the placeholders (0.0) are never used as log-probs.
 
     KV cache (`args.generation_cache`, "static" when the trainer's args lack the field): "static" passes `generate` a
     fresh `StaticCache` sized to this call's prefix width + token budget, freed with the call. Same sampled ids as

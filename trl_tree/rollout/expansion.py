@@ -1,4 +1,4 @@
-"""AT2PO's entropy-guided tree expansion: which turns to branch from next (DESIGN §3 A1–A2). Pure node selection.
+"""AT2PO's entropy-guided tree expansion: which turns to branch from next (docs/design.md §3 A1–A2). Pure node selection.
 
 One expansion round of AT2PO (M initial trajectories, L rounds, K branches per round):
 

@@ -1,4 +1,4 @@
-"""TreeFlex rollouts: complete searches made of causal blocks, and a small two-role harness (DESIGN §3 F1–F4).
+"""TreeFlex rollouts: complete searches made of causal blocks, and a small two-role harness (docs/design.md §3 F1–F4).
 
 A TreeFlex rollout is not one growing token sequence. A search may pause, save a checkpoint card, and start a later
 segment from that card (or from a summary) instead of from everything said so far. What stays true inside such a

@@ -1,4 +1,4 @@
-"""Growing rollout trees with a multi-turn tool-calling policy (DESIGN §3 "Anchors", §5).
+"""Growing rollout trees with a multi-turn tool-calling policy (docs/design.md §3 "Anchors", §5).
 
 A `Branch` is one trajectory being grown: its token history (which only ever grows by appending the model's tokens
 and the observation's tokens), its turns, its conversation messages (what reward functions see) and, for stateful

@@ -1,4 +1,4 @@
-"""TreeAdv's token-level branching: trees that branch *inside* completions at high-entropy tokens (DESIGN §3 D1–D4).
+"""TreeAdv's token-level branching: trees that branch *inside* completions at high-entropy tokens (docs/design.md §3 D1–D4).
 
 Per prompt, a forest of M trees. Each tree starts as one complete trajectory (the turn loop: generate, run tools,
 observe, up to `max_turns` assistant turns). Then, in `rounds` rounds, the highest-entropy tokens of the tree become

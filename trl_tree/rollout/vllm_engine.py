@@ -1,4 +1,4 @@
-"""vLLM generation backend: TRL's own `VLLMGeneration`, driven token-in token-out (DESIGN §5).
+"""vLLM generation backend: TRL's own `VLLMGeneration`, driven token-in token-out (docs/design.md §5).
 
 We do not start or talk to vLLM ourselves: GRPOTrainer already builds `trainer.vllm_generation` (colocate or server
 mode) with the right process groups, sleep mode, PEFT merging and FSDP/ZeRO-3 gathering for weight sync. This module

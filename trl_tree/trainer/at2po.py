@@ -1,4 +1,4 @@
-"""`AT2POTrainer`: entropy-guided tree expansion, turn-wise credit and the ATPO loss (AT2PO; DESIGN §3 A1–A5).
+"""`AT2POTrainer`: entropy-guided tree expansion, turn-wise credit and the ATPO loss (AT2PO; docs/design.md §3 A1–A5).
 
 M initial trajectories; L rounds each re-sample the K turns with the highest node score
 S_i = H_i − α·max(0, siblings − 1) from their own pre-turn history; leaves are standardised with the population std

@@ -1,4 +1,4 @@
-"""Sampler × credit × loss: the registries a `TreeConfig` chooses from (DESIGN §1 table, issue "composition").
+"""Sampler × credit × loss: the registries a `TreeConfig` chooses from (docs/design.md §1 table, issue "composition").
 
 Each named trainer is a preset of these three choices; any other combination is a configuration away, e.g. the
 TreeOPSD loss on an AT2PO entropy-guided tree:

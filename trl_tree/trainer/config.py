@@ -1,4 +1,4 @@
-"""Configurations of the tree trainers: `GRPOConfig` subclasses with the tree fields (DESIGN §1, §3).
+"""Configurations of the tree trainers: `GRPOConfig` subclasses with the tree fields (docs/design.md §1, §3).
 
 A GRPO config carries over with only the class swap; its numbers keep GRPO's meaning. With W processes and
 G = `num_generations`:

@@ -1,5 +1,5 @@
 """`TreeAdvTrainer`: token-level branching at high-entropy tokens, segment advantages, GRPO or GSPO-token (TreeAdv;
-DESIGN §3 D1–D4).
+docs/design.md §3 D1–D4).
 
 Per prompt, a forest of M trees (`num_initial_rollouts`): each is one complete trajectory that then branches *inside*
 its completions at the tokens whose entropy exceeds τ_H (`entropy_threshold`), at most `max_branches_per_tree`

@@ -1,4 +1,4 @@
-"""`TreeFlexTrainer`: complete searches as group members, causal blocks, turn penalties, dual clip (DESIGN §3 F1–F4).
+"""`TreeFlexTrainer`: complete searches as group members, causal blocks, turn penalties, dual clip (docs/design.md §3 F1–F4).
 
 The rollout
 -----------
@@ -212,7 +212,7 @@ def pack_groups(groups: list[FlexGroup], pad_token_id: int) -> PackedTrees:
 
 @dataclass
 class TreeFlexConfig(TreeConfig):
-    """Configuration of `TreeFlexTrainer` (DESIGN §3 F1–F4). Shares `TreeConfig`'s tool and budget fields.
+    """Configuration of `TreeFlexTrainer` (docs/design.md §3 F1–F4). Shares `TreeConfig`'s tool and budget fields.
 
     Parameters:
         sampler (`str`, defaults to `"two_role"`): the built-in harness (Reflection + Execution segments). Ignored

@@ -1,0 +1,34 @@
+"""Every design citation in the code and tests resolves inside the repository: `docs/design.md §N` names a section
+of that file, and each convention label cited beside it (T1–T7, A1–A5, D1–D4, F1–F4) is defined there."""
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DESIGN_DOC = ROOT / "docs" / "design.md"
+
+
+def _cited_files():
+    for folder in ("trl_tree", "tests", "benchmarks", "examples"):
+        yield from (ROOT / folder).rglob("*.py")
+
+
+def test_every_cited_section_and_convention_exists():
+    text = DESIGN_DOC.read_text()
+    sections = set(re.findall(r"^## (\d+)\.", text, flags=re.M))
+    labels = set(re.findall(r"^- ([TADF]\d)\b|\b([TADF]\d) ", text, flags=re.M))
+    defined = {a or b for a, b in labels}
+    missing = []
+    for path in _cited_files():
+        for line in path.read_text().splitlines():
+            for cite in re.findall(r"docs/design\.md((?: §\d+| [TADF]\d)[^)\"]*)", line):
+                missing += [f"{path.name}: §{n}" for n in re.findall(r"§(\d+)", cite) if n not in sections]
+                for first, last in re.findall(r"\b([TADF]\d)(?:[–-]([TADF]?\d))?", cite):
+                    end = (first[0] + last[-1]) if last else first  # "T5–T7" and "T5-7" both end at T7
+                    missing += [f"{path.name}: {label}" for label in {first, end} if label not in defined]
+    assert missing == []
+
+
+def test_no_citation_of_a_design_file_outside_the_repository():
+    stale = [p.name for p in _cited_files() if re.search(r"\bDESIGN\b", p.read_text())]
+    assert stale == []
