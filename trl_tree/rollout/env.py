@@ -443,7 +443,7 @@ class TreeEnvironment:
                 where = f"turn {recorded.turn}" if recorded.turn >= 0 else "an earlier segment"
                 warnings.warn(
                     f"Replaying tool '{name}' (call of {where}) on a fresh {type(environment).__name__} gave "
-                    f"{_short(result.content)!r}, but the branch recorded {_short(recorded.content)!r}. Replay assumes "
+                    f"{shorten(result.content)!r}, but the branch recorded {shorten(recorded.content)!r}. Replay assumes "
                     "a deterministic environment (same row, same calls, same outputs): this branch continues from a "
                     "state that differs from its history. Give the environment a fork() method, make it deep-copyable, "
                     "or make its tools deterministic.",
@@ -459,6 +459,7 @@ def _same(a, b) -> bool:
         return False
 
 
-def _short(value, n: int = 120) -> str:
+def shorten(value, n: int = 120) -> str:
+    """`str(value)` cut to `n` characters with an ellipsis, for error and warning messages that quote model output."""
     text = str(value)
     return text if len(text) <= n else text[: n - 1] + "…"

@@ -1,4 +1,4 @@
-"""`TreeTrainer`: the GRPOTrainer subclass every tree method builds on (DESIGN §2).
+"""`TreeTrainer`: the GRPOTrainer subclass every tree method builds on (docs/design.md §2).
 
 It replaces two things of GRPOTrainer and keeps the rest (datasets, reward functions, tools and environments, PEFT,
 accelerate / DeepSpeed, vLLM, logging, checkpoints, Hub):
@@ -31,7 +31,7 @@ from trl.trainer.utils import RepeatSampler, is_async_callable, nanstd, repeat_i
 from .. import credit, losses, trl_internals
 from ..packing import PackedTrees, pack_cheapest, pack_trees, packed_token_logps, unwrap_model
 from ..rollout.engine import HFEngine
-from ..rollout.env import EnvironmentPool, TreeEnvironment, environment_tools
+from ..rollout.env import EnvironmentPool, TreeEnvironment, environment_tools, shorten
 from ..rollout.samplers import SamplerSettings, TreeRoot, TurnLoop
 from ..tree import RolloutTree
 from . import components, model_card, resume
@@ -701,7 +701,7 @@ def _num_turns(d: dict[str, torch.Tensor]) -> int:
 
 def _flatten_micro_batch(packed: PackedTrees, logps: torch.Tensor, inputs: dict) -> dict[str, torch.Tensor]:
     """Per-token tensors of the trained tokens with global turn ids, and per-turn tensors of the micro-batch's trees:
-    the layout `trl_tree.losses` takes (DESIGN §4)."""
+    the layout `trl_tree.losses` takes (docs/design.md §4)."""
     counts = inputs[PER_TURN + "count"]
     n_trees = counts.numel()
     offsets = torch.cumsum(counts, 0) - counts
@@ -758,14 +758,14 @@ def _guard_reward_func(func, name: str):
             where = f"sample {j}" if j is not None else f"a batch of {len(completions or [])} samples"
             raise RuntimeError(
                 f"Reward function '{name}' raised {type(e).__name__}: {e} on {where}"
-                + (f" (completion: {_short(completions[j])})" if j is not None else "")
+                + (f" (completion: {_quote(completions[j])})" if j is not None else "")
                 + ". Fix the function, or return None for samples it cannot score."
             ) from e
         out = _checked_rewards(name, out, completions or [])
         for j, r in enumerate(out):
             if r is not None and not math.isfinite(r):
                 raise ValueError(
-                    f"Reward function '{name}' returned {r} for sample {j} (completion: {_short(completions[j])}). "
+                    f"Reward function '{name}' returned {r} for sample {j} (completion: {_quote(completions[j])}). "
                     "Rewards must be finite; return None where the function does not apply."
                 )
         return out
@@ -785,7 +785,7 @@ def _checked_rewards(name: str, out, completions: list) -> list[float | None]:
     """A reward function's output as GRPOTrainer reads it (a list, or a tensor / array it iterates, with None for
     "not applicable"), as a list of floats and Nones; anything else is an error that names the function."""
     if out is None or isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__"):
-        raise TypeError(f"Reward function '{name}' returned {_short(repr(out))} ({type(out).__name__}); {_RETURN_ADVICE}.")
+        raise TypeError(f"Reward function '{name}' returned {_quote(repr(out))} ({type(out).__name__}); {_RETURN_ADVICE}.")
     if isinstance(out, torch.Tensor) and out.dim() != 1:
         raise ValueError(
             f"Reward function '{name}' returned a tensor of shape {tuple(out.shape)}; {_RETURN_ADVICE} (a 1-D tensor of "
@@ -803,8 +803,8 @@ def _checked_rewards(name: str, out, completions: list) -> list[float | None]:
             r = r.item()
         if r is not None and not isinstance(r, numbers.Real):
             raise TypeError(
-                f"Reward function '{name}' returned {_short(repr(r))} ({type(r).__name__}) for sample {j} "
-                f"(completion: {_short(completions[j])}); {_RETURN_ADVICE}."
+                f"Reward function '{name}' returned {_quote(repr(r))} ({type(r).__name__}) for sample {j} "
+                f"(completion: {_quote(completions[j])}); {_RETURN_ADVICE}."
             )
         checked.append(None if r is None else float(r))
     return checked
@@ -821,6 +821,7 @@ def _first_failing_sample(func, prompts, completions, kwargs) -> int | None:
     return None
 
 
-def _short(x, n: int = 160) -> str:
-    s = str(x)
-    return s if len(s) <= n else s[: n - 1] + "…"
+
+def _quote(value) -> str:
+    """A sample's completion or a reward's value as quoted in reward-function errors."""
+    return shorten(value, 160)
