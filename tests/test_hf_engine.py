@@ -1,4 +1,5 @@
-"""`HFEngine` with a static or a dynamic KV cache: the same turns, the static one sized per call (issue: cpu-speed)."""
+"""`HFEngine` with a static or a dynamic KV cache: the same turns, the static one sized per call (the prefix-reusing
+cache is tested in test_prefix_cache.py)."""
 
 import copy
 import logging
@@ -152,11 +153,11 @@ def test_peft_model_gets_a_static_cache_and_the_same_turns(trainer, prefixes, mo
     assert seen[0] is None and isinstance(seen[1], StaticCache)
 
 
-def test_generation_cache_defaults_to_static_and_rejects_unknown_values(tmp_path, trainer, monkeypatch):
-    assert config(TreeConfig, tmp_path).generation_cache == "static"
+def test_generation_cache_defaults_to_prefix_and_rejects_unknown_values(tmp_path, trainer, monkeypatch):
+    assert config(TreeConfig, tmp_path).generation_cache == "prefix"
     assert config(TreeConfig, tmp_path, generation_cache="dynamic").generation_cache == "dynamic"
-    with pytest.raises(ValueError, match=r"generation_cache must be one of \('static', 'dynamic'\); got 'paged'"):
+    with pytest.raises(ValueError, match=r"must be one of \('prefix', 'static', 'dynamic'\); got 'paged'"):
         config(TreeConfig, tmp_path, generation_cache="paged")
     monkeypatch.setattr(trainer.args, "generation_cache", "offloaded")
-    with pytest.raises(ValueError, match="generation_cache must be 'static' or 'dynamic'"):
+    with pytest.raises(ValueError, match="generation_cache must be 'prefix', 'static' or 'dynamic'"):
         HFEngine(trainer)

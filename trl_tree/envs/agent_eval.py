@@ -21,6 +21,7 @@ import torch
 
 from trl_tree.rewards import exact_match_score, extract_answer, f1_score, is_well_formed
 from trl_tree.rollout.engine import Continuation, _cut_at_eos
+from trl_tree.rollout.prefix_cache import PrefixKVStore, left_padded, supports_reuse
 from trl_tree.rollout.samplers import Branch, SamplerSettings, TurnLoop
 
 
@@ -100,14 +101,18 @@ class GreedyEngine:
     """Greedy ``model.generate`` on left-padded token-id prefixes: the evaluation backend of :class:`TurnLoop`.
 
     It implements the same ``generate(prefixes, max_new_tokens)`` protocol as the trainer's engines, in batches of
-    ``batch_size`` prefixes (padding costs compute, and a long batch of long contexts costs memory).
+    ``batch_size`` prefixes (padding costs compute, and a long batch of long contexts costs memory). With
+    ``reuse_prefixes`` (models whose cache allows it), each turn reuses the keys and values of the history earlier
+    turns computed (:class:`~trl_tree.rollout.prefix_cache.PrefixKVStore`): the weights do not change during an
+    evaluation, so each question's history is encoded once instead of once per turn.
     """
 
-    def __init__(self, model, tokenizer, batch_size: int = 64):
+    def __init__(self, model, tokenizer, batch_size: int = 64, reuse_prefixes: bool = True):
         self.model = model
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.batch_size = batch_size
+        self.store = PrefixKVStore() if reuse_prefixes and supports_reuse(model) else None
 
     @torch.no_grad()
     def generate(self, prefixes: list[list[int]], max_new_tokens: list[int]) -> list[Continuation]:
@@ -119,16 +124,12 @@ class GreedyEngine:
         return results
 
     def _generate_batch(self, prefixes: list[list[int]], max_new_tokens: list[int]) -> list[Continuation]:
-        width = max(len(p) for p in prefixes)
-        input_ids = torch.full((len(prefixes), width), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for row, prefix in enumerate(prefixes):
-            input_ids[row, width - len(prefix) :] = torch.tensor(prefix)
-            attention_mask[row, width - len(prefix) :] = 1
+        plan = (self.store.plan(prefixes, self.pad_id, self.model) if self.store is not None
+                else left_padded(prefixes, self.pad_id))
         device = self.model.device
         out = self.model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
+            input_ids=plan.input_ids.to(device),
+            attention_mask=plan.attention_mask.to(device),
             max_new_tokens=max(1, max(max_new_tokens)),
             do_sample=False,
             temperature=None,
@@ -136,13 +137,17 @@ class GreedyEngine:
             top_k=None,
             eos_token_id=self.eos_ids,
             pad_token_id=self.pad_id,
+            return_dict_in_generate=True,
+            **({} if plan.cache is None else {"cache": plan.cache}),
         )
-        new = out[:, width:].cpu()
-        results = []
-        for row, budget in enumerate(max_new_tokens):
-            n, finished = _cut_at_eos(new[row].tolist(), set(self.eos_ids), budget)
-            results.append(Continuation(new[row, :n].tolist(), [0.0] * n, None, finished))
-        return results
+        new = out.sequences[:, plan.input_ids.shape[1] :].cpu()
+        lengths = [_cut_at_eos(new[row].tolist(), set(self.eos_ids), budget) for row, budget in
+                   enumerate(max_new_tokens)]
+        if self.store is not None:
+            self.store.store(out.cache, plan.attention_mask, prefixes, [new[row, :n].tolist() for row, (n, _) in
+                                                                        enumerate(lengths)])
+        return [Continuation(new[row, :n].tolist(), [0.0] * n, None, finished)
+                for row, (n, finished) in enumerate(lengths)]
 
 
 @dataclass
@@ -156,6 +161,7 @@ class AgentSettings:
     tool_timeout: float | None = 30.0
     tool_execution: str = "main"  # or "thread": see TreeConfig.tool_execution
     batch_size: int = 64
+    reuse_prefixes: bool = True  # encode each history once (GreedyEngine); False: re-encode it every turn
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -174,7 +180,9 @@ def run_agent(
     """
     template = AgentTemplate(tokenizer, tools, settings.chat_template_kwargs)
     loop = TurnLoop(
-        engine=engine if engine is not None else GreedyEngine(model, template.tokenizer, settings.batch_size),
+        engine=engine if engine is not None else GreedyEngine(
+            model, template.tokenizer, settings.batch_size, settings.reuse_prefixes
+        ),
         parse=template.parse,
         observation_ids=template.observation_ids,
         settings=SamplerSettings(

@@ -10,6 +10,7 @@ with nothing to do calls `generate([])`, which the backends turn into a one-toke
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from typing import Protocol
 import torch
 
 from .. import trl_internals
+from .prefix_cache import PrefixKVStore, left_padded, supports_reuse
 
 logger = logging.getLogger(__name__)
 
@@ -53,14 +55,17 @@ class HFEngine:
     floats, so it is off unless a sampler needs entropies (AT2PO, TreeAdv); π_old is recomputed by the training model
     in the packed forward anyway (docs/design.md T6), so the placeholders (0.0) are never used as log-probs.
 
-    KV cache (`args.generation_cache`, "static" when the trainer's args lack the field): "static" passes `generate` a
-    fresh `StaticCache` sized to this call's prefix width + token budget, freed with the call. Same sampled ids as
-    the `DynamicCache`, whose growth re-concatenates every layer's keys and values at every step (~21% of CPU
-    generation time on a search-agent profile). Not `cache_implementation="static"`: transformers then sizes every
-    later cache to the longest call seen so far (`_previous_max_cache_length`), which made short calls 1.6–1.75×
-    slower after one long call. Models that cannot hold a static cache (encoder-decoder, linear-attention or custom
-    caches, `_can_compile_fullgraph` unset) use the dynamic cache, with one warning; so do ZeRO-3 / FSDP runs on
-    several processes, whose synchronised generation steps a finished rank on past its own budget.
+    KV cache (`args.generation_cache`, "static" when the trainer's args lack the field): "prefix" (the default of
+    `TreeConfig`) reuses, within one rollout, the keys and values of every sequence an earlier call processed
+    (`prefix_cache.PrefixKVStore`): a branch's next turn and a branch grown from an anchor's turn prefix prefill only
+    the tokens no earlier call has seen. The store is emptied when the rollout ends (`rollout()`), since the weights
+    change after it. "static" passes `generate` a fresh `StaticCache` sized to this call's prefix width + token
+    budget, freed with the call: the `DynamicCache`'s growth re-concatenates every layer's keys and values at every
+    step. Not `cache_implementation="static"`: transformers then sizes every later cache to the longest call seen so
+    far (`_previous_max_cache_length`), which slows every later short call. Models that cannot hold a static cache
+    or splice per-row caches (encoder-decoder, sliding-window, linear-attention or custom caches) use the dynamic
+    cache, with one warning; so do ZeRO-3 / FSDP runs on several processes, whose synchronised generation steps a
+    finished rank on past its own budget.
     """
 
     def __init__(self, trainer, with_scores: bool = False):
@@ -69,9 +74,45 @@ class HFEngine:
         self.eos_ids = set(trainer.eos_token_ids)
         self.pad_id = trl_internals.tokenizer(trainer).pad_token_id
         self.cache = getattr(trainer.args, "generation_cache", "static")
-        if self.cache not in ("static", "dynamic"):
-            raise ValueError(f"generation_cache must be 'static' or 'dynamic'; got {self.cache!r}.")
+        if self.cache not in ("prefix", "static", "dynamic"):
+            raise ValueError(f"generation_cache must be 'prefix', 'static' or 'dynamic'; got {self.cache!r}.")
+        self.prefix_store = PrefixKVStore()
         self._warned = False
+
+    @contextlib.contextmanager
+    def rollout(self):
+        """One rollout's calls, under fixed weights: the reused keys and values are dropped when it ends."""
+        self.prefix_store.clear()
+        try:
+            yield self
+        finally:
+            self.prefix_store.clear()
+
+    def _reuses_prefixes(self, model) -> bool:
+        if self.cache != "prefix" or _synced_generation(model):
+            return False
+        if self.trainer.generation_config.use_cache is False or self._asked_cache_implementation(model):
+            return False
+        if supports_reuse(model):
+            return True
+        self._warn(model, "its cache is not one DynamicCache of full-attention layers")
+        return False
+
+    def _asked_cache_implementation(self, model) -> bool:
+        """A `cache_implementation` asked for explicitly (by the trainer's generation config or the checkpoint's)."""
+        base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+        asked = [getattr(c, "cache_implementation", None) for c in (self.trainer.generation_config,
+                                                                    getattr(base, "generation_config", None))]
+        return any(a is not None for a in asked)
+
+    def _warn(self, model, reason: str) -> None:
+        if not self._warned:
+            self._warned = True
+            base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+            logger.warning(
+                "generation_cache=%r is not supported by %s (%s); generating with the dynamic cache.",
+                self.cache, type(base).__name__, reason,
+            )
 
     def _generation_config(self, max_new_tokens: int):
         config = copy.deepcopy(self.trainer.generation_config)
@@ -87,9 +128,7 @@ class HFEngine:
         if self.cache != "static" or _synced_generation(model):
             return None
         base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-        asked = [getattr(c, "cache_implementation", None) for c in (self.trainer.generation_config,
-                                                                    getattr(base, "generation_config", None))]
-        if any(a is not None for a in asked) or self.trainer.generation_config.use_cache is False:
+        if self._asked_cache_implementation(model) or self.trainer.generation_config.use_cache is False:
             return None
         config = getattr(base, "config", None)
         reason = None
@@ -106,12 +145,7 @@ class HFEngine:
                 return StaticCache(config=config, max_cache_len=max_cache_len)
             except (KeyError, ValueError, TypeError, NotImplementedError) as error:  # e.g. linear-attention layers
                 reason = f"{type(error).__name__}: {error}"
-        if not self._warned:
-            self._warned = True
-            logger.warning(
-                "generation_cache='static' is not supported by %s (%s); generating with the dynamic cache.",
-                type(base).__name__, reason,
-            )
+        self._warn(model, reason)
         return None
 
     @torch.no_grad()
@@ -123,12 +157,6 @@ class HFEngine:
         if dummy:  # keep collectives balanced across ranks
             prefixes, max_new_tokens = [[self.pad_id]], [1]
         device = trainer.accelerator.device
-        width = max(len(p) for p in prefixes)
-        input_ids = torch.full((len(prefixes), width), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for row, prefix in enumerate(prefixes):  # left padding
-            input_ids[row, width - len(prefix) :] = torch.tensor(prefix)
-            attention_mask[row, width - len(prefix) :] = 1
         budget = max(max_new_tokens)
         with (
             unwrap_model_for_generation(
@@ -140,26 +168,32 @@ class HFEngine:
             ) as unwrapped,
             trl_internals.distributed(trainer).summon_full_params(trainer.model_wrapped, recurse=False),
         ):
-            cache = self._static_cache(unwrapped, width + budget)
+            store = self.prefix_store if self._reuses_prefixes(unwrapped) and not dummy else None
+            plan = store.plan(prefixes, self.pad_id, unwrapped) if store else left_padded(prefixes, self.pad_id)
+            width = plan.input_ids.shape[1]
+            cache = plan.cache if store is not None else self._static_cache(unwrapped, width + budget)
             out = unwrapped.generate(
-                input_ids=input_ids.to(device),
-                attention_mask=attention_mask.to(device),
+                input_ids=plan.input_ids.to(device),
+                attention_mask=plan.attention_mask.to(device),
                 generation_config=self._generation_config(budget),
                 **({} if cache is None else {"cache": cache}),
             )
         sequences, step_scores, step_logits = out.sequences, out.scores, out.logits
-        del out, cache  # `out` holds the KV cache: free it before the per-step scores are stacked
         if dummy:
             return []
         new = sequences[:, width:].cpu()
+        lengths = [_cut_at_eos(new[row].tolist(), self.eos_ids, max_new_tokens[row]) for row in range(len(prefixes))]
+        if store is not None:
+            store.store(out.cache, plan.attention_mask, prefixes, [new[row, :n].tolist() for row, (n, _) in
+                                                                   enumerate(lengths)])
+        del out, cache, plan  # `out` holds the KV cache: free it before the per-step scores are stacked
         if self.with_scores:
             scores = torch.stack(step_scores, dim=1).float().log_softmax(-1).cpu()  # processed: what was sampled from
             raw = torch.stack(step_logits, dim=1).float().log_softmax(-1).cpu()
             logps = scores.gather(-1, new.unsqueeze(-1)).squeeze(-1)
             entropies = -(raw.exp() * raw).sum(-1)
         results = []
-        for row in range(len(prefixes)):
-            n, finished = _cut_at_eos(new[row].tolist(), self.eos_ids, max_new_tokens[row])
+        for row, (n, finished) in enumerate(lengths):
             results.append(
                 Continuation(
                     ids=new[row, :n].tolist(),
@@ -169,6 +203,18 @@ class HFEngine:
                 )
             )
         return results
+
+
+@contextlib.contextmanager
+def rollout_session(engine):
+    """One rollout of `engine` (any backend): backends that keep state valid only for the current weights (the HF
+    engine's reused keys and values) drop it when the rollout ends."""
+    rollout = getattr(engine, "rollout", None)
+    if rollout is None:
+        yield engine
+        return
+    with rollout():
+        yield engine
 
 
 def _synced_generation(model) -> bool:

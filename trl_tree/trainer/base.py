@@ -30,7 +30,7 @@ from trl.trainer.utils import RepeatSampler, is_async_callable, nanstd, repeat_i
 
 from .. import credit, losses, trl_internals
 from ..packing import PackedTrees, pack_cheapest, pack_trees, packed_token_logps, unwrap_model
-from ..rollout.engine import HFEngine
+from ..rollout.engine import HFEngine, rollout_session
 from ..rollout.env import EnvironmentPool, TreeEnvironment, environment_tools, shorten
 from ..rollout.samplers import SamplerSettings, TreeRoot, TurnLoop
 from ..tree import RolloutTree
@@ -259,7 +259,8 @@ class TreeTrainer(GRPOTrainer):
         if any("image" in x or "images" in x for x in inputs):
             raise ValueError(f"{type(self).__name__} supports text-only prompts; this batch has images.")
         prompts, roots = self._prepare_roots(inputs)
-        branches_per_tree = self.sampler.sample(roots)
+        with rollout_session(self.generation_engine):
+            branches_per_tree = self.sampler.sample(roots)
 
         rewards = self._score_leaves(inputs, prompts, branches_per_tree)
         trees = [

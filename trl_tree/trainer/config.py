@@ -64,7 +64,7 @@ UNCLIPPED_LOSSES = ("treeopsd", "treepo")  # the losses that read neither epsilo
 PACKING_LAYOUTS = ("tree", "paths", "auto")
 MALFORMED_TOOL_CALL_POLICIES = ("observe", "end")
 ANCHOR_RULES = ("uniform",)
-GENERATION_CACHES = ("static", "dynamic")
+GENERATION_CACHES = ("prefix", "static", "dynamic")
 
 
 @dataclass
@@ -145,12 +145,15 @@ class TreeConfig(GRPOConfig):
             `max_completion_length` bounds it). A `generate` call lasts as long as its longest row, so one rambling
             turn holds every other branch of the batch waiting; a turn cut by the cap ends its trajectory and is
             masked out of the loss like a truncated completion. GRPOConfig has no such option.
-        generation_cache (`str`, defaults to `"static"`): KV cache of `model.generate` sampling (not vLLM). `"static"`
-            preallocates one cache per call, sized to the batch's prefix width + token budget: same sampled ids as
-            `"dynamic"` (logits agree to ~1e-7), 10-21% less CPU time on 300-1500-token prefixes, about the same on
-            short ones (a `DynamicCache` is re-concatenated at every step). `"dynamic"`: transformers' default.
-            Models without static-cache support, and ZeRO-3 / FSDP runs on several processes (synchronised
-            generation), use the dynamic cache; GRPOConfig's `cache_implementation`, when set, is passed through.
+        generation_cache (`str`, defaults to `"prefix"`): KV cache of `model.generate` sampling (not vLLM, whose own
+            prefix caching does the same). `"prefix"`: within one rollout, every call reuses the keys and values of
+            the sequences earlier calls processed (a branch's previous turns, the anchor's history it branched from),
+            so each history is encoded once instead of at every turn; the reused KV is dropped when the rollout ends.
+            `"static"`: one preallocated cache per call, sized to its prefix width + token budget. `"dynamic"`:
+            transformers' default. All three sample the same ids but for floating-point near-ties. Models whose cache
+            cannot be spliced per row (sliding-window, linear-attention, custom) or preallocated, and ZeRO-3 / FSDP
+            runs on several processes (synchronised generation), use the dynamic cache; GRPOConfig's
+            `cache_implementation`, when set, is passed through.
 
     GRPO fields, as a GRPO user reads them:
         num_generations (`int`, *optional*): G, GRPO's per-prompt rollout budget, read as the paper's matched budget in
@@ -223,7 +226,9 @@ class TreeConfig(GRPOConfig):
     )
     max_turn_tokens: int | None = field(default=None, metadata={"help": "Cap on one sampled assistant turn's tokens."})
     generation_cache: str = field(
-        default="static", metadata={"help": "static (one preallocated KV cache per generate call) | dynamic"}
+        default="prefix",
+        metadata={"help": "prefix (reuse earlier turns' KV within a rollout) | static (one preallocated KV cache per "
+                  "generate call) | dynamic"},
     )
     num_generations: int | None = field(
         default=None, metadata={"help": "G: rollout budget per prompt in complete trajectories (default: from M, N)."}
@@ -482,8 +487,9 @@ class TreeConfig(GRPOConfig):
             )
         if self.generation_cache not in GENERATION_CACHES:
             raise ValueError(
-                f"generation_cache must be one of {GENERATION_CACHES}; got {self.generation_cache!r}: 'static' "
-                "preallocates the KV cache of each generate call, 'dynamic' grows it token by token."
+                f"generation_cache must be one of {GENERATION_CACHES}; got {self.generation_cache!r}: 'prefix' reuses "
+                "earlier turns' keys and values within a rollout, 'static' preallocates the KV cache of each generate "
+                "call, 'dynamic' grows it token by token."
             )
 
 

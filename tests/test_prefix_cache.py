@@ -1,0 +1,174 @@
+"""Reusing earlier calls' keys and values (`generation_cache="prefix"`) changes what is computed, not what is
+sampled: the turns of a multi-call rollout equal those of a cache-free rollout, while the reused tokens skip prefill.
+"""
+
+import copy
+import logging
+
+import numpy as np
+import pytest
+import torch
+from scripted import arithmetic_dataset, config, contains_answer, tiny
+
+from trl_tree import TreeOPSDConfig, TreeOPSDTrainer
+from trl_tree.envs.agent_eval import GreedyEngine
+from trl_tree.rollout import prefix_cache
+from trl_tree.rollout.engine import HFEngine, rollout_session
+from trl_tree.rollout.prefix_cache import PrefixKVStore
+
+SHARED = 40  # a system prompt every prefix starts with
+BUDGET = 12
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    model, tok = tiny()
+    args = config(TreeOPSDConfig, tmp_path_factory.mktemp("prefix_cache"))
+    return TreeOPSDTrainer(model=model, reward_funcs=contains_answer, args=args,
+                           train_dataset=arithmetic_dataset(1), processing_class=tok)
+
+
+def _tokens(g, vocab, n):
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def _engine(trainer, monkeypatch, cache, with_scores=False, **generation):
+    monkeypatch.setattr(trainer.args, "generation_cache", cache)
+    gen_config = copy.deepcopy(trainer.generation_config)
+    for key, value in generation.items():
+        setattr(gen_config, key, value)
+    monkeypatch.setattr(trainer, "generation_config", gen_config)
+    return HFEngine(trainer, with_scores=with_scores)
+
+
+def _rollout(engine, vocab, seed=0):
+    """Three calls as a tree sampler makes them: first turns; then next turns after an observation, a branch from
+    the middle of a turn, a duplicate history and an unrelated prompt; then a third turn of every branch."""
+    g = torch.Generator().manual_seed(123)
+    system = _tokens(g, vocab, SHARED)
+    prefixes = [system + _tokens(g, vocab, n) for n in (3, 11, 25)]
+    calls = []
+    torch.manual_seed(seed)
+    first = engine.generate(prefixes, [BUDGET, BUDGET, 5])
+    calls.append(first)
+    second_prefixes = [p + t.ids + _tokens(g, vocab, n) for p, t, n in zip(prefixes, first, (6, 9, 4))]
+    second_prefixes += [
+        prefixes[1] + first[1].ids[:3] + _tokens(g, vocab, 5),  # a branch grown from inside a stored turn
+        list(second_prefixes[0]),  # a merged / duplicate history
+        _tokens(g, vocab, 17),  # nothing stored shares it
+    ]
+    second = engine.generate(second_prefixes, [BUDGET] * len(second_prefixes))
+    calls.append(second)
+    third_prefixes = [p + t.ids + _tokens(g, vocab, 7) for p, t in zip(second_prefixes, second)]
+    calls.append(engine.generate(third_prefixes, [BUDGET] * len(third_prefixes)))
+    return calls
+
+
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampling"])
+def test_reused_prefixes_sample_the_same_turns_as_a_fresh_prefill(trainer, monkeypatch, do_sample):
+    vocab = trainer.model.config.vocab_size
+    fresh = _rollout(_engine(trainer, monkeypatch, "dynamic", with_scores=True, do_sample=do_sample), vocab)
+    engine = _engine(trainer, monkeypatch, "prefix", with_scores=True, do_sample=do_sample)
+    with engine.rollout():
+        reused = _rollout(engine, vocab)
+        saved = engine.prefix_store.reused_tokens
+    for fresh_call, reused_call in zip(fresh, reused):
+        assert [c.ids for c in reused_call] == [c.ids for c in fresh_call]
+        assert [c.finished for c in reused_call] == [c.finished for c in fresh_call]
+        for a, b in zip(reused_call, fresh_call):
+            torch.testing.assert_close(torch.tensor(a.logps), torch.tensor(b.logps), atol=1e-5, rtol=0)
+            torch.testing.assert_close(torch.tensor(a.entropies), torch.tensor(b.entropies), atol=1e-5, rtol=0)
+    assert saved > 4 * SHARED  # every continued history skipped its stored part
+    assert engine.prefix_store.entries == [] and engine.prefix_store.reused_tokens == 0  # dropped with the rollout
+    if do_sample:  # the seed matters: the comparison is not between two constant outputs
+        other = _rollout(_engine(trainer, monkeypatch, "dynamic", do_sample=True), vocab, seed=1)
+        assert [c.ids for c in other[0]] != [c.ids for c in fresh[0]]
+
+
+def test_each_prefix_reuses_its_longest_stored_prefix_and_prefills_at_least_one_token(trainer):
+    model = trainer.model
+    g = torch.Generator().manual_seed(0)
+    store = PrefixKVStore(min_reuse=4)
+    system = _tokens(g, model.config.vocab_size, 20)
+    stored = [system + _tokens(g, model.config.vocab_size, n) for n in (5, 9)]
+    plan = store.plan(stored, 0, model)
+    with torch.no_grad():
+        out = model.generate(input_ids=plan.input_ids, attention_mask=plan.attention_mask, max_new_tokens=3,
+                             do_sample=False, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
+    new = out.sequences[:, plan.input_ids.shape[1]:].tolist()
+    store.store(out.cache, plan.attention_mask, stored, new)
+    # the last generated token never went through the model: 2 of the 3 generated tokens are stored
+    assert [len(e.tokens) for e in store.entries] == [27, 31]
+    queries = [
+        stored[1] + new[1][:2] + [7, 8],  # extends row 1: reuses all 31 stored tokens
+        list(stored[0]),  # equals a stored prefix of row 0: all but its last token
+        system[:10] + [5, 5, 5],  # shares 10 tokens with both rows
+        [9, 9, 9] + system,  # shares nothing
+    ]
+    plan = store.plan(queries, 0, model)
+    assert plan.reused == [31, 24, 10, 0]
+    width = max(plan.reused)
+    for row, (query, k) in enumerate(zip(queries, plan.reused)):
+        mask = plan.attention_mask[row]
+        assert int(mask[:width].sum()) == k and int(mask[width:].sum()) == len(query) - k
+        assert plan.input_ids[row, -(len(query) - k):].tolist() == query[k:]
+
+
+def test_a_row_that_another_extends_is_dropped(trainer):
+    store = PrefixKVStore(min_reuse=1)
+    entry = lambda tokens: prefix_cache._Entry(np.asarray(tokens), [], [])  # noqa: E731
+    store._add([entry([1, 2, 3]), entry([4, 5])])
+    store._add([entry([1, 2, 3, 6]), entry([1, 2, 7]), entry([4, 5])])
+    assert sorted(e.tokens.tolist() for e in store.entries) == [[1, 2, 3, 6], [1, 2, 7], [4, 5]]
+
+
+def test_the_trainer_reuses_within_a_rollout_and_starts_each_rollout_empty(trainer, monkeypatch):
+    engine = _engine(trainer, monkeypatch, "prefix")
+    monkeypatch.setattr(trainer, "generation_engine", engine)
+    seen = []
+    original = engine.prefix_store.plan
+
+    def plan(prefixes, pad_id, model):
+        seen.append(len(engine.prefix_store.entries))
+        return original(prefixes, pad_id, model)
+
+    monkeypatch.setattr(engine.prefix_store, "plan", plan)
+    for _ in range(2):
+        with rollout_session(trainer.generation_engine):
+            engine.generate([[5] * 30], [4])
+            engine.generate([[5] * 30 + [6]], [4])
+    assert seen == [0, 1, 0, 1]
+    assert engine.prefix_store.entries == []
+
+
+def test_models_whose_cache_cannot_be_spliced_fall_back_with_one_warning(trainer, monkeypatch, caplog):
+    vocab = trainer.model.config.vocab_size
+    expected = _rollout(_engine(trainer, monkeypatch, "dynamic"), vocab)
+    import trl_tree.rollout.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "supports_reuse", lambda model: False)
+    engine = _engine(trainer, monkeypatch, "prefix")
+    with caplog.at_level(logging.WARNING, logger="trl_tree.rollout.engine"), engine.rollout():
+        assert _rollout(engine, vocab) == expected
+        assert engine.prefix_store.entries == []
+    assert len([r for r in caplog.records if "generation_cache='prefix' is not supported" in r.getMessage()]) == 1
+
+
+def test_sliding_window_models_are_not_spliced():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    kwargs = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=8)
+    assert prefix_cache.supports_reuse(Qwen3ForCausalLM(Qwen3Config(**kwargs)))
+    sliding = Qwen3Config(**kwargs, use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    assert not prefix_cache.supports_reuse(Qwen3ForCausalLM(sliding))
+
+
+def test_greedy_evaluation_engine_reuses_histories_with_the_same_answers(trainer):
+    model, tok = tiny()
+    vocab = model.config.vocab_size
+    plain = GreedyEngine(model, tok, batch_size=2, reuse_prefixes=False)
+    reusing = GreedyEngine(model, tok, batch_size=2)
+    assert plain.store is None and reusing.store is not None
+    assert _rollout(reusing, vocab) == _rollout(plain, vocab)
+    assert reusing.store.reused_tokens > 4 * SHARED
