@@ -123,6 +123,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warm_start_sweep", default=None,
                    help="comma-separated warm-start lengths: measure each one's held-out success and exit")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: 1 on CPU)")
+    p.add_argument("--gradient_checkpointing", action="store_true",
+                   help="recompute activations in the backward pass (GRPOConfig's default; off here: these models "
+                        "fit in memory, and recomputing costs a forward per step, for every method alike)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 1 seed, 1 generation batch of 2 prompts, 2 test questions, no warm start")
     p.add_argument("--plot", default=None, help="write the EM-vs-rollout-tokens plot here (PNG)")
@@ -155,6 +158,7 @@ class HeldOutEvaluation(TrainerCallback):
         self.every_steps = every_steps
         self.token_budget = token_budget
         self.curve: list[dict] = []
+        self.started = time.perf_counter()
 
     def evaluate(self, generation_batches: int):
         start = time.perf_counter()
@@ -176,6 +180,9 @@ class HeldOutEvaluation(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         at_batch_end = state.global_step % self.meter.steps_per_batch == 0
         spent = sum(b.generated_tokens for b in self.meter.batches)
+        if at_batch_end:  # progress of a run that takes tens of minutes
+            print(f"  batch {state.global_step // self.meter.steps_per_batch:>3} trained  tokens {spent:>7}  "
+                  f"{time.perf_counter() - self.started:.0f} s", flush=True)
         if at_batch_end and self.token_budget is not None and spent >= self.token_budget:
             control.should_training_stop = True  # the matched budget is spent: this is the run's final point
         if state.global_step % self.every_steps == 0 or state.global_step == state.max_steps or (
@@ -234,7 +241,8 @@ def run(method: str, seed: int, model_path: str, task, args) -> dict:
     with tempfile.TemporaryDirectory() as output_dir:
         weights = {"reward_weights": [1.0, args.format_reward_weight]} if args.format_reward_weight else {}
         peft = lora_config(args.lora_rank) if args.lora_rank else None
-        trainer = build_trainer(method, model, tokenizer, task, budget, output_dir, peft_config=peft, **weights)
+        trainer = build_trainer(method, model, tokenizer, task, budget, output_dir, peft_config=peft,
+                                gradient_checkpointing=args.gradient_checkpointing, **weights)
         trainer.remove_callback(PrinterCallback)
         meter = BatchMeter(trainer)
         evaluation = HeldOutEvaluation(trainer, meter, task, agent_settings(args),
