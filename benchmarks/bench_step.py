@@ -141,6 +141,7 @@ TARGETS = [
     ("treeopsd_tree.step_seconds", "treeopsd_paths.step_seconds", 1.0, "<"),
     ("treeopsd_tree.training_seconds", "treeopsd_paths.training_seconds", 1.0, "<"),
     ("treeopsd_tree.forward_tokens", "treeopsd_paths.forward_tokens", 1.0, "<"),
+    ("treeopsd_tree.sampling_seconds_per_1k_generated", "flat_grpo.sampling_seconds_per_1k_generated", 1.0, "<="),
 ]
 
 
@@ -174,12 +175,14 @@ def main(argv=None):
     columns = ["variant", "step_seconds", "step_cpu_seconds", "generation_seconds", "training_seconds",
                "generated_tokens", "leaves", "generated_tokens_per_leaf", "generated_fraction", "unique_tokens",
                "flat_tokens",
-               "forward_tokens", "padded_forward_tokens", "forward_tokens_per_unique_token", "peak_memory_mib"]
+               "forward_tokens", "padded_forward_tokens", "forward_tokens_per_unique_token",
+               "sampling_seconds_per_1k_generated", "peak_memory_mib"]
     headers = {"step_seconds": "step s", "step_cpu_seconds": "step CPU s", "generation_seconds": "gen s",
                "training_seconds": "train s", "generated_tokens": "generated tok", "generated_tokens_per_leaf":
                "gen tok/leaf", "generated_fraction": "gen/leaf tok", "unique_tokens": "unique tok", "flat_tokens": "flat tok", "forward_tokens":
                "loss fwd tok", "padded_forward_tokens": "padded fwd tok", "forward_tokens_per_unique_token":
-               "fwd/unique", "peak_memory_mib": "peak MiB"}
+               "fwd/unique", "sampling_seconds_per_1k_generated": "sampling s / 1k gen tok",
+               "peak_memory_mib": "peak MiB"}
     print(f"\nPer generation batch ({args.prompts} prompts, E = {args.blocks}; mean of {args.repeats} x {args.batches} "
           f"after {args.warmup} warm-up), task={args.task}, device={'cuda' if torch.cuda.is_available() else 'cpu'}\n")
     print(markdown_table([{"variant": v, **results[v]} for v in args.variants], columns, headers))

@@ -579,6 +579,9 @@ def summarize(batches: list[BatchRecord]) -> dict[str, float]:
     # anchors, (1 + N/2) / (N + 1) in expectation (2/3 for (4, 2)), whatever the trajectories' lengths
     summary["generated_fraction"] = summary["generated_tokens"] / max(summary["leaf_action_tokens"], 1)
     summary["forward_tokens_per_unique_token"] = summary["forward_tokens"] / max(summary["unique_tokens"], 1)
+    # what sampling costs per token the policy generated (a tree re-enters shared histories at every branch)
+    summary["sampling_seconds_per_1k_generated"] = 1000 * summary["sampling_seconds"] / max(
+        summary["generated_tokens"], 1)
     summary["batches"] = len(rows)
     return summary
 

@@ -45,7 +45,8 @@ def test_bench_step_quick_writes_the_keys_of_the_issue(tmp_path):
     for key in ("grpo.step_seconds", "treeopsd_tree.step_seconds", "treeopsd_paths.step_seconds",
                 "treeopsd_tree.forward_tokens", "treeopsd_tree.unique_tokens", "grpo.generated_tokens_per_leaf",
                 "treeopsd_tree.generated_tokens_per_leaf", "grpo.peak_memory_mib", "treeopsd_tree.generation_seconds",
-                "treeopsd_tree.training_seconds", "treeopsd_paths.forward_tokens"):
+                "treeopsd_tree.training_seconds", "treeopsd_paths.forward_tokens",
+                "treeopsd_tree.sampling_seconds_per_1k_generated", "flat_grpo.sampling_seconds_per_1k_generated"):
         assert isinstance(dotted(result, key), (int, float)), key
     assert "treeopsd_tree.forward_tokens / treeopsd_tree.unique_tokens" in result["ratios"]
     assert all(len(result[v]["per_batch"]) == 1 for v in ("grpo", "treeopsd_tree", "treeopsd_paths", "flat_grpo"))
