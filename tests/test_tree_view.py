@@ -15,6 +15,7 @@ from scripted import arithmetic_dataset, config, contains_answer, scripted_engin
 from test_trainer_scripted import REPLIES
 
 from trl_tree import AT2POConfig, AT2POTrainer, RolloutTree, TreeOPSDConfig, TreeOPSDTrainer, Turn, cli, losses
+from trl_tree import credit as credit_lib
 from trl_tree import tree_view as tv
 from trl_tree.packing import PackedTrees, packed_token_logps
 from trl_tree.testing import calculator
@@ -117,6 +118,9 @@ def test_treeopsd_page_shows_each_unique_turn_once_with_its_credit_rewards_and_p
         assert int(nodes[i]["data-multiplicity"]) == turn.multiplicity
         ending = [tree.rewards[k] for k, leaf in enumerate(tree.leaf_of) if leaf == i]
         assert json.loads(nodes[i].get("data-rewards", "[]")) == ending  # leaves carry their rewards
+    A_k = credit_lib.standardize(torch.tensor(tree.rewards, dtype=torch.float64)).tolist()  # T1
+    for node in data["prompts"][0]["nodes"]:
+        assert node.get("leaf_advantages", []) == pytest.approx([A_k[k] for k in node["trajectories"]])
     assert max(t.multiplicity for t in tree.turns) == 2  # the scripted tree has a merged leaf: shown as ×2
     assert "×2" in "".join(page.text)
     # p after the update = σ(mean log-ratio) of the trained model on the very rows it trained, per turn
@@ -158,7 +162,7 @@ def test_treeadv_page_shows_token_level_branch_points(tmp_path):
     _assert_turns_once_with_credit(page, data, _credit_per_unit(trainer))
     partial = {int(n["data-node"]) for n in page.turns() if n.get("data-partial")}
     assert partial == {i for i, t in enumerate(trees[0].turns) if t.partial} and partial
-    assert "mid-turn @ token" in "".join(page.text)
+    assert "✂ tokens 0–" in "".join(page.text)  # a segment that stops inside its assistant turn
 
 
 def test_treeflex_page_shows_searches_blocks_and_turn_credit(tmp_path):

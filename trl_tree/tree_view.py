@@ -42,6 +42,7 @@ MAX_CHARS = 1_500_000  # text characters per page
 SHOWN_CHARS = 280  # a longer text is folded behind its first SHOWN_CHARS characters
 
 BACKUP_CREDITS = ("likelihood", "child_mean", "child_softmax", "leaf_mean")  # A of a turn is its backed-up value V
+SHOWN_CREDIT = ("A", "q")  # per-turn credit keys the page shows (others are loss internals: weights, path ranges)
 
 # ------------------------------------------------------------------------------------------------------ texts
 
@@ -113,6 +114,7 @@ def tree_record(
     *,
     leaf_rounds: Sequence[int] | None = None,
     reward_columns: dict[str, Sequence[float | None]] | None = None,
+    leaf_advantages: Sequence[float] | None = None,
     with_entropy: bool = False,
 ) -> dict:
     """One prompt's rollout tree as page data.
@@ -127,6 +129,7 @@ def tree_record(
             expansion rounds 1..L; a continuation from an anchor or a token-level branch point: ≥ 1). A node's
             round is the earliest round of the trajectories through it.
         reward_columns: per reward function, its value for each trajectory k (None: it did not apply).
+        leaf_advantages: A_k, each trajectory's standardised reward (what the credit backs up).
         with_entropy: show each turn's mean token entropy (when the sampler or the credit used entropies).
     """
     per_turn, per_tree = _split_credit(credit, tree.num_turns)
@@ -164,6 +167,8 @@ def tree_record(
             "trajectories": ending[i],
             "rewards": [_number(tree.rewards[k]) for k in ending[i]],
         }
+        if leaf_advantages is not None:
+            node["leaf_advantages"] = [_number(leaf_advantages[k]) for k in ending[i]]
         if reward_columns:
             node["reward_columns"] = {name: [_number(col[k]) for k in ending[i]] for name, col in reward_columns.items()}
         nodes.append(node)
@@ -180,12 +185,14 @@ def tree_record(
     }
 
 
-def flex_record(group, credit: dict[str, Any], decode: Callable[[list[int]], str], prompt) -> dict:
+def flex_record(group, credit: dict[str, Any], decode: Callable[[list[int]], str], prompt,
+                search_advantages: Sequence[float] | None = None) -> dict:
     """One TreeFlex task as page data: its K complete searches, each a node whose children are its causal blocks
     (role, the end of the block's context), each block the chain of turns it generated with their credit.
 
     `credit` is the group's per-turn credit (`TreeFlexTrainer.turn_credit`: `A`, `penalty`, … in the group-wide turn
-    order); turn nodes keep that index as their `id`, search and block nodes get ids after the turns."""
+    order); turn nodes keep that index as their `id`, search and block nodes get ids after the turns.
+    `search_advantages`: each search's group-normalised score (F1), shown on its node."""
     per_turn, per_tree = _split_credit(credit, group.num_turns)
     nodes, next_id, turn = [], group.num_turns, 0
     trees = iter(group.trees)
@@ -196,6 +203,7 @@ def flex_record(group, credit: dict[str, Any], decode: Callable[[list[int]], str
             "id": search_id, "parent": -1, "kind": "search", "label": f"search {s}", "leaf": True,
             "multiplicity": 1, "rewards": [score], "trajectories": [s], "credit": {},
             "action": "", "observation": "", "tokens": 0,
+            "leaf_advantages": [] if search_advantages is None else [_number(search_advantages[s])],
         })
         for b, block in enumerate(search.blocks):
             if not block.turns:
@@ -218,7 +226,7 @@ def flex_record(group, credit: dict[str, Any], decode: Callable[[list[int]], str
                     "leaf": False, "partial": False, "turn_offset": 0, "truncated": t.truncated,
                     "penalty": _number(per_turn.get("penalty", [t.penalty] * group.num_turns)[turn]),
                     "round": None, "entropy": None,
-                    "credit": {k: _number(v[turn]) for k, v in per_turn.items() if k in ("A",)},
+                    "credit": {k: _number(v[turn]) for k, v in per_turn.items()},
                     "trajectories": [], "rewards": [],
                 })
                 parent, turn = turn, turn + 1
@@ -268,7 +276,8 @@ def _split_credit(credit: dict[str, Any], num_turns: int) -> tuple[dict[str, lis
                     f"tree_view: credit {key!r} has {len(values)} values for {num_turns} turns; pass the trainer's "
                     "per-turn credit of this very tree (over its turns, in order)."
                 )
-            per_turn[key] = values
+            if key in SHOWN_CREDIT:
+                per_turn[key] = values
         else:
             per_tree[key] = _number(values)
     return per_turn, per_tree
@@ -415,13 +424,13 @@ def _fmt_p(value) -> str:
 
 def _legend(data: dict) -> str:
     credit = data.get("credit", "")
-    a_label = "A = V" if credit in BACKUP_CREDITS else "A"
+    backup = credit in BACKUP_CREDITS
     parts = [
-        f"<b>{_esc(a_label)}</b>: the turn's credit as the loss uses it"
-        + (" (the turn's backed-up value V is its advantage)" if credit in BACKUP_CREDITS else "")
-        + (f"; credit <code>{_esc(credit)}</code>" if credit else ""),
+        ("<b>V</b>: the turn's value backed up from the leaves, which the loss uses as its advantage"
+         if backup else "<b>A</b>: the turn's advantage as the loss uses it")
+        + (f" (credit <code>{_esc(credit)}</code>)" if credit else ""),
+        "<b>R · A<sub>k</sub></b>: a leaf's reward(s) and standardised reward(s)",
         "<b>×m</b>: m trajectories ended in this merged leaf",
-        "<b>R</b>: leaf reward(s)",
         "<b>n branches</b>: a branch point",
         "<b>log π</b>: the mean log-probability of the action's tokens, under π_old → after the update",
         "<b>H</b>: the action's mean token entropy at generation",
@@ -490,7 +499,7 @@ def _render_chain(node: dict, children: dict[int, list[dict]], data: dict) -> st
     out = []
     while True:
         kids = children.get(node["id"], [])
-        out.append(_render_node(node, len(kids)))
+        out.append(_render_node(node, len(kids), data.get("credit") in BACKUP_CREDITS))
         if len(kids) != 1:
             if kids:
                 out.append(f'<div class="sub" id="sub-{node["id"]}">{_render_children(kids, children, data)}</div>')
@@ -498,7 +507,7 @@ def _render_chain(node: dict, children: dict[int, list[dict]], data: dict) -> st
         node = kids[0]
 
 
-def _render_node(node: dict, num_children: int) -> str:
+def _render_node(node: dict, num_children: int, backup: bool) -> str:
     kind = node.get("kind", "turn")
     credit = node.get("credit", {})
     classes = ["node", kind]
@@ -526,7 +535,7 @@ def _render_node(node: dict, num_children: int) -> str:
         style = f' style="--s:{strength:.3f}"'
     head = [f'<span class="nid">{_esc(node.get("label") or "#" + str(node["id"]))}</span>']
     head += _badges(node, num_children)
-    head += _chips(credit)
+    head += _chips(credit, backup)
     body = []
     if kind == "block":
         body.append(f'<div class="ctx"><span class="lbl">context ({int(node.get("context_tokens") or 0)} tokens, '
@@ -550,12 +559,14 @@ def _badges(node: dict, num_children: int) -> list[str]:
         badges.append(f'<span class="badge tok">{int(node.get("tokens") or 0)} tok</span>')
     if num_children > 1:
         badges.append(f'<span class="badge branch">{num_children} branches</span>')
+    start = int(node.get("turn_offset") or 0)
     if node.get("partial"):
-        end = int(node.get("turn_offset") or 0) + int(node.get("tokens") or 0)
-        badges.append(f'<span class="badge cut" title="TreeAdv: the assistant turn continues in the children; they '
-                      f'branch at token {end} of the turn">✂ mid-turn @ token {end}</span>')
-    elif node.get("turn_offset"):
-        badges.append(f'<span class="badge cut">continues the turn from token {int(node["turn_offset"])}</span>')
+        end = start + int(node.get("tokens") or 0)
+        badges.append(f'<span class="badge cut" title="a segment: the assistant turn goes on in the children, which '
+                      f'branch inside the turn at token {end} (TreeAdv)">✂ tokens {start}–{end} of the turn</span>')
+    elif start:
+        badges.append(f'<span class="badge cut" title="the rest of an assistant turn split at token {start}">'
+                      f"tokens {start}– of the turn</span>")
     if node.get("round"):
         badges.append(f'<span class="badge round" title="created in sampling round {int(node["round"])} (0: the '
                       f'initial trajectories)">round {int(node["round"])}</span>')
@@ -564,7 +575,8 @@ def _badges(node: dict, num_children: int) -> list[str]:
     if node.get("truncated"):
         badges.append('<span class="badge warn">truncated</span>')
     if node.get("penalty"):
-        badges.append(f'<span class="badge warn">Q {node["penalty"]:+.2f}</span>')
+        badges.append(f'<span class="badge warn" title="process penalty recorded on the turn (failed or malformed '
+                      f'tool calls, TreeFlex hooks); TreeFlex\'s credit adds it">Q {node["penalty"]:+.2f}</span>')
     if node.get("multiplicity", 0) > 1:
         badges.append(f'<span class="badge mult">×{int(node["multiplicity"])}</span>')
     rewards = node.get("rewards") or []
@@ -575,14 +587,17 @@ def _badges(node: dict, num_children: int) -> list[str]:
             title = "; ".join(f"{name}: {', '.join('–' if v is None else f'{v:g}' for v in vals)}"
                               for name, vals in columns.items())
         shown = ", ".join("–" if r is None else f"{r:g}" for r in rewards[:8]) + ("…" if len(rewards) > 8 else "")
+        advantages = node.get("leaf_advantages") or []
+        if advantages:
+            shown += " · A " + ", ".join(_fmt(a, 2) for a in advantages[:8]) + ("…" if len(advantages) > 8 else "")
         badges.append(f'<span class="badge reward" title="{_esc(title)}">R {_esc(shown)}</span>')
     return badges
 
 
-def _chips(credit: dict) -> list[str]:
+def _chips(credit: dict, backup: bool) -> list[str]:
     chips = []
     if "A" in credit:
-        chips.append(f'<span class="chip a">A {_fmt(credit["A"])}</span>')
+        chips.append(f'<span class="chip a">{"V" if backup else "A"} {_fmt(credit["A"])}</span>')
     if "q" in credit:
         chips.append(f'<span class="chip q">q {_fmt_p(credit["q"])}</span>')
         if "p_after" in credit:
@@ -597,10 +612,19 @@ def _chips(credit: dict) -> list[str]:
 def _folded(text: str, cls: str, shown: int = SHOWN_CHARS) -> str:
     """A text, folded behind its start when it is long (native `<details>`: no script needed)."""
     if len(text) <= shown:
-        return f'<pre class="{cls}">{_esc(text)}</pre>'
-    return (f'<details class="{cls}"><summary><pre class="peek">{_esc(text[:shown])}…</pre><span class="more">'
+        return f'<pre class="{cls}">{_text(text)}</pre>'
+    return (f'<details class="{cls}"><summary><pre class="peek">{_text(text[:shown])}…</pre><span class="more">'
             f'▸ {len(text) - shown} more characters</span><span class="less">▴ fold</span></summary>'
-            f"<pre>{_esc(text)}</pre></details>")
+            f"<pre>{_text(text)}</pre></details>")
+
+
+_NEWLINES = re.compile(r"\n{3,}")
+
+
+def _text(text: str) -> str:
+    """Escaped text for a `<pre>`, a run of 3+ newlines drawn as one marked line (a model's empty lines would
+    otherwise stretch the node)."""
+    return _NEWLINES.sub(lambda m: f'\n<span class="nl">⏎×{len(m.group())}</span>\n', _esc(text))
 
 
 _CSS = """
@@ -645,7 +669,7 @@ padding:5px 8px;max-width:760px;min-width:260px}
 color:var(--mut);display:block}.ctx{color:var(--mut);margin-bottom:3px}
 details>summary{cursor:pointer;list-style:none}details>summary::-webkit-details-marker{display:none}
 details[open] .peek,details[open] .more,details:not([open]) .less{display:none}
-.more,.less{font-size:11px;color:#3b6fd8}
+.more,.less{font-size:11px;color:#3b6fd8}.nl{color:var(--mut);font-size:10px}
 .fold{border:none;background:none;cursor:pointer;padding:0 2px;font-size:12px;color:var(--mut)}
 """
 

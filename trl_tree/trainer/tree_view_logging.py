@@ -29,9 +29,11 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from .. import credit as credit_lib
 from .. import losses, trl_internals
 from ..packing import PackedTrees, packed_token_logps
 from ..tree_view import VIEW_DIR, attach_turn_probabilities, flex_record, page_data, save_page, tree_record
+from . import components
 
 TRACKER_KEY = "tree_view"
 
@@ -51,15 +53,18 @@ class TreeViewRecorder(TrainerCallback):
     def record_trees(self, mode: str, prompts, trees, branches_per_tree, per_turn) -> None:
         decode = self._decode
         columns = self._reward_columns([len(b) for b in branches_per_tree])
+        args = self.trainer.args
         records = [
             tree_record(tree, credit, decode, prompt, leaf_rounds=[getattr(b, "round", 0) for b in branches],
-                        reward_columns=cols, with_entropy=self.trainer.needs_entropies)
+                        reward_columns=cols, leaf_advantages=components.leaf_advantages(tree, args).tolist(),
+                        with_entropy=self.trainer.needs_entropies)
             for prompt, tree, branches, credit, cols in zip(prompts, trees, branches_per_tree, per_turn, columns)
         ]
         self._record(mode, records)
 
     def record_flex(self, mode: str, prompts, groups, per_turn) -> None:
-        records = [flex_record(g, credit, self._decode, p) for p, g, credit in zip(prompts, groups, per_turn)]
+        records = [flex_record(g, credit, self._decode, p, credit_lib.group_normalize(g.scores).tolist())
+                   for p, g, credit in zip(prompts, groups, per_turn)]
         self._record(mode, records)
 
     def _decode(self, ids: list[int]) -> str:
