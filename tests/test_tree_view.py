@@ -244,6 +244,10 @@ def test_model_and_tool_text_cannot_run_code_in_the_page():
     shown = "".join(page.text)
     assert "<script>alert(1)</script>" in shown and "\\x1b[31m" in shown and "\\u202e" in shown  # shown as text
     assert len(page.turns()) == tree.num_turns
+    # a hand-edited data file (`trl-tree view` renders saved JSON) cannot add attributes either
+    record["nodes"][0]["credit"]['x" onmouseover="alert(4)'] = 1.0
+    record["nodes"][1]["kind"] = 'turn" onclick="alert(5)'
+    assert _Page(tv.render_page(tv.page_data([record], step=1, method="m"))).scripts == [tv._JS]
 
 
 def test_a_huge_tree_is_cut_with_a_note_and_shown_nodes_keep_their_ancestors():

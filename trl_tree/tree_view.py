@@ -433,9 +433,11 @@ def _legend(data: dict) -> str:
         "<b>×m</b>: m trajectories ended in this merged leaf",
         "<b>n branches</b>: a branch point",
         "<b>log π</b>: the mean log-probability of the action's tokens, under π_old → after the update",
-        "<b>H</b>: the action's mean token entropy at generation",
     ]
-    if any("q" in n.get("credit", {}) for r in data.get("prompts", []) for n in r.get("nodes", [])):
+    nodes = [n for r in data.get("prompts", []) for n in r.get("nodes", [])]
+    if any(n.get("entropy") is not None for n in nodes):
+        parts.append("<b>H</b>: the action's mean token entropy at generation")
+    if any("q" in n.get("credit", {}) for n in nodes):
         parts.append("<b>q</b>: TreeOPSD's teacher; <b>p</b>: the turn's probability σ(s), ½ under π_old → after "
                      "the update (it moves toward q)")
     note = data.get("after_note")
@@ -473,7 +475,8 @@ def _render_prompt(record: dict, x: int, budget: _Budget, data: dict) -> str:
     missing = len(nodes) - len(shown_ids)
     cut = f'<p class="cutnote">{missing} of {len(nodes)} nodes of this prompt are cut.</p>' if missing else ""
     roots = children.get(-1, [])
-    root_branch = f' <span class="badge branch">{len(roots)} branches</span>' if len(roots) > 1 else ""
+    what = "searches" if record.get("kind") == "flex" else "branches"
+    root_branch = f' <span class="badge branch">{len(roots)} {what}</span>' if len(roots) > 1 else ""
     body = [
         f'<section class="prompt" id="prompt-{x}" data-prompt="{x}">',
         f'<h2>#{x} <span class="kind">{_esc(record.get("kind", "tree"))}</span></h2>',
@@ -502,7 +505,7 @@ def _render_chain(node: dict, children: dict[int, list[dict]], data: dict) -> st
         out.append(_render_node(node, len(kids), data.get("credit") in BACKUP_CREDITS))
         if len(kids) != 1:
             if kids:
-                out.append(f'<div class="sub" id="sub-{node["id"]}">{_render_children(kids, children, data)}</div>')
+                out.append(f'<div class="sub">{_render_children(kids, children, data)}</div>')
             return '<div class="chain">' + "".join(out) + "</div>"
         node = kids[0]
 
@@ -516,7 +519,7 @@ def _render_node(node: dict, num_children: int, backup: bool) -> str:
     a = credit.get("A")
     if a is not None:
         classes.append("pos" if a > 0 else "neg" if a < 0 else "zero")
-    attrs = [f'class="{" ".join(classes)}"', f'data-kind="{_esc(kind)}"']
+    attrs = [f'class="{_esc(" ".join(classes))}"', f'data-kind="{_esc(kind)}"']
     if kind == "turn":
         attrs.append(f'data-node="{int(node["id"])}"')
         attrs.append(f'data-multiplicity="{int(node.get("multiplicity") or 0)}"')
@@ -526,7 +529,7 @@ def _render_node(node: dict, num_children: int, backup: bool) -> str:
             attrs.append('data-partial="1"')
     for key, value in credit.items():
         if value is not None:
-            attrs.append(f'data-{_esc(key.replace("_", "-").lower())}="{float(value)!r}"')
+            attrs.append(f'data-{_attribute_name(key)}="{float(value)!r}"')
     if node.get("rewards"):
         attrs.append(f'data-rewards="{_esc(json.dumps(node["rewards"]))}"')
     style = ""
@@ -538,8 +541,8 @@ def _render_node(node: dict, num_children: int, backup: bool) -> str:
     head += _chips(credit, backup)
     body = []
     if kind == "block":
-        body.append(f'<div class="ctx"><span class="lbl">context ({int(node.get("context_tokens") or 0)} tokens, '
-                    f"its end)</span>{_folded(node.get('context', ''), 'ctxtext')}</div>")
+        body.append(f'<div class="ctx"><span class="lbl">context ({int(node.get("context_tokens") or 0)} tokens)'
+                    f"</span>{_folded(node.get('context', ''), 'ctxtext')}</div>")
     if node.get("action"):
         body.append(_folded(node["action"], "action"))
     if node.get("observation"):
@@ -547,18 +550,23 @@ def _render_node(node: dict, num_children: int, backup: bool) -> str:
         body.append(f'<div class="obs"><span class="lbl">observation'
                     f'{f" ({int(obs_tokens)} tokens)" if obs_tokens else ""}</span>'
                     f'{_folded(node["observation"], "obstext", SHOWN_CHARS // 2)}</div>')
-    fold = (f'<button class="fold" data-sub="sub-{node["id"]}" title="fold or unfold the subtree">▾</button>'
-            if num_children > 1 else "")
+    fold = '<button class="fold" title="fold or unfold the subtree">▾</button>' if num_children > 1 else ""
     return (f'<div {" ".join(attrs)}{style}><div class="head">{fold}{"".join(head)}</div>'
             f'{"".join(body)}</div>')
+
+
+def _attribute_name(key: str) -> str:
+    """A credit key as a `data-` attribute name: only [a-z0-9-] (a hand-edited data file cannot add attributes)."""
+    return re.sub(r"[^a-z0-9-]", "", str(key).replace("_", "-").lower()) or "x"
 
 
 def _badges(node: dict, num_children: int) -> list[str]:
     badges = []
     if node.get("kind") == "turn":
         badges.append(f'<span class="badge tok">{int(node.get("tokens") or 0)} tok</span>')
-    if num_children > 1:
-        badges.append(f'<span class="badge branch">{num_children} branches</span>')
+    if num_children > 1:  # a search's children are its blocks, one after the other: no branch point
+        what = "blocks" if node.get("kind") == "search" else "branches"
+        badges.append(f'<span class="badge branch">{num_children} {what}</span>')
     start = int(node.get("turn_offset") or 0)
     if node.get("partial"):
         end = start + int(node.get("tokens") or 0)
@@ -683,7 +691,7 @@ _JS = """
   }
   buttons.forEach(function(b){b.addEventListener('click', function(){show(b.getAttribute('data-target'));});});
   document.querySelectorAll('.fold').forEach(function(f){f.addEventListener('click', function(){
-    var s=document.getElementById(f.getAttribute('data-sub')); if(!s) return;
+    var s=f.closest('.node').nextElementSibling; if(!s||!s.classList.contains('sub')) return;
     s.classList.toggle('folded'); f.textContent=s.classList.contains('folded')?'▸':'▾';});});
   if(buttons.length){show(buttons[0].getAttribute('data-target'));} else {body.classList.remove('js');}
 })();
