@@ -548,11 +548,15 @@ def _render_node(node: dict, num_children: int, backup: bool) -> str:
     if node.get("observation"):
         obs_tokens = node.get("observation_tokens")
         body.append(f'<div class="obs"><span class="lbl">observation'
-                    f'{f" ({int(obs_tokens)} tokens)" if obs_tokens else ""}</span>'
+                    f'{f" ({_tokens(obs_tokens)})" if obs_tokens else ""}</span>'
                     f'{_folded(node["observation"], "obstext", SHOWN_CHARS // 2)}</div>')
     fold = '<button class="fold" title="fold or unfold the subtree">▾</button>' if num_children > 1 else ""
     return (f'<div {" ".join(attrs)}{style}><div class="head">{fold}{"".join(head)}</div>'
             f'{"".join(body)}</div>')
+
+
+def _tokens(n) -> str:
+    return f"{int(n)} token" + ("" if int(n) == 1 else "s")
 
 
 def _attribute_name(key: str) -> str:
@@ -645,7 +649,7 @@ padding:6px 10px;border-radius:4px}.main{display:flex;align-items:flex-start}
 nav{position:sticky;top:0;width:230px;flex:none;max-height:100vh;overflow:auto;padding:8px;border-right:1px solid
 var(--line)}.navtitle{color:var(--mut);font-size:11px;text-transform:uppercase;margin:0 0 4px}
 .navbtn{display:block;width:100%;text-align:left;border:1px solid var(--line);background:#fff;border-radius:4px;
-padding:5px 7px;margin:0 0 5px;cursor:pointer;font:inherit}.navbtn.active{border-color:#3b6fd8;background:#eef3ff}
+padding:5px 7px;margin:0 0 5px;cursor:pointer;font:inherit;overflow-wrap:anywhere}.navbtn.active{border-color:#3b6fd8;background:#eef3ff}
 .navbtn .num{font-weight:600}.navbtn .sub{display:block;color:var(--mut);font-size:11px}
 main{flex:1;padding:8px 16px;overflow:auto}body.js section.prompt{display:none}body.js section.prompt.active{display:block}
 section.prompt{margin-bottom:24px}.prompttext summary{cursor:pointer;color:var(--mut)}
