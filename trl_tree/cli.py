@@ -5,6 +5,7 @@
     trl-tree treepo --config recipe.yaml --accelerate_config accelerate_configs/deepspeed_zero3.yaml
     trl-tree at2po --num_processes 2 --accelerate_config multi_cpu
     trl-tree treeadv --entropy_threshold 0.8 --max_branches_per_tree 3
+    trl-tree view RUN_DIR                               # render the run's saved rollout-tree pages again
 
 Each method runs `trl_tree/scripts/<method>.py` (the same entry point as `examples/train_hotpot.py`) through
 `accelerate launch`. Arguments the script does not know (`--num_processes`, `--config_file`, `--mixed_precision`, ...)
@@ -15,6 +16,10 @@ start and before/after evaluation; only the config and trainer class differ. The
 budget, at most 12 leaves per prompt (4 complete trajectories and 8 continuations): TreeOPSD/TreePO (M, N) = (4, 2),
 AT2PO M = 4 with 2 rounds of 4 branches (its library default, M = 10 and 2 rounds of 6, would be 22 leaves), TreeAdv
 4 trees of at most 1 + 2 leaves (`trl_tree.scripts.hotpot.OFFLINE_METHOD_DEFAULTS`).
+
+`view` is no training method and runs in this process, without accelerate: it reads the data that a run with
+`log_completions=True` saved under `OUTPUT_DIR/tree_view/` and writes the HTML pages again
+(`trl_tree.tree_view.render_run`).
 
 There is no `treeflex` command. `TreeFlexTrainer` rolls out with a two-role harness (`trl_tree.rollout.flex_harness`):
 a Reflection block without tools writes instructions or the `<answer>`, and Execution segments restart from restored
@@ -39,6 +44,7 @@ COMMANDS = {
     "at2po": "Train a HotpotQA search agent with AT2PO (entropy-guided expansion, turn credit, ATPO loss).",
     "treeadv": "Train a HotpotQA search agent with TreeAdv (branching at high-entropy tokens, segment advantages).",
 }
+VIEW_HELP = "Render the rollout-tree pages of a run again from its saved data (OUTPUT_DIR/tree_view/*.json)."
 # accelerate_configs/ at the root of a source checkout (it is not part of the installed package)
 _REPO_CONFIGS = Path(__file__).resolve().parent.parent / "accelerate_configs"
 
@@ -49,10 +55,36 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Tree-structured agentic RL on top of TRL. Run `trl-tree <command> --help` for a command's options.",
         allow_abbrev=False,
     )
-    subparsers = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
+    subparsers = parser.add_subparsers(dest="command", metavar="{" + ",".join([*COMMANDS, "view"]) + "}")
     for name, help_text in COMMANDS.items():
         subparsers.add_parser(name, help=help_text, add_help=False)  # the script's own parser prints its help
+    _add_view_arguments(subparsers.add_parser("view", help=VIEW_HELP, description=VIEW_HELP))
     return parser
+
+
+def _add_view_arguments(parser: argparse.ArgumentParser) -> None:
+    from trl_tree.tree_view import MAX_CHARS, MAX_NODES
+
+    parser.add_argument("run_dir", help="a run's output_dir, its tree_view/ folder, or one saved .json file")
+    parser.add_argument("--out", default=None, help="write the pages here instead of beside their data")
+    parser.add_argument("--max-nodes", type=int, default=MAX_NODES, help="nodes per page before it is cut")
+    parser.add_argument("--max-chars", type=int, default=MAX_CHARS, help="text characters per page before it is cut")
+
+
+def view(argv: list[str]) -> int:
+    """`trl-tree view RUN_DIR`: re-render the saved pages (no accelerate, no model)."""
+    from trl_tree.tree_view import render_run
+
+    parser = argparse.ArgumentParser(prog="trl-tree view", description=VIEW_HELP)
+    _add_view_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        pages = render_run(args.run_dir, args.out, max_nodes=args.max_nodes, max_chars=args.max_chars)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"trl-tree view: {e}") from e
+    for page in pages:
+        print(page)
+    return 0
 
 
 def resolve_accelerate_config(launch_args: list[str]) -> list[str]:
@@ -108,8 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0
+    if argv[0] == "view":
+        return view(argv[1:])
     if argv[0] not in COMMANDS:
-        parser.error(f"unknown command {argv[0]!r}; choose one of: {', '.join(COMMANDS)}.")
+        parser.error(f"unknown command {argv[0]!r}; choose one of: {', '.join([*COMMANDS, 'view'])}.")
     return launch(argv[0], argv[1:])
 
 

@@ -59,11 +59,13 @@ def correct_answer(completions, answer, **kwargs):
 
 
 def build_trainer(out: str, use_lora: bool = False, max_steps: int = 2, packing: str = "tree", method="treeopsd",
-                  use_tools: bool = True, warm_start_steps: int = 150, max_completion_length: int = 96):
+                  use_tools: bool = True, warm_start_steps: int = 150, max_completion_length: int = 96,
+                  **config_fields):
     """A warm-started tiny model, a calculator tool, two optimizer blocks per generation batch.
 
     `use_tools=False`: single-turn math instead: the same questions, answered directly (warm start on the question
-    and the final answer, no tool schema in the prompt), with the same verifiable reward.
+    and the final answer, no tool schema in the prompt), with the same verifiable reward. `config_fields` go to the
+    method's config (e.g. `log_completions=True`).
     """
     trainer_cls, config_cls, overrides = METHODS[method]
     model, tok = tiny_model_and_tokenizer()
@@ -88,7 +90,7 @@ def build_trainer(out: str, use_lora: bool = False, max_steps: int = 2, packing:
         output_dir=out, per_device_train_batch_size=one_tree, gradient_accumulation_steps=1, steps_per_generation=2,
         max_steps=max_steps, packing=packing, **tree_fields, max_turns=3, max_completion_length=max_completion_length,
         learning_rate=1e-2, logging_steps=1, report_to="none", bf16=False, gradient_checkpointing=False,
-        save_strategy="no", use_cpu=not torch.cuda.is_available(), seed=0,
+        save_strategy="no", use_cpu=not torch.cuda.is_available(), seed=0, **config_fields,
     )
     return trainer_cls(model=model, reward_funcs=correct_answer, args=args, train_dataset=ds,
                        processing_class=tok, tools=[calculator] if use_tools else None, peft_config=peft_config)

@@ -67,6 +67,7 @@ class Branch:
     environment: TreeEnvironment | None = None
     env_calls: list[RecordedCall] = field(default_factory=list)
     take_snapshots: bool = False
+    round: int = 0  # the sampling round that created the branch (0: initial trajectories); the tree view shows it
 
     @property
     def completion_len(self) -> int:
@@ -375,6 +376,7 @@ class InitExpandSampler:
         ]
         for branch in expansions:
             branch.take_snapshots = False  # continuations are leaves: nothing restarts from them
+            branch.round = 1
         self.loop.run(expansions)
         per_tree: list[list[Branch]] = [[] for _ in roots]
         for branch in initial + expansions:
@@ -413,8 +415,10 @@ class EntropyGuidedSampler:
             for i, root in enumerate(roots)
         ]
         self.loop.run([b for branches in per_tree for b in branches])
-        for _ in range(self.rounds):
+        for r in range(self.rounds):
             new = [self._expand(root, branches) for root, branches in zip(roots, per_tree)]
+            for b in (b for branches in new for b in branches):
+                b.round = r + 1
             self.loop.run([b for branches in new for b in branches])
             for branches, added in zip(per_tree, new):
                 branches.extend(added)

@@ -164,6 +164,7 @@ class TokenEntropySampler:
                 for m, tree in enumerate(forest):
                     quota = math.ceil((self.max_branches - used[x][m]) / (self.rounds - r))
                     for child in self._branch(root, tree, cuts[x], self.threshold, quota):
+                        child.round = r + 1
                         tree.append(child)
                         added[x].append(child)
                         new.append(child)
@@ -206,6 +207,8 @@ class TokenEntropySampler:
                 continue
             tree = forest[0]
             children = self._branch(root, tree, cuts[x], -math.inf, 1) or [tree[0].restart_at(0)]
+            for child in children:
+                child.round = self.rounds + 1
             tree.extend(children)
             added[x].extend(children)
             used[x][0] += len(children)

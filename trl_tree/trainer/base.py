@@ -36,6 +36,7 @@ from ..rollout.samplers import SamplerSettings, TreeRoot, TurnLoop
 from ..tree import RolloutTree
 from . import components, model_card, resume
 from .config import TreeConfig
+from .tree_view_logging import TreeViewRecorder
 
 PER_TURN = "credit_"  # batch keys of per-turn tensors, padded to the largest tree: [N, max_turns]
 
@@ -81,6 +82,10 @@ class TreeTrainer(GRPOTrainer):
         self.sampler = self.build_sampler(self._turn_loop)
         self.environment_pool = self._build_environment_pool()
         self._print_effective_batch()
+        # the rollout-tree view (one page per generation batch), with the completions table of log_completions
+        self._tree_view = TreeViewRecorder(self) if self.log_completions else None
+        if self._tree_view is not None:
+            self.add_callback(self._tree_view)
 
     # ---------------------------------------------------------------- set-up
 
@@ -465,6 +470,13 @@ class TreeTrainer(GRPOTrainer):
         """Which of the E sequential optimizer blocks of the current generation batch is being trained."""
         return (trl_internals.micro_step(self) % self.args.steps_per_generation) // self.args.gradient_accumulation_steps
 
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """GRPOTrainer's `log` (metrics, and the completions table with `log_completions`), then the rollout-tree view
+        of the last finished generation batch, saved and logged to the trackers (`trl_tree.tree_view`)."""
+        super().log(logs, start_time)
+        if self._tree_view is not None:
+            self._tree_view.write_ready()
+
     # ---------------------------------------------------------------- checkpoints
 
     def _save_rng_state(self, output_dir: str) -> None:
@@ -577,6 +589,8 @@ class TreeTrainer(GRPOTrainer):
         self.log_turn_credit(metrics, per_turn)
         if self.log_completions:
             self._log_tree_completions(prompts, trees, branches_per_tree)
+            if self._tree_view is not None:
+                self._tree_view.record_trees(mode, prompts, trees, branches_per_tree, per_turn)
 
     def _log_tool_use(self, metrics, calls: list[int], failures: list[int]) -> None:
         """GRPOTrainer's tool metrics, one completion = one leaf (every call of its history, shared turns included):

@@ -502,6 +502,8 @@ class TreeFlexTrainer(TreeTrainer):
             metrics[f"treeflex/token_share/{role}"].append(self._mean_over_ranks(share))
         if self.log_completions:
             self._log_flex_completions(prompts, groups)
+            if self._tree_view is not None:
+                self._tree_view.record_flex(mode, prompts, groups, per_turn)
 
     def _log_flex_completions(self, prompts, groups: list[FlexGroup]):
         from accelerate.utils import gather_object

@@ -1,0 +1,333 @@
+"""The rollout-tree view (`trl_tree.tree_view`): with `log_completions` every method writes a page per generation batch
+whose content is the trainer's own tree and credit; `trl-tree view RUN_DIR` renders it again from the saved data;
+untrusted text cannot run code in the viewer's browser; huge trees are cut with a note; W&B and Trackio get the page
+where they take HTML."""
+
+import json
+import math
+import sys
+import types
+from html.parser import HTMLParser
+
+import pytest
+import torch
+from scripted import arithmetic_dataset, config, contains_answer, scripted_engine, tiny
+from test_trainer_scripted import REPLIES
+
+from trl_tree import AT2POConfig, AT2POTrainer, RolloutTree, TreeOPSDConfig, TreeOPSDTrainer, Turn, cli, losses
+from trl_tree import credit as credit_lib
+from trl_tree import tree_view as tv
+from trl_tree.packing import PackedTrees, packed_token_logps
+from trl_tree.testing import calculator
+from trl_tree.trainer import tree_view_logging
+from trl_tree.trainer.base import _flatten_micro_batch
+
+# ------------------------------------------------------------------------------------------------------ helpers
+
+
+class _Page(HTMLParser):
+    """The page's nodes (their data-* attributes) and its <script> elements, as a browser would parse them."""
+
+    def __init__(self, text: str):
+        super().__init__(convert_charrefs=True)
+        self.nodes, self.scripts, self.text = [], [], []
+        self._in_script = False
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "script":
+            self._in_script = True
+            self.scripts.append("")
+        if tag == "div" and "node" in (attrs.get("class") or "").split():
+            self.nodes.append(attrs)
+        if any(name.startswith("on") for name in attrs):  # an event-handler attribute would run code
+            self.scripts.append(f"handler on <{tag}>")
+
+    def handle_endtag(self, tag):
+        if tag == "script":
+            self._in_script = False
+
+    def handle_data(self, data):
+        if self._in_script:
+            self.scripts[-1] += data
+        else:
+            self.text.append(data)
+
+    def turns(self) -> list[dict]:
+        return [n for n in self.nodes if n.get("data-kind") == "turn"]
+
+
+def _credit_per_unit(trainer) -> list[dict[str, list[float]]]:
+    """Every tree's (group's) per-turn credit as the loss read it: the buffered micro-batches of the last generation
+    batch, in unit order."""
+    out = []
+    for batch in trainer._buffered_inputs:
+        for n, count in enumerate(batch["credit_count"].tolist()):
+            out.append({key[len("credit_"):]: value[n, :count].tolist() for key, value in batch.items()
+                        if key.startswith("credit_") and value.dim() == 2})
+    return out
+
+
+def _only_page(tmp_path, prefix="step_"):
+    pages = sorted((tmp_path / "tree_view").glob(f"{prefix}*.html"))
+    assert len(pages) == 1, pages
+    data = json.loads(pages[0].with_suffix(".json").read_text())
+    return pages[0], data, _Page(pages[0].read_text())
+
+
+def _assert_turns_once_with_credit(page: _Page, data: dict, credits: list[dict], keys=("A",)):
+    """Every unique turn of every prompt is drawn exactly once, with the trainer's credit for it."""
+    sections = page.turns()
+    assert len(data["prompts"]) == len(credits)
+    offset = 0
+    for record, credit in zip(data["prompts"], credits):
+        turns = sections[offset : offset + record["num_turns"]]
+        offset += record["num_turns"]
+        assert sorted(int(n["data-node"]) for n in turns) == list(range(record["num_turns"]))
+        for node in turns:
+            i = int(node["data-node"])
+            for key in keys:
+                assert math.isclose(float(node[f"data-{key.lower()}"]), credit[key][i], rel_tol=1e-6, abs_tol=1e-7)
+    assert offset == len(sections)
+
+
+def _tree_trainer(cls, config_cls, tmp_path, replies=REPLIES, **overrides):
+    model, tok = tiny()
+    args = config(config_cls, tmp_path, log_completions=True, **overrides)
+    trainer = cls(model=model, reward_funcs=contains_answer, args=args, train_dataset=arithmetic_dataset(1),
+                  processing_class=tok, tools=[calculator])
+    trainer.generation_engine = scripted_engine(tok, replies)
+    trees = []
+    original = trainer.turn_credit
+    trainer.turn_credit = lambda tree: trees.append(tree) or original(tree)
+    return trainer, trees
+
+
+# ------------------------------------------------------------------------------------------------------ methods
+
+
+def test_treeopsd_page_shows_each_unique_turn_once_with_its_credit_rewards_and_p_after_the_update(tmp_path):
+    trainer, trees = _tree_trainer(TreeOPSDTrainer, TreeOPSDConfig, tmp_path, target_radius=0.25)
+    trainer.train()
+    path, data, page = _only_page(tmp_path)
+    tree, credit = trees[0], _credit_per_unit(trainer)
+    _assert_turns_once_with_credit(page, data, credit, keys=("A", "q"))
+    nodes = {int(n["data-node"]): n for n in page.turns()}
+    for i, turn in enumerate(tree.turns):
+        assert int(nodes[i]["data-multiplicity"]) == turn.multiplicity
+        ending = [tree.rewards[k] for k, leaf in enumerate(tree.leaf_of) if leaf == i]
+        assert json.loads(nodes[i].get("data-rewards", "[]")) == ending  # leaves carry their rewards
+    A_k = credit_lib.standardize(torch.tensor(tree.rewards, dtype=torch.float64)).tolist()  # T1
+    for node in data["prompts"][0]["nodes"]:
+        assert node.get("leaf_advantages", []) == pytest.approx([A_k[k] for k in node["trajectories"]])
+    assert max(t.multiplicity for t in tree.turns) == 2  # the scripted tree has a merged leaf: shown as ×2
+    assert "×2" in "".join(page.text)
+    # p after the update = σ(mean log-ratio) of the trained model on the very rows it trained, per turn
+    batch = trainer._buffered_inputs[0]
+    packed = PackedTrees.from_dict(batch)
+    with torch.no_grad():
+        logps, _ = packed_token_logps(trainer.model, packed)
+    flat = _flatten_micro_batch(packed, logps, batch)
+    s = losses.turn_mean_log_ratio(flat["logps"], flat["old_logps"], flat["turn_ids"], tree.num_turns)
+    for i in range(tree.num_turns):
+        assert math.isclose(float(nodes[i]["data-p-after"]), torch.sigmoid(s[i]).item(), rel_tol=1e-5)
+    assert any(abs(float(n["data-p-after"]) - 0.5) > 1e-4 for n in nodes.values())  # the update moved them
+    assert "after 1 of the 1 optimizer steps" in data["after_note"]
+
+
+def test_at2po_page_marks_the_expansion_round_of_each_new_turn(tmp_path):
+    trainer, trees = _tree_trainer(AT2POTrainer, AT2POConfig, tmp_path, num_initial_rollouts=2, expansion_rounds=1,
+                                   branches_per_round=1)
+    trainer.train()
+    _, data, page = _only_page(tmp_path)
+    _assert_turns_once_with_credit(page, data, _credit_per_unit(trainer))
+    tree = trees[0]
+    rounds = {int(n["data-node"]): int(n["data-round"]) for n in page.turns()}
+    # a turn is as old as the earliest trajectory through it: the re-sampled branch (the last one) adds round-1 turns
+    created_by_expansion = set(tree.paths[-1]) - {i for path in tree.paths[:-1] for i in path}
+    assert created_by_expansion and all(rounds[i] == 1 for i in created_by_expansion)
+    assert all(rounds[i] == 0 for i in set(range(tree.num_turns)) - created_by_expansion)
+
+
+def test_treeadv_page_shows_token_level_branch_points(tmp_path):
+    from test_treeadv_trainer import TAU, _math_script
+    from test_treeadv_trainer import _trainer as treeadv_trainer
+
+    trainer, trees = treeadv_trainer(tmp_path, _math_script(), num_initial_rollouts=2, entropy_threshold=TAU,
+                                     max_branches_per_tree=2, min_segment_length=3, max_turns=1,
+                                     log_completions=True)
+    trainer.train()
+    _, data, page = _only_page(tmp_path)
+    _assert_turns_once_with_credit(page, data, _credit_per_unit(trainer))
+    partial = {int(n["data-node"]) for n in page.turns() if n.get("data-partial")}
+    assert partial == {i for i, t in enumerate(trees[0].turns) if t.partial} and partial
+    assert "✂ tokens 0–" in "".join(page.text)  # a segment that stops inside its assistant turn
+
+
+def test_treeflex_page_shows_searches_blocks_and_turn_credit(tmp_path):
+    from test_treeflex_trainer import _trainer as treeflex_trainer
+
+    trainer, groups = treeflex_trainer(tmp_path, log_completions=True)
+    trainer.train()
+    _, data, page = _only_page(tmp_path)
+    _assert_turns_once_with_credit(page, data, _credit_per_unit(trainer))
+    group = groups[0]
+    kinds = [n["data-kind"] for n in page.nodes]
+    assert kinds.count("search") == len(group.searches) and kinds.count("block") == len(group.trees)
+    searches = [n for n in page.nodes if n["data-kind"] == "search"]
+    assert [json.loads(n["data-rewards"]) for n in searches] == [[r] for r in group.scores.tolist()]
+
+
+def test_an_evaluation_batch_gets_a_page_without_after_probabilities(tmp_path):
+    trainer, _ = _tree_trainer(TreeOPSDTrainer, TreeOPSDConfig, tmp_path)
+    trainer.model.eval()
+    trainer._prepare_inputs([trainer.train_dataset[0]] * trainer.num_generations_eval)
+    trainer.log({})
+    _, data, page = _only_page(tmp_path, prefix="eval_step_")
+    assert data["mode"] == "eval" and page.turns()
+    assert all("data-p-after" not in n for n in page.turns())
+
+
+# ------------------------------------------------------------------------------------------------------ re-render
+
+
+def test_trl_tree_view_renders_the_saved_pages_again_without_accelerate(tmp_path, monkeypatch, capsys):
+    trainer, _ = _tree_trainer(TreeOPSDTrainer, TreeOPSDConfig, tmp_path)
+    trainer.train()
+    path, _, _ = _only_page(tmp_path)
+    original = path.read_text()
+    path.unlink()
+    monkeypatch.setattr(cli, "launch", lambda *a, **k: pytest.fail("view must not go through accelerate launch"))
+    assert cli.main(["view", str(tmp_path)]) == 0
+    assert path.read_text() == original
+    assert str(path) in capsys.readouterr().out
+    out = tmp_path / "elsewhere"
+    assert cli.main(["view", str(path.with_suffix(".json")), "--out", str(out), "--max-nodes", "1"]) == 0
+    assert "nodes are not shown" in (out / path.name).read_text()
+
+
+def test_view_of_a_folder_without_saved_data_says_what_to_do(tmp_path):
+    with pytest.raises(SystemExit, match="log_completions=True"):
+        cli.main(["view", str(tmp_path)])
+    (tmp_path / "x.json").write_text('{"some": "json"}')
+    with pytest.raises(SystemExit, match="not tree-view data"):
+        cli.main(["view", str(tmp_path / "x.json")])
+
+
+# ------------------------------------------------------------------------------------------------------ bad input
+
+HOSTILE = '<script>alert(1)</script>\x1b[31m\x00 <img src=x onerror="alert(2)"> \u202eevil" onclick="alert(3)'
+
+
+def _tree_with_text(texts: list[str]) -> tuple[RolloutTree, dict]:
+    """A chain of turns (token id = index into `texts`), and a decode that returns the text of each id."""
+    turns = [Turn([i], [0.0], [i]) for i in range(len(texts))]
+    tree = RolloutTree.from_trajectories([0], [turns[:1], turns], [0.0, 1.0])
+    credit = {"A": torch.linspace(-1, 1, tree.num_turns), "q": torch.full((tree.num_turns,), 0.5)}
+    return tree, credit
+
+
+def _decode_with(texts):
+    return lambda ids: "".join(texts[i] for i in ids)
+
+
+def test_model_and_tool_text_cannot_run_code_in_the_page():
+    texts = [HOSTILE, "fine", "</pre></div></body>" + HOSTILE]
+    tree, credit = _tree_with_text(texts)
+    record = tv.tree_record(tree, credit, _decode_with(texts), [{"role": "user", "content": HOSTILE}],
+                            reward_columns={HOSTILE: [1.0, None]})
+    page_text = tv.render_page(tv.page_data([record], step=1, method=HOSTILE, credit=HOSTILE))
+    page = _Page(page_text)
+    assert page.scripts == [tv._JS]  # the page's own script only: no <script> and no on* handler from the data
+    assert "\x1b" not in page_text and "\x00" not in page_text and "\u202e" not in page_text
+    shown = "".join(page.text)
+    assert "<script>alert(1)</script>" in shown and "\\x1b[31m" in shown and "\\u202e" in shown  # shown as text
+    assert len(page.turns()) == tree.num_turns
+    # a hand-edited data file (`trl-tree view` renders saved JSON) cannot add attributes either
+    record["nodes"][0]["credit"]['x" onmouseover="alert(4)'] = 1.0
+    record["nodes"][1]["kind"] = 'turn" onclick="alert(5)'
+    assert _Page(tv.render_page(tv.page_data([record], step=1, method="m"))).scripts == [tv._JS]
+
+
+def test_a_huge_tree_is_cut_with_a_note_and_shown_nodes_keep_their_ancestors():
+    texts = [f"turn {i} " + "x" * 50 for i in range(400)]
+    chains = [[Turn([0], [0.0])] + [Turn([i], [0.0]) for i in range(1, j)] for j in range(2, 400, 3)]
+    tree = RolloutTree.from_trajectories([0], chains, [float(k % 2) for k in range(len(chains))])
+    record = tv.tree_record(tree, {"A": torch.zeros(tree.num_turns)}, _decode_with(texts), "q")
+    page = _Page(tv.render_page(tv.page_data([record], step=3, method="m"), max_nodes=60))
+    shown = {int(n["data-node"]) for n in page.turns()}
+    assert len(shown) == 60
+    assert all(tree.turns[i].parent in shown or tree.turns[i].parent == -1 for i in shown)
+    assert f"{tree.num_turns - 60} of {tree.num_turns} nodes are not shown" in " ".join(page.text)
+    by_chars = _Page(tv.render_page(tv.page_data([record], step=3, method="m"), max_chars=2000))
+    assert 0 < len(by_chars.turns()) < 40 and "nodes are not shown" in " ".join(by_chars.text)
+
+
+def test_long_texts_are_cut_in_the_data_and_folded_on_the_page():
+    texts = ["a" * (tv.MAX_ACTION_CHARS + 10), "b" * 500]
+    tree, credit = _tree_with_text(texts)
+    record = tv.tree_record(tree, credit, _decode_with(texts), "q")
+    assert record["nodes"][0]["action"].endswith("[10 more characters not saved]")
+    assert "<details" in tv.render_page(tv.page_data([record], step=0, method="m"))
+
+
+def test_credit_of_another_tree_is_rejected_with_the_reason():
+    tree, _ = _tree_with_text(["a", "b"])
+    with pytest.raises(ValueError, match="credit .A. has 5 values for 3 turns"):
+        tv.tree_record(tree, {"A": torch.zeros(5)}, _decode_with(["a", "b"]), "q")
+
+
+# ------------------------------------------------------------------------------------------------------ trackers
+
+
+def _fake_module(name, monkeypatch, with_html=True, active=True):
+    logged = []
+    module = types.ModuleType(name)
+    module.run = object() if active else None
+    module.log = lambda values, **kwargs: logged.append(values)
+    if with_html:
+        class Html:
+            def __init__(self, data, inject=True):
+                self.html, self.inject = data.read(), inject
+
+        module.Html = Html
+    monkeypatch.setitem(sys.modules, name, module)
+    return logged
+
+
+def test_the_page_goes_to_wandb_and_trackio_where_they_take_html(monkeypatch):
+    wandb = _fake_module("wandb", monkeypatch)
+    trackio = _fake_module("trackio", monkeypatch)
+    assert tree_view_logging.log_page_to_trackers("<html>page</html>", ["wandb", "trackio"]) == ["wandb", "trackio"]
+    for logged in (wandb, trackio):
+        (entry,) = logged
+        assert entry["tree_view"].html == "<html>page</html>" and entry["tree_view"].inject is False
+    assert tree_view_logging.log_page_to_trackers("<html/>", ["tensorboard"]) == []
+
+
+def test_no_active_wandb_run_or_no_trackio_html_type_means_file_only(monkeypatch):
+    wandb = _fake_module("wandb", monkeypatch, active=False)
+    trackio = _fake_module("trackio", monkeypatch, with_html=False)
+    assert tree_view_logging.log_page_to_trackers("<html/>", "wandb") == []
+    assert tree_view_logging.log_page_to_trackers("<html/>", ["trackio"]) == []
+    assert wandb == [] and trackio == []
+
+
+def test_the_trainer_logs_each_finished_page_once_on_the_main_process(tmp_path, monkeypatch):
+    sent = []
+    monkeypatch.setattr(tree_view_logging, "log_page_to_trackers", lambda page, report_to: sent.append(page))
+    trainer, _ = _tree_trainer(TreeOPSDTrainer, TreeOPSDConfig, tmp_path)
+    trainer.train()  # logs at step 1 and at the end of training: the page goes out once
+    path, _, _ = _only_page(tmp_path)
+    assert sent == [path.read_text()]
+
+
+def test_without_log_completions_nothing_is_collected_or_written(tmp_path):
+    model, tok = tiny()
+    args = config(TreeOPSDConfig, tmp_path)
+    trainer = TreeOPSDTrainer(model=model, reward_funcs=contains_answer, args=args,
+                              train_dataset=arithmetic_dataset(1), processing_class=tok, tools=[calculator])
+    trainer.generation_engine = scripted_engine(tok, REPLIES)
+    trainer.train()
+    assert trainer._tree_view is None and not (tmp_path / "tree_view").exists()
