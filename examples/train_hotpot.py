@@ -1,6 +1,6 @@
 """Train a HotpotQA search agent with TreeOPSD.
 
-Offline, on a laptop (tiny model, synthetic multi-hop world, BM25; a few minutes on 2 CPU cores):
+Offline, on a laptop (tiny model, synthetic multi-hop world, BM25; a few minutes on a CPU):
 
     accelerate launch examples/train_hotpot.py
 

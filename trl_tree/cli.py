@@ -1,7 +1,7 @@
 """The `trl-tree` console command, in the style of `trl grpo`: `trl-tree <method> [accelerate args] [script args]`.
 
     trl-tree treeopsd                                   # the offline default of examples/train_hotpot.py
-    trl-tree treepo --model_name_or_path Qwen/Qwen3-0.6B --dataset_name my_org/my_prompts \
+    trl-tree treepo --model_name_or_path Qwen/Qwen3-0.6B --dataset_name my_org/my_prompts \\
         --reward_funcs my_pkg.rewards.f1 --tools my_pkg.tools.search     # any dataset, rewards and tools by import path
     trl-tree at2po --config my_recipe.yaml --environment_factory my_pkg.env.Env --accelerate_config multi_gpu
     trl-tree treeopsd --config examples/recipes/treeopsd_hotpot_qwen3_4b.yaml --accelerate_config deepspeed_zero3
@@ -15,11 +15,11 @@ not know (`--num_processes`, `--config_file`, `--mixed_precision`, ...) go to `a
 `--accelerate_config NAME_OR_PATH` picks one of the configs shipped in `trl_tree/accelerate_configs/` by name, or a
 file. The script's arguments, and the import paths they name, are checked before anything is launched.
 
-Every method trains the same HotpotQA search agent (`trl_tree.scripts.hotpot`): same data, retriever, reward, warm
-start and before/after evaluation; only the config and trainer class differ. Their offline defaults share one tree
-budget, at most 12 leaves per prompt (4 complete trajectories and 8 continuations): TreeOPSD/TreePO (M, N) = (4, 2),
-AT2PO M = 4 with 2 rounds of 4 branches (its library default, M = 10 and 2 rounds of 6, would be 22 leaves), TreeAdv
-4 trees of at most 1 + 2 leaves (the recipe `trl_tree/recipes/hotpot_offline.yaml`).
+In the HotpotQA form every method trains the same search agent (`trl_tree.scripts.hotpot`): same data, retriever,
+reward, warm start and before/after evaluation; only the config and trainer class differ. Their offline defaults share
+one tree budget, at most 12 leaves per prompt (4 complete trajectories and 8 continuations): TreeOPSD/TreePO (M, N) =
+(4, 2), AT2PO M = 4 with 2 rounds of 4 branches (its library default, M = 10 and 2 rounds of 6, would be 22 leaves),
+TreeAdv 4 trees of at most 1 + 2 leaves (the recipe `trl_tree/recipes/hotpot_offline.yaml`).
 
 There is no `treeflex` command. `TreeFlexTrainer` rolls out with a two-role harness (`trl_tree.rollout.flex_harness`):
 a Reflection block without tools writes instructions or the `<answer>`, and Execution segments restart from restored
@@ -29,9 +29,9 @@ the single-role tool loop of the other trainers (one conversation that searches 
 loop's single-agent instruction. Trained through this script, TreeFlex would optimise an agent that the script never
 warm-starts nor evaluates, so its EM/F1 would not measure what it trained. Use `TreeFlexTrainer` from Python
 (README, "Use it like GRPOTrainer") until an evaluation of the two-role agent exists. The generic form has no such
-obstacle (it neither warm-starts nor evaluates, and `TreeFlexTrainer` takes the same reward functions, `tools=` and
-`environment_factory=`): TreeFlex can join it as a command that refuses the HotpotQA form, once the methods' table
-lists it.
+obstacle: it neither warm-starts nor evaluates, and `TreeFlexTrainer` takes the same reward functions, `tools=` and
+`environment_factory=` (it trains on what `trl_tree.scripts.generic` loads). TreeFlex can join as a command that runs
+the generic form only, once the methods' table lists it with its config.
 """
 
 from __future__ import annotations
