@@ -1,13 +1,13 @@
 """Train a HotpotQA search agent with TreeOPSD.
 
-Offline, on a laptop (tiny model, synthetic multi-hop world, BM25; a few minutes on 2 CPU cores):
+Offline, on a laptop (tiny model, synthetic multi-hop world, BM25; a few minutes on a CPU):
 
     accelerate launch examples/train_hotpot.py
 
 The paper's setting (Qwen3-4B-Thinking-2507, HotpotQA distractor, 8 GPUs; add `--retriever remote
 --retriever_url http://host:8000` for a Search-R1 E5 server over Wikipedia, as the paper):
 
-    accelerate launch --config_file accelerate_configs/deepspeed_zero3.yaml examples/train_hotpot.py \\
+    accelerate launch --config_file trl_tree/accelerate_configs/deepspeed_zero3.yaml examples/train_hotpot.py \\
         --config examples/recipes/treeopsd_hotpot_qwen3_4b.yaml
 
 LoRA: `--use_peft --lora_r 16`. Push the model and its card: `--push_to_hub --hub_model_id you/name`.

@@ -12,8 +12,8 @@ import torch  # noqa: E402
 
 @pytest.fixture(autouse=True, scope="session")
 def _one_torch_thread():
-    """Two cores shared with the other jobs of the machine: one intra-op thread per process is much faster for the
-    tiny model (generation steps measured ~15× faster than with two contended threads)."""
+    """The tiny model's matrices are too small to split across cores: with the cores shared by other jobs, one
+    intra-op thread per process is much faster than contended threads (benchmarks/README.md, section 5)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -1,4 +1,4 @@
-"""Every accelerate config of `accelerate_configs/` loads in accelerate and says what its name promises."""
+"""Every accelerate config of `trl_tree/accelerate_configs/` loads in accelerate and says what its name promises."""
 
 import os
 import re
@@ -11,7 +11,7 @@ import pytest
 from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
 from accelerate.utils import DistributedType
 
-CONFIGS = Path(__file__).resolve().parent.parent / "accelerate_configs"
+CONFIGS = Path(__file__).resolve().parent.parent / "trl_tree" / "accelerate_configs"
 
 # name -> (distributed type, processes, use_cpu, mixed precision)
 EXPECTED = {

@@ -115,7 +115,7 @@ def test_script_arguments_go_to_the_script_and_the_rest_to_accelerate(monkeypatc
     assert Path(args.training_script).parent == REPO / "trl_tree" / "scripts"
     assert args.training_script_args == ["--max_steps", "1"]
     assert args.num_processes == 1
-    assert Path(args.config_file) == REPO / "accelerate_configs" / "multi_cpu.yaml"
+    assert Path(args.config_file) == REPO / "trl_tree" / "accelerate_configs" / "multi_cpu.yaml"  # package data
 
 
 def test_an_unknown_accelerate_config_lists_the_shipped_ones():

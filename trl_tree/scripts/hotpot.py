@@ -5,8 +5,8 @@ Two settings share this code:
 - **Offline default** (no `--dataset_name`, no `--model_name_or_path`): the tiny Qwen3 of `trl_tree.testing`, briefly
   warm-started (SFT) on scripted search conversations so that it emits parseable tool calls, a synthetic multi-hop
   world (`trl_tree.envs.synthetic`) with BM25 over its paragraphs, and a few steps of the method (TreeOPSD, TreePO,
-  AT2PO or TreeAdv, each at the same tree budget: `OFFLINE_METHOD_DEFAULTS`). Runs on 2 CPU cores in a few minutes,
-  without the Hub.
+  AT2PO or TreeAdv, each at the same tree budget), all set in the recipe `trl_tree/recipes/hotpot_offline.yaml`. Runs
+  on a CPU in a few minutes, without the Hub.
 - **The paper's setting**: `--model_name_or_path Qwen/Qwen3-4B-Thinking-2507 --dataset_name hotpotqa/hotpot_qa`, no warm
   start, the dataset's own distractor paragraphs (or `--corpus_path`, or `--retriever remote`), and the hyperparameters
   of `examples/recipes/treeopsd_hotpot_qwen3_4b.yaml`.
@@ -25,7 +25,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from trl import ModelConfig, ScriptArguments, TrlParser
@@ -111,7 +111,7 @@ class HotpotScriptArguments(HotpotDataArguments):
             SFT steps on scripted search conversations of the training questions before RL (the paper: none). A
             randomly initialised model never closes a tool call; a brief warm start teaches it the format.
         offline_defaults (`bool` or `None`, *optional*):
-            Use the small offline settings (`OFFLINE_SCRIPT_DEFAULTS`, `OFFLINE_TRAINING_DEFAULTS`). `None`: on when
+            Use the small offline settings (the recipe `trl_tree/recipes/hotpot_offline.yaml`). `None`: on when
             neither `--dataset_name` nor `--model_name_or_path` is given.
     """
 
@@ -182,60 +182,28 @@ def method_config(method: str) -> type:
     return {"treeopsd": TreeOPSDConfig, "treepo": TreePOConfig, "at2po": AT2POConfig}[method]
 
 
-# The offline run: the 2-layer tiny model of `trl_tree.testing` on 32 synthetic training questions. What was measured
-# on 2 CPU cores (see the reasons next to each value): the tiny model cannot learn to copy unseen made-up names into
-# its searches and answers in minutes, so its warm start memorises the training questions' trajectories (about half
-# answered right by greedy decoding) and RL then works on those; held-out questions stay near 0 EM. The numbers show
-# the pipeline end to end, not the paper's results.
-OFFLINE_SCRIPT_DEFAULTS: dict[str, Any] = {
-    "num_train": 32,
-    "num_eval": 32,
-    "num_eval_train": 32,  # also report the training questions, where a tiny model's RL gains can show
-    "warm_start_steps": 200,  # ~2 min; 150 steps left greedy EM on training questions at 0.16, 200 at 0.56
-    "warm_start_lr": 5e-3,
-    "warm_start_batch_size": 8,
-}
-OFFLINE_TRAINING_DEFAULTS: dict[str, Any] = {
-    "num_initial_rollouts": 4,
-    "num_branches": 2,
-    "target_radius": 0.25,
-    "max_turns": 4,  # two searches and an answer, one turn to spare
-    "max_completion_length": 768,  # a scripted trajectory (observations included) is 280-680 tiny-BPE tokens
-    # trajectories of budget, as GRPO counts completions: 4 trees of G = 8 (every method's offline budget below)
-    "per_device_train_batch_size": 32,
-    "steps_per_generation": 2,  # E = 2 optimizer blocks of 4 trees per generation batch of 8 trees
-    "max_steps": 8,  # 4 generation batches: each training question once
-    # At temperature 1.0 no sampled leaf of the warm-started tiny model earned a reward (every tree flat, nothing to
-    # learn); at 0.7 about a quarter did.
-    "temperature": 0.7,
-    # 1e-3 collapsed the policy within 8 steps (training reward 0.23 -> 0.02); 1e-4 kept it and raised the reward.
-    "learning_rate": 1e-4,
-    "lr_scheduler_type": "constant",
-    "logging_steps": 1,
-    "save_strategy": "no",
-    "report_to": "none",
-    "seed": 0,
-    "bf16": False,
-    "gradient_checkpointing": False,
-}
-# Per method, on top of OFFLINE_TRAINING_DEFAULTS: the same tree budget as TreeOPSD's (M, N) = (4, 2), i.e. at most
-# K = 12 leaves per prompt: 4 complete trajectories and 8 continuations of their prefixes. Unused fields (AT2PO's and
-# TreeAdv's num_branches and target_radius) stay as set above and are ignored by those trainers. Measured on 2 CPU
-# cores with everything else as above: AT2PO 12 leaves per tree, training reward per generation batch 0.19 0.28 0.29
-# 0.24 (~8 min, cores shared with other jobs); TreeAdv 9.4-10.5 leaves (1.3-1.6 of its 2 branch points used), reward
-# 0.13 0.22 0.32 0.19 (~4 min). Held-out EM stays near 0 as for TreeOPSD.
-OFFLINE_METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
-    "treeopsd": {},
-    "treepo": {},
-    # AT2PO's own default, M = 10 plus L = 2 rounds of K = 6 (22 leaves), is almost twice TreeOPSD's budget: keep
-    # L = 2 rounds and add 4 branches per round, so M + L·K = 4 + 2·4 = 12 (the ratio of new branches to initial
-    # trajectories, 2, is also TreeOPSD's N).
-    "at2po": {"num_initial_rollouts": 4, "expansion_rounds": 2, "branches_per_round": 4},
-    # TreeAdv's own defaults already fit: M = 4 trees of at most 1 + 2 leaves each (2 branch points per tree at tokens
-    # above τ_H = 1 nat, pieces of at least 8 tokens), K ≤ 12. Set here so the offline budget does not follow changes
-    # of the library defaults.
-    "treeadv": {"num_initial_rollouts": 4, "max_branches_per_tree": 2, "entropy_threshold": 1.0},
-}
+# The offline run's values live in a recipe file, like the paper's (`examples/recipes/`), shipped with the package.
+OFFLINE_RECIPE = "hotpot_offline.yaml"
+
+
+def _offline_recipe() -> dict[str, Any]:
+    import importlib.resources
+
+    import yaml
+
+    return yaml.safe_load(importlib.resources.files("trl_tree").joinpath("recipes", OFFLINE_RECIPE).read_text())
+
+
+def _split_offline_recipe() -> tuple[dict[str, Any], dict[str, Any], dict[str, dict[str, Any]]]:
+    """(script fields, training-config fields, per-method fields) of the offline recipe."""
+    recipe = _offline_recipe()
+    methods = recipe.pop("methods")
+    script_fields = {f.name for f in fields(HotpotScriptArguments)}
+    script = {k: v for k, v in recipe.items() if k in script_fields}
+    return script, {k: v for k, v in recipe.items() if k not in script_fields}, methods
+
+
+OFFLINE_SCRIPT_DEFAULTS, OFFLINE_TRAINING_DEFAULTS, OFFLINE_METHOD_DEFAULTS = _split_offline_recipe()
 
 
 def _cpu_only() -> bool:
@@ -258,9 +226,17 @@ def offline_defaults(method: str) -> dict[str, Any]:
     }
 
 
+# what `--help` adds: the command is not limited to HotpotQA
+_OTHER_DATA = (
+    "This is the HotpotQA example. To train on any dataset, name the reward functions (and tools or an environment) "
+    "by import path: --dataset_name DATA --model_name_or_path MODEL --reward_funcs my_pkg.rewards.f1 [--tools "
+    "my_pkg.tools.search | --environment_factory my_pkg.env.Env]; add --help to those for all their options."
+)
+
+
 def make_parser(method: str = "treeopsd", prog: str | None = None) -> TrlParser:
     """The parser of one method: `HotpotScriptArguments`, the method's config and TRL's `ModelConfig`."""
-    return TrlParser((HotpotScriptArguments, method_config(method), ModelConfig), prog=prog)
+    return TrlParser((HotpotScriptArguments, method_config(method), ModelConfig), prog=prog, epilog=_OTHER_DATA)
 
 
 def _wants_offline(argv: list[str]) -> bool:
@@ -397,80 +373,91 @@ def _format_eval(name: str, result) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def main(script_args: HotpotScriptArguments, training_args, model_args: ModelConfig) -> dict[str, Any]:
-    """Warm start (optional), evaluate, train, save, evaluate again; returns (and saves) the summary.
-
-    The trainer is chosen by the type of `training_args` (`TreeOPSDConfig` -> `TreeOPSDTrainer`, `TreePOConfig` ->
-    `TreePOTrainer`, `AT2POConfig` -> `AT2POTrainer`, `TreeAdvConfig` -> `TreeAdvTrainer`). The summary is written to
-    `output_dir/hotpot_results.json` (`RESULTS_FILE`).
-    """
-    from accelerate import PartialState
-    from trl import get_peft_config
-
-    from trl_tree.envs import examples_to_dataset, scripted_search_conversation
-    from trl_tree.envs.agent_eval import evaluate_agent, load_model_for_eval
-    from trl_tree.rewards import thresholded_f1_reward
-    from trl_tree.testing import warm_start
-
+def trainer_class_for(training_args) -> type:
+    """The trainer of a method's config: `TreeOPSDConfig` -> `TreeOPSDTrainer`, `TreePOConfig` -> `TreePOTrainer`,
+    `AT2POConfig` -> `AT2POTrainer`, `TreeAdvConfig` -> `TreeAdvTrainer`."""
     method = next((m for m in METHODS if type(training_args) is method_config(m)), None)
     if method is None:
         raise TypeError(f"training_args must be one of the methods' configs {METHODS}; got {type(training_args)}.")
-    trainer_class = method_classes(method)[1]
-    device = training_args.device  # sets up the distributed state the way the trainer will (e.g. use_cpu)
-    state = PartialState()
+    return method_classes(method)[1]
+
+
+def warm_start_policy(model, tokenizer, search, train_examples, script_args, training_args, model_args, state):
+    """SFT on scripted search conversations of the training questions; returns the first and last loss."""
+    from trl_tree.envs import scripted_search_conversation
+    from trl_tree.testing import warm_start
+
+    conversations = [scripted_search_conversation(e, search=search) for e in train_examples]
     started = time.time()
-    dataset_label = script_args.dataset_name or SYNTHETIC_DATASET
-
-    train_examples, held_out = load_questions(script_args)
-    search = build_search_tool(script_args, training_args, train_examples + held_out)
-    model, tokenizer = load_model_and_tokenizer(model_args, training_args)
-    model.to(device)
-    state.print(
-        f"[trl-tree] {trainer_class.__name__} on {dataset_label}: {len(train_examples)} training questions, "
-        f"{len(held_out)} held out; model {_model_path(model_args)}"
+    losses = warm_start(
+        model,
+        tokenizer,
+        conversations,
+        tools=[search],
+        steps=script_args.warm_start_steps,
+        lr=script_args.warm_start_lr,
+        batch_size=script_args.warm_start_batch_size,
+        seed=training_args.seed,
     )
+    if model_args.use_peft:
+        _save_warm_started_base(model, tokenizer, training_args.output_dir, state)
+    state.print(
+        f"[trl-tree] warm start: {len(losses)} SFT steps on scripted search conversations, loss "
+        f"{losses[0]:.3f} -> {losses[-1]:.3f} ({time.time() - started:.0f}s)"
+    )
+    return [losses[0], losses[-1]]
 
-    summary: dict[str, Any] = {
-        "method": trainer_class._name,
-        "dataset": dataset_label,
-        "model": _model_path(model_args),
-        "tiny_model": model_args.model_name_or_path is None,
-    }
-    if script_args.warm_start_steps > 0:
-        conversations = [scripted_search_conversation(e, search=search) for e in train_examples]
-        t = time.time()
-        losses = warm_start(
-            model,
-            tokenizer,
-            conversations,
-            tools=[search],
-            steps=script_args.warm_start_steps,
-            lr=script_args.warm_start_lr,
-            batch_size=script_args.warm_start_batch_size,
-            seed=training_args.seed,
-        )
-        summary["warm_start_loss"] = [losses[0], losses[-1]]
-        if model_args.use_peft:
-            # A LoRA adapter is saved relative to its base model's path; the base it trains on is the warm-started
-            # model, so save that next to the adapter and make it the path the adapter records.
-            base_dir = os.path.join(training_args.output_dir, "warm_start_base")
-            if state.is_main_process:
-                model.save_pretrained(base_dir)
-                tokenizer.save_pretrained(base_dir)
-            state.wait_for_everyone()
-            model.name_or_path = model.config._name_or_path = os.path.abspath(base_dir)
-        state.print(
-            f"[trl-tree] warm start: {len(losses)} SFT steps on scripted search conversations, loss "
-            f"{losses[0]:.3f} -> {losses[-1]:.3f} ({time.time() - t:.0f}s)"
-        )
 
-    settings = agent_settings(script_args, training_args)
-    evaluations = {"": held_out, "train_": train_examples[: script_args.num_eval_train]}
-    evaluations = {prefix: list(examples_to_dataset(rows)) for prefix, rows in evaluations.items() if rows}
+def _save_warm_started_base(model, tokenizer, output_dir: str, state) -> None:
+    """A LoRA adapter is saved relative to its base model's path; the base it trains on is the warm-started model, so
+    save that next to the adapter and make it the path the adapter records."""
+    base_dir = os.path.join(output_dir, "warm_start_base")
+    if state.is_main_process:
+        model.save_pretrained(base_dir)
+        tokenizer.save_pretrained(base_dir)
+    state.wait_for_everyone()
+    model.name_or_path = model.config._name_or_path = os.path.abspath(base_dir)
+
+
+def evaluation_sets(script_args: HotpotScriptArguments, train_examples, held_out) -> dict[str, list]:
+    """Prefix of the summary keys -> questions evaluated before and after training: held out (""), and the first
+    `num_eval_train` training questions ("train_"). Empty sets are left out."""
+    from trl_tree.envs import examples_to_dataset
+
+    sets = {"": held_out, "train_": train_examples[: script_args.num_eval_train]}
+    return {prefix: list(examples_to_dataset(rows)) for prefix, rows in sets.items() if rows}
+
+
+def evaluate(model, tokenizer, evaluations, search, settings, state, when: str) -> dict[str, Any]:
+    """Greedy EM / F1 of `model` on every evaluation set, as summary entries `<prefix><when>` (printed too)."""
+    from trl_tree.envs.agent_eval import evaluate_agent
+
+    results = {}
     for prefix, rows in evaluations.items():
-        before = evaluate_agent(model, tokenizer, rows, [search], settings, accelerator=state)
-        summary[prefix + "before"] = before.summary()
-        state.print("[trl-tree] " + _format_eval(prefix + "before", before))
+        result = evaluate_agent(model, tokenizer, rows, [search], settings, accelerator=state)
+        results[prefix + when] = result.summary()
+        state.print("[trl-tree] " + _format_eval(prefix + when, result))
+    return results
+
+
+def evaluate_saved(output_dir: str, tokenizer, evaluations, search, settings, state, device) -> dict[str, Any]:
+    """`evaluate` on the saved model, as eval_hotpot.py would load it: also correct when training sharded the
+    parameters."""
+    from trl_tree.envs.agent_eval import load_model_for_eval
+
+    policy, _ = load_model_for_eval(output_dir, device=device)
+    results = evaluate(policy, tokenizer, evaluations, search, settings, state, "after")
+    del policy
+    return results
+
+
+def train(trainer_class, model, tokenizer, search, train_examples, script_args, training_args, model_args):
+    """Build the method's trainer on the training questions with the search tool and the thresholded F1 reward,
+    train, and save the model to `output_dir`."""
+    from trl import get_peft_config
+
+    from trl_tree.envs import examples_to_dataset
+    from trl_tree.rewards import thresholded_f1_reward
 
     trainer = trainer_class(
         model=model,
@@ -482,21 +469,13 @@ def main(script_args: HotpotScriptArguments, training_args, model_args: ModelCon
         peft_config=get_peft_config(model_args),
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    curve = reward_curve(trainer.state.log_history)
-    summary["reward_curve"] = curve
     trainer.save_model(training_args.output_dir)
-    state.wait_for_everyone()  # the main process writes the weights that every process evaluates next
+    return trainer
 
-    if evaluations:
-        # The saved model, as eval_hotpot.py would load it: also correct when training sharded the parameters.
-        policy, _ = load_model_for_eval(training_args.output_dir, device=device)
-        for prefix, rows in evaluations.items():
-            after = evaluate_agent(policy, tokenizer, rows, [search], settings, accelerator=state)
-            summary[prefix + "after"] = after.summary()
-            state.print("[trl-tree] " + _format_eval(prefix + "after", after))
-        del policy
 
-    summary["settings"] = {  # what eval_hotpot.py needs to score the saved model on the same questions, same limits
+def run_settings(script_args: HotpotScriptArguments, training_args, train_examples, held_out) -> dict[str, Any]:
+    """What eval_hotpot.py needs to score the saved model on the same questions, with the same limits."""
+    return {
         "dataset_name": script_args.dataset_name,
         "dataset_config": script_args.dataset_config,
         "dataset_train_split": script_args.dataset_train_split,
@@ -514,6 +493,53 @@ def main(script_args: HotpotScriptArguments, training_args, model_args: ModelCon
         "max_completion_length": training_args.max_completion_length,
         "max_observation_chars": training_args.max_observation_chars,
     }
+
+
+def main(script_args: HotpotScriptArguments, training_args, model_args: ModelConfig) -> dict[str, Any]:
+    """Warm start (optional), evaluate, train, save, evaluate again; returns (and saves) the summary.
+
+    The trainer is chosen by the type of `training_args` (`trainer_class_for`). The summary is written to
+    `output_dir/hotpot_results.json` (`RESULTS_FILE`).
+    """
+    from accelerate import PartialState
+
+    trainer_class = trainer_class_for(training_args)
+    device = training_args.device  # sets up the distributed state the way the trainer will (e.g. use_cpu)
+    state = PartialState()
+    started = time.time()
+    dataset_label = script_args.dataset_name or SYNTHETIC_DATASET
+
+    train_examples, held_out = load_questions(script_args)
+    search = build_search_tool(script_args, training_args, train_examples + held_out)
+    model, tokenizer = load_model_and_tokenizer(model_args, training_args)
+    model.to(device)
+    state.print(
+        f"[trl-tree] {trainer_class.__name__} on {dataset_label}: {len(train_examples)} training questions, "
+        f"{len(held_out)} held out; model {_model_path(model_args)}"
+    )
+    summary: dict[str, Any] = {
+        "method": trainer_class._name,
+        "dataset": dataset_label,
+        "model": _model_path(model_args),
+        "tiny_model": model_args.model_name_or_path is None,
+    }
+    if script_args.warm_start_steps > 0:
+        summary["warm_start_loss"] = warm_start_policy(
+            model, tokenizer, search, train_examples, script_args, training_args, model_args, state
+        )
+
+    settings = agent_settings(script_args, training_args)
+    evaluations = evaluation_sets(script_args, train_examples, held_out)
+    summary.update(evaluate(model, tokenizer, evaluations, search, settings, state, "before"))
+    trainer = train(trainer_class, model, tokenizer, search, train_examples, script_args, training_args, model_args)
+    summary["reward_curve"] = reward_curve(trainer.state.log_history)
+    state.wait_for_everyone()  # the main process writes the weights that every process evaluates next
+    if evaluations:
+        summary.update(
+            evaluate_saved(training_args.output_dir, tokenizer, evaluations, search, settings, state, device)
+        )
+
+    summary["settings"] = run_settings(script_args, training_args, train_examples, held_out)
     summary["output_dir"] = training_args.output_dir
     summary["seconds"] = round(time.time() - started, 1)
     if state.is_main_process:
@@ -579,8 +605,8 @@ def run(method: str = "treeopsd", argv: list[str] | None = None, prog: str | Non
     if model_args.model_name_or_path is None and training_args.use_cpu and "OMP_NUM_THREADS" not in os.environ:
         import torch
 
-        # The tiny model's matrices are too small to split across cores: one thread measured 1.6x faster on 2 idle
-        # cores and ~10x faster on busy ones. (`accelerate launch` already sets OMP_NUM_THREADS=1.)
+        # The tiny model's matrices are too small to split across cores, so threads only wait for each other
+        # (benchmarks/README.md, section 5). `accelerate launch` already sets OMP_NUM_THREADS=1.
         torch.set_num_threads(1)
     return main(script_args, training_args, model_args)
 

@@ -1,7 +1,9 @@
-"""`trl-tree treeadv`: a HotpotQA search agent trained with TreeAdv (branching inside turns at high-entropy tokens,
-segment advantages, GRPO's clipped surrogate; see `trl_tree.scripts.hotpot`)."""
+"""`trl-tree treeadv`: train with TreeAdv (branching inside turns at high-entropy tokens,
+segment advantages, GRPO's clipped surrogate).
 
-from trl_tree.scripts.hotpot import run
+Any dataset with rewards and tools by import path, or the HotpotQA search agent (see `trl_tree.scripts`)."""
+
+from trl_tree.scripts import run
 
 __all__ = ["run"]
 

@@ -1,6 +1,8 @@
-"""`trl-tree treeopsd`: a HotpotQA search agent trained with TreeOPSD (see `trl_tree.scripts.hotpot`)."""
+"""`trl-tree treeopsd`: train with TreeOPSD (tree rollouts, turn-level Bernoulli forward-KL).
 
-from trl_tree.scripts.hotpot import run
+Any dataset with rewards and tools by import path, or the HotpotQA search agent (see `trl_tree.scripts`)."""
+
+from trl_tree.scripts import run
 
 __all__ = ["run"]
 

@@ -1,6 +1,8 @@
-"""`trl-tree treepo`: a HotpotQA search agent trained with TreePO, TreeOPSD's fixed-credit control."""
+"""`trl-tree treepo`: train with TreePO (TreeOPSD's trees and credit, the fixed-credit loss).
 
-from trl_tree.scripts.hotpot import run
+Any dataset with rewards and tools by import path, or the HotpotQA search agent (see `trl_tree.scripts`)."""
+
+from trl_tree.scripts import run
 
 __all__ = ["run"]
 

@@ -1,0 +1,252 @@
+"""Train any dataset with a tree method, as `trl grpo` trains one with GRPO: `trl-tree <method> --reward_funcs ...`.
+
+    trl-tree treepo --model_name_or_path Qwen/Qwen3-0.6B --dataset_name my_org/my_prompts \\
+        --reward_funcs my_pkg.rewards.f1 --tools my_pkg.tools.search
+    trl-tree treeopsd --config my_recipe.yaml --environment_factory my_pkg.env.Env --accelerate_config multi_gpu
+
+Everything is named on the command line or in the `--config` YAML, as in TRL's `trl/scripts/grpo.py`:
+
+- the data: `--dataset_name` (a Hub id, a local folder, or a local `.json` / `.jsonl` / `.csv` / `.parquet` file),
+  or a `datasets:` mixture in the YAML (TRL's `DatasetMixtureConfig`); a `prompt` column, plus any columns the
+  reward functions read;
+- the reward: `--reward_funcs` (import paths such as `trl.rewards.accuracy_reward` or `my_pkg.rewards.f1`) and/or
+  `--reward_model_name_or_path`;
+- tool use: `--tools` (import paths of functions, or of lists of functions) or `--environment_factory` (the import
+  path of a class or function that returns a fresh environment), passed to the trainer as `tools=` and
+  `environment_factory=`;
+- the model (`--model_name_or_path`, PEFT through `--use_peft`), and every field of the method's config.
+
+A module given by import path is looked up from the working directory too (as `trl grpo` does), so a file
+`my_rewards.py` next to where the command runs is `--reward_funcs my_rewards.f1`.
+
+`trl_tree.scripts.script_for` sends a command line here when it names a reward, tools or an environment; without
+any, `trl-tree <method>` runs the HotpotQA example (`trl_tree.scripts.hotpot`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
+
+from trl_tree.scripts.hotpot import machine_defaults, method_config, trainer_class_for
+
+# local data files, by suffix: the `datasets` builder that reads them
+_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+@dataclass
+class TreeScriptArguments(ScriptArguments):
+    """Arguments of the generic training script, on top of TRL's `ScriptArguments` (dataset name, config, splits).
+
+    Args:
+        reward_funcs (`list[str]`, *optional*):
+            Import paths of reward functions (`module.function`), as in `trl grpo`; TRL's own are under
+            `trl.rewards` (e.g. `trl.rewards.accuracy_reward`).
+        reward_model_name_or_path (`str`, *optional*):
+            A reward model (Hub id or local folder), used with or instead of `reward_funcs`.
+        tools (`list[str]`, *optional*):
+            Import paths of tool functions, or of a list of them, passed as the trainer's `tools=`.
+        environment_factory (`str`, *optional*):
+            Import path of a class or function returning a fresh environment (its public methods are the tools),
+            passed as the trainer's `environment_factory=`.
+    """
+
+    reward_funcs: list[str] | None = field(
+        default=None,
+        metadata={"help": "Reward functions by import path, e.g. 'trl.rewards.accuracy_reward' 'my_pkg.rewards.f1'."},
+    )
+    reward_model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Reward model id or local path (with or instead of --reward_funcs)."}
+    )
+    tools: list[str] | None = field(
+        default=None,
+        metadata={"help": "Tool functions (or lists of them) by import path, e.g. 'my_pkg.tools.search'."},
+    )
+    environment_factory: str | None = field(
+        default=None, metadata={"help": "Environment class or factory by import path, e.g. 'my_pkg.env.Env'."}
+    )
+
+
+# the arguments that make a command line this script's rather than the HotpotQA example's (`script_for`)
+SELECTING_ARGUMENTS = ("reward_funcs", "reward_model_name_or_path", "tools", "environment_factory")
+
+
+def make_parser(method: str = "treeopsd", prog: str | None = None) -> TrlParser:
+    """`TreeScriptArguments`, the method's config, TRL's `ModelConfig` and `DatasetMixtureConfig` (as `trl grpo`)."""
+    return TrlParser((TreeScriptArguments, method_config(method), ModelConfig, DatasetMixtureConfig), prog=prog)
+
+
+def prepared_parser(method: str, argv: list[str], prog: str | None = None) -> TrlParser:
+    """The method's parser with the machine's defaults (fp32 on a CPU-only machine) in place of the dataclass ones."""
+    parser = make_parser(method, prog=prog)
+    if not {"-h", "--help"} & set(argv):
+        parser.set_defaults_with_config(**machine_defaults())
+    return parser
+
+
+def parse_args(method: str = "treeopsd", argv: list[str] | None = None, prog: str | None = None):
+    """(script_args, training_args, model_args, dataset_args) from the command line and `--config`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return prepared_parser(method, argv, prog=prog).parse_args_and_config(argv)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Import paths
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def import_object(path: str, argument: str) -> Any:
+    """The object at `path` (`package.module.name`); a bad path is a ValueError naming the `argument` it came from.
+
+    The working directory is searched too, as `trl grpo` does, so that a module next to the command imports."""
+    module_name, _, name = path.rpartition(".")
+    if not module_name or not name:
+        raise ValueError(
+            f"{argument}: {path!r} is not an import path; expected 'package.module.name' (e.g. "
+            "'trl.rewards.accuracy_reward', or 'my_rewards.f1' for a my_rewards.py in the working directory)."
+        )
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"{argument}: cannot import {module_name!r} (from {path!r}): {error}") from error
+    if not hasattr(module, name):
+        raise ValueError(f"{argument}: module {module_name!r} has no attribute {name!r} (from {path!r}).")
+    return getattr(module, name)
+
+
+def load_reward_funcs(script_args: TreeScriptArguments) -> list:
+    """The reward model (by name, loaded by the trainer) and the reward functions (imported), in that order."""
+    rewards: list = [script_args.reward_model_name_or_path] if script_args.reward_model_name_or_path else []
+    for path in script_args.reward_funcs or []:
+        function = import_object(path, "--reward_funcs")
+        if not callable(function):
+            raise ValueError(f"--reward_funcs: {path!r} is a {type(function).__name__}, not a function.")
+        rewards.append(function)
+    if not rewards:
+        raise ValueError(
+            "No reward: give --reward_funcs (import paths of reward functions) and/or --reward_model_name_or_path."
+        )
+    return rewards
+
+
+def load_tools(script_args: TreeScriptArguments) -> list | None:
+    """The tool functions; a path may name one function or a list / tuple of them."""
+    tools = []
+    for path in script_args.tools or []:
+        found = import_object(path, "--tools")
+        found = list(found) if isinstance(found, list | tuple) else [found]
+        if not all(callable(tool) for tool in found):
+            raise ValueError(f"--tools: {path!r} must be a function or a list of functions.")
+        tools += found
+    return tools or None
+
+
+def load_environment_factory(script_args: TreeScriptArguments):
+    if script_args.environment_factory is None:
+        return None
+    factory = import_object(script_args.environment_factory, "--environment_factory")
+    if not callable(factory):
+        raise ValueError(
+            f"--environment_factory: {script_args.environment_factory!r} must be a class or a function that returns "
+            "a fresh environment."
+        )
+    return factory
+
+
+def check_arguments(script_args: TreeScriptArguments, training_args, model_args: ModelConfig, dataset_args) -> None:
+    """Import every object the arguments name and check that a model and data are given, so that a typo fails before
+    anything is launched (`trl-tree` calls this; `main` meets the same errors)."""
+    _require_model_and_data(script_args, model_args, dataset_args)
+    load_reward_funcs(script_args)
+    load_tools(script_args)
+    load_environment_factory(script_args)
+
+
+def _require_model_and_data(script_args: TreeScriptArguments, model_args: ModelConfig, dataset_args) -> None:
+    if model_args.model_name_or_path is None:
+        raise ValueError("--model_name_or_path is required: the Hub id or local folder of the policy to train.")
+    if script_args.dataset_name is None and not dataset_args.datasets:
+        raise ValueError(
+            "No data: give --dataset_name (a Hub id, a folder or a data file) or `datasets:` in --config."
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data and entry point
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def load_data(script_args: TreeScriptArguments, dataset_args: DatasetMixtureConfig):
+    """The `DatasetDict` to train (and evaluate) on: a `datasets:` mixture, a local data file, or a Hub id / folder."""
+    from datasets import load_dataset
+    from trl import get_dataset
+
+    if dataset_args.datasets:
+        return get_dataset(dataset_args)
+    path = Path(script_args.dataset_name)
+    if path.is_file():
+        if path.suffix not in _FILE_BUILDERS:
+            raise ValueError(
+                f"--dataset_name: cannot read {path.name!r}; a local data file must end in one of "
+                f"{sorted(_FILE_BUILDERS)}."
+            )
+        return load_dataset(_FILE_BUILDERS[path.suffix], data_files={script_args.dataset_train_split: str(path)})
+    return load_dataset(
+        script_args.dataset_name, name=script_args.dataset_config, streaming=script_args.dataset_streaming
+    )
+
+
+def _model_init_kwargs(model_args: ModelConfig, training_args) -> dict[str, Any]:
+    """What `trl grpo` passes to `from_pretrained`, with the config's own `model_init_kwargs` winning."""
+    kwargs = {
+        "revision": model_args.model_revision,
+        "trust_remote_code": training_args.trust_remote_code,
+        "attn_implementation": model_args.attn_implementation,
+        "dtype": model_args.dtype,
+    }
+    return {**kwargs, **(training_args.model_init_kwargs or {})}
+
+
+def main(script_args: TreeScriptArguments, training_args, model_args: ModelConfig, dataset_args: DatasetMixtureConfig):
+    """Train the method of `training_args`' type on the data with the rewards and tools named, save (and push)."""
+    from trl import get_peft_config, get_quantization_config
+
+    _require_model_and_data(script_args, model_args, dataset_args)
+    trainer_class = trainer_class_for(training_args)
+    reward_funcs = load_reward_funcs(script_args)
+    tools, environment_factory = load_tools(script_args), load_environment_factory(script_args)
+    dataset = load_data(script_args, dataset_args)
+    training_args.model_init_kwargs = _model_init_kwargs(model_args, training_args)
+
+    trainer = trainer_class(
+        model=model_args.model_name_or_path,
+        reward_funcs=reward_funcs,
+        args=training_args,
+        train_dataset=dataset[script_args.dataset_train_split],
+        eval_dataset=dataset[script_args.dataset_test_split] if training_args.eval_strategy != "no" else None,
+        quantization_config=get_quantization_config(model_args),
+        peft_config=get_peft_config(model_args),
+        tools=tools,
+        environment_factory=environment_factory,
+    )
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+    trainer.accelerator.print(f"[trl-tree] {trainer_class.__name__}: model saved to {training_args.output_dir}")
+    if training_args.push_to_hub:
+        trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    if hasattr(trainer, "end"):  # transformers >= 5.18: finish the trackers, destroy the process group
+        trainer.end()
+    return trainer
+
+
+def run(method: str = "treeopsd", argv: list[str] | None = None, prog: str | None = None):
+    """The command-line entry point: parse the command line (and `--config`) for `method`, then `main`."""
+    return main(*parse_args(method, argv, prog=prog))
