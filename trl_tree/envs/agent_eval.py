@@ -203,7 +203,12 @@ def run_agent(
     if model is not None:
         model.eval()  # no dropout in greedy decoding
     try:
-        loop.run(branches)
+        # one batch of questions at a time, to the end: the reused keys and values of a batch are dropped before the
+        # next batch starts, so memory holds one batch's histories, not every question's
+        for start in range(0, len(branches), settings.batch_size):
+            loop.run(branches[start : start + settings.batch_size])
+            if isinstance(loop.engine, GreedyEngine) and loop.engine.store is not None:
+                loop.engine.store.clear()
     finally:
         if model is not None:
             model.train(was_training)
