@@ -79,6 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: 1 on CPU, where the tiny model's matrices are too small to split)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--generation_cache", choices=("prefix", "static", "dynamic"), default="prefix",
+                   help="the tree trainers' KV cache for sampling (TreeConfig.generation_cache)")
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True,
                    help="run each variant in a fresh process (default) or all in this one")
     p.add_argument("--quick", action="store_true",
@@ -111,7 +113,8 @@ def run_variant(variant: str, model_path: str, args: argparse.Namespace) -> list
     method, packing = VARIANTS[variant]
     model, tokenizer = load_model(model_path)
     with tempfile.TemporaryDirectory() as output_dir:
-        trainer = build_trainer(method, model, tokenizer, task, budget, output_dir, packing=packing or "tree")
+        cache = {} if method == "grpo" else {"generation_cache": args.generation_cache}  # a tree-sampler option
+        trainer = build_trainer(method, model, tokenizer, task, budget, output_dir, packing=packing or "tree", **cache)
         trainer.remove_callback(PrinterCallback)  # the trainer's own log lines; the table below is the output
         meter = BatchMeter(trainer)
         trainer.train()

@@ -112,6 +112,8 @@ def test_each_prefix_reuses_its_longest_stored_prefix_and_prefills_at_least_one_
         mask = plan.attention_mask[row]
         assert int(mask[:width].sum()) == k and int(mask[width:].sum()) == len(query) - k
         assert plan.input_ids[row, -(len(query) - k):].tolist() == query[k:]
+        # the ids under the mask are the whole prefix: a patched `generate` (TRL's tests script it) reads it whole
+        assert plan.input_ids[row][mask.bool()].tolist() == query
 
 
 def test_a_row_that_another_extends_is_dropped(trainer):
@@ -172,3 +174,19 @@ def test_greedy_evaluation_engine_reuses_histories_with_the_same_answers(trainer
     assert plain.store is None and reusing.store is not None
     assert _rollout(reusing, vocab) == _rollout(plain, vocab)
     assert reusing.store.reused_tokens > 4 * SHARED
+
+
+def test_reuse_works_when_the_model_config_disables_the_cache(trainer, monkeypatch):
+    """Gradient checkpointing sets `model.config.use_cache = False`, and then `generate` returns no cache: the engine
+    passes its own cache and asks for it to be used, so the turns are still those of a fresh prefill."""
+    vocab = trainer.model.config.vocab_size
+    expected = _rollout(_engine(trainer, monkeypatch, "dynamic"), vocab)
+    monkeypatch.setattr(trainer.model.config, "use_cache", False)
+    engine = _engine(trainer, monkeypatch, "prefix", use_cache=None)  # GRPOTrainer's, unless the user sets it
+    with engine.rollout():
+        assert _rollout(engine, vocab) == expected
+        assert engine.prefix_store.reused_tokens > 4 * SHARED
+    model, tok = tiny()
+    model.config.use_cache = False
+    assert _rollout(GreedyEngine(model, tok, batch_size=2), vocab) == _rollout(
+        GreedyEngine(model, tok, batch_size=2, reuse_prefixes=False), vocab)

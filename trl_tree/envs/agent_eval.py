@@ -138,13 +138,14 @@ class GreedyEngine:
             eos_token_id=self.eos_ids,
             pad_token_id=self.pad_id,
             return_dict_in_generate=True,
+            use_cache=True,
             **({} if plan.cache is None else {"cache": plan.cache}),
         )
         new = out.sequences[:, plan.input_ids.shape[1] :].cpu()
         lengths = [_cut_at_eos(new[row].tolist(), set(self.eos_ids), budget) for row, budget in
                    enumerate(max_new_tokens)]
         if self.store is not None:
-            self.store.store(out.cache, plan.attention_mask, prefixes, [new[row, :n].tolist() for row, (n, _) in
+            self.store.store(plan.cache, plan.attention_mask, prefixes, [new[row, :n].tolist() for row, (n, _) in
                                                                         enumerate(lengths)])
         return [Continuation(new[row, :n].tolist(), [0.0] * n, None, finished)
                 for row, (n, finished) in enumerate(lengths)]

@@ -172,10 +172,13 @@ class HFEngine:
             plan = store.plan(prefixes, self.pad_id, unwrapped) if store else left_padded(prefixes, self.pad_id)
             width = plan.input_ids.shape[1]
             cache = plan.cache if store is not None else self._static_cache(unwrapped, width + budget)
+            generation_config = self._generation_config(budget)
+            if store is not None:  # the model's config may say use_cache=False (gradient checkpointing sets it)
+                generation_config.use_cache = True
             out = unwrapped.generate(
                 input_ids=plan.input_ids.to(device),
                 attention_mask=plan.attention_mask.to(device),
-                generation_config=self._generation_config(budget),
+                generation_config=generation_config,
                 **({} if cache is None else {"cache": cache}),
             )
         sequences, step_scores, step_logits = out.sequences, out.scores, out.logits
@@ -184,7 +187,7 @@ class HFEngine:
         new = sequences[:, width:].cpu()
         lengths = [_cut_at_eos(new[row].tolist(), self.eos_ids, max_new_tokens[row]) for row in range(len(prefixes))]
         if store is not None:
-            store.store(out.cache, plan.attention_mask, prefixes, [new[row, :n].tolist() for row, (n, _) in
+            store.store(plan.cache, plan.attention_mask, prefixes, [new[row, :n].tolist() for row, (n, _) in
                                                                    enumerate(lengths)])
         del out, cache, plan  # `out` holds the KV cache: free it before the per-step scores are stacked
         if self.with_scores:

@@ -11,7 +11,7 @@ sharing its longest common prefix and prefills only the rest.
 Layout of a call with reuse (one row per prefix, left-aligned padding as usual):
 
     cache columns:  [ pad … | reused KV of the row's first k tokens ]     width L = max k
-    input columns:  [ L placeholder ids | pad … | the row's other tokens ]
+    input columns:  [ pad … | the row's first k ids | pad … | the row's other tokens ]
 
 The attention mask is 0 on both pads, so a row may have a hole in the middle; `generate` derives position ids from
 the mask's cumulative sum, so every real token keeps the position it has in an unpadded sequence. Keys and values
@@ -43,8 +43,10 @@ class _Entry:
 
 @dataclass
 class ReusePlan:
-    """One call's inputs: the cache of the reused tokens (None when nothing is reused) and the ids / mask to give
-    `generate` (placeholder columns for the cache, then each row's tokens not covered by it)."""
+    """One call's inputs: the cache of the reused tokens and the ids / mask to give `generate` (each row's reused
+    tokens in the cache's columns, which `generate` skips, then its tokens not covered by the cache). `cache` is None only in a plain layout (`left_padded`);
+    with reuse it is always a cache the caller owns, which `generate` extends in place and `store` then reads (a model
+    whose config says `use_cache=False` does not return it)."""
 
     cache: object | None
     input_ids: torch.Tensor
@@ -117,7 +119,12 @@ class PrefixKVStore:
         Heads that several prefixes of the call share beyond what is stored (a system prompt on the first turn, the
         prompt of a tree's M trajectories) are encoded first, once each (`_encode_shared_heads`)."""
         self._encode_shared_heads(prefixes, pad_id, model)
-        return self._plan(prefixes, pad_id, model.config)
+        plan = self._plan(prefixes, pad_id, model.config)
+        if plan.cache is None:  # an empty cache of our own: `generate` fills it in place, whatever it returns
+            from transformers import DynamicCache
+
+            plan.cache = DynamicCache(config=model.config)
+        return plan
 
     def _encode_shared_heads(self, prefixes: list[list[int]], pad_id: int, model) -> None:
         """Store the KV of every longest head that two prefixes of the call share and no stored row covers: one
@@ -137,14 +144,16 @@ class PrefixKVStore:
         if not heads:
             return
         heads = [list(h) for h in heads]
+        from transformers import DynamicCache
+
         plan = self._plan(heads, pad_id, model.config)
+        cache = plan.cache if plan.cache is not None else DynamicCache(config=model.config)
         mask = plan.attention_mask.to(model.device)
-        cached = max(plan.reused)  # unlike `generate`, a forward does not skip the cache's placeholder columns
+        cached = max(plan.reused)  # unlike `generate`, a forward does not skip the cache's columns
         with torch.no_grad():
-            out = model(input_ids=plan.input_ids[:, cached:].to(model.device), attention_mask=mask,
-                        position_ids=(mask.cumsum(-1) - 1).clamp(min=0)[:, cached:], use_cache=True,
-                        logits_to_keep=1, **({} if plan.cache is None else {"cache": plan.cache}))
-        cache = getattr(out, "cache", None) or out.past_key_values
+            model(input_ids=plan.input_ids[:, cached:].to(model.device), attention_mask=mask,
+                  position_ids=(mask.cumsum(-1) - 1).clamp(min=0)[:, cached:], use_cache=True, logits_to_keep=1,
+                  cache=cache)
         self.store(cache, plan.attention_mask, heads, [[] for _ in heads])
 
     def _plan(self, prefixes: list[list[int]], pad_id: int, config) -> ReusePlan:
@@ -159,7 +168,9 @@ class PrefixKVStore:
             tail = prefix[k:]
             input_ids[row, width + rest - len(tail) :] = torch.tensor(tail, dtype=torch.long)
             attention_mask[row, width + rest - len(tail) :] = 1
-            attention_mask[row, width - k : width] = 1
+            if k:  # the reused tokens' own ids (`generate` skips them; a patched `generate` reads the whole prefix)
+                input_ids[row, width - k : width] = torch.tensor(prefix[:k], dtype=torch.long)
+                attention_mask[row, width - k : width] = 1
         self.reused_tokens += sum(reused)
         self.prefilled_tokens += sum(len(p) - k for p, k in zip(prefixes, reused))
         if width == 0:
@@ -180,9 +191,12 @@ class PrefixKVStore:
 
     def store(self, cache, attention_mask: torch.Tensor, prefixes: list[list[int]], new_ids: list[list[int]]) -> None:
         """Keep each row's KV after a call: its prefix and the tokens it generated (`new_ids`, cut at its end of
-        turn). `cache` is the call's returned cache and `attention_mask` the mask the call was given; the last
+        turn). `cache` is the plan's cache after the call and `attention_mask` the mask the call was given; the last
         generated token never went through the model, so its KV is not there."""
         width = attention_mask.shape[1]
+        if cache.get_seq_length() < width:  # `generate` did not run on this cache (patched, e.g. scripted in tests)
+            self.entries = []
+            return
         generated_columns = cache.get_seq_length() - width
         fresh = []
         for row, (prefix, new) in enumerate(zip(prefixes, new_ids)):
