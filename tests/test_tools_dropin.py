@@ -56,7 +56,7 @@ def grpo_generation(tmp_path, tools, replies, num_generations):
                           processing_class=tok, tools=tools)
     script = PrefixScript(tok, replies)
     trainer._generate_single_turn = lambda prompt_ids, *args, **kwargs: ([script(list(p)) for p in prompt_ids], None)
-    trainer._generate_and_score_completions([trainer.train_dataset[0]] * num_generations)
+    trainer.generate_batch([trainer.train_dataset[0]] * num_generations)
     return trainer, recorder
 
 
@@ -68,7 +68,7 @@ def tree_generation(tmp_path, tools, replies, **overrides):
     trainer = TreeOPSDTrainer(model=model, reward_funcs=recorder, args=args, train_dataset=arithmetic_dataset(2),
                               processing_class=tok, tools=tools)
     trainer.generation_engine = scripted_engine(tok, replies)
-    trainer._generate_and_score_completions([trainer.train_dataset[0]])
+    trainer.generate_batch([trainer.train_dataset[0]])
     return trainer, recorder
 
 
