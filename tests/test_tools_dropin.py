@@ -56,7 +56,7 @@ def grpo_generation(tmp_path, tools, replies, num_generations):
                           processing_class=tok, tools=tools)
     script = PrefixScript(tok, replies)
     trainer._generate_single_turn = lambda prompt_ids, *args, **kwargs: ([script(list(p)) for p in prompt_ids], None)
-    trainer.generate_batch([trainer.train_dataset[0]] * num_generations)
+    trainer._generate_and_score_completions([trainer.train_dataset[0]] * num_generations)
     return trainer, recorder
 
 

@@ -109,6 +109,8 @@ class Loss:
         fields: the config fields it reads → their meaning.
         credit_metrics: `(credits: list[TurnCredit]) -> metrics` of a generation batch's prepared credit, logged
             like `compute`'s besides the mean |A| every loss gets.
+        check: `(args) -> None`, raising a `ValueError` that names the field when the configuration cannot train
+            with this loss (run by config validation).
     """
 
     name: str
@@ -117,6 +119,7 @@ class Loss:
     fields: dict[str, str]
     unit: str = "tree"
     credit_metrics: Callable[[list[TurnCredit]], dict[str, Any]] = lambda credits: {}
+    check: Callable[[Any], None] = lambda args: None
 
     @property
     def clipped(self) -> bool:
@@ -478,6 +481,17 @@ def _clip_counts(count, batch: LossInputs, args) -> ClipCounts:
     ))
 
 
+def _check_teacher(args) -> None:
+    """T4: the teacher stays in (0, 1) only for 0 < ρ < 1/2 and sample-standardised leaves."""
+    if not 0.0 < args.target_radius < 0.5:
+        raise ValueError(f"target_radius ρ must satisfy 0 < ρ < 1/2; got {args.target_radius}.")
+    if args.reward_std != "sample":
+        raise ValueError(
+            "The treeopsd loss needs reward_std='sample': Samuelson's bound |A| ≤ (K−1)/√K on sample-"
+            "standardised rewards is what keeps q = 1/2 + V/τ inside [1/2 − ρ, 1/2 + ρ]."
+        )
+
+
 def _teacher_gaps(credits: list[TurnCredit]) -> dict[str, Tensor]:
     """How far the teachers move the policy: |q_i − 1/2| over every turn."""
     return {"treeopsd/abs_q_minus_half": torch.cat([(c.q - 0.5).abs() for c in credits])}
@@ -486,6 +500,7 @@ def _teacher_gaps(credits: list[TurnCredit]) -> dict[str, Tensor]:
 @register_loss(
     "treeopsd", prepare=_teacher, fields={"target_radius": "ρ: teacher radius, q ∈ [1/2 − ρ, 1/2 + ρ]"},
     credit_metrics=_teacher_gaps,
+    check=_check_teacher,
 )
 def _treeopsd(batch: LossInputs, args):
     """T5, and how far each turn still is from its teacher, |σ(s_i) − q_i|."""

@@ -28,7 +28,7 @@ from typing import ClassVar
 from trl import GRPOConfig
 
 from .. import losses, methods
-from ..rollout.env import ENVIRONMENT_BRANCHING, check_tool_execution
+from ..rollout.env import ENVIRONMENT_BRANCHING, MAX_OBSERVATION_CHARS, check_tool_execution
 
 _GRPO_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
 # GRPO options without an effect on any tree trainer, and what to use instead (`TreeConfig.unused_grpo_options`)
@@ -217,7 +217,9 @@ class TreeConfig(GRPOConfig):
     tool_execution: str = field(
         default="main", metadata={"help": "main (as GRPO; signal works, no timeout of sync tools) | thread (timeout)"}
     )
-    max_observation_chars: int | None = field(default=16384, metadata={"help": "Cap on a tool output's length."})
+    max_observation_chars: int | None = field(
+        default=MAX_OBSERVATION_CHARS, metadata={"help": "Cap on a tool output's length."}
+    )
     tool_failure_penalty: float = field(default=-1.0, metadata={"help": "Penalty per failed tool call (TreeFlex)."})
     malformed_tool_calls: str = field(
         default="observe", metadata={"help": "observe (error observation, go on) | end (end the trajectory, as TRL)"}
@@ -448,14 +450,7 @@ class TreeConfig(GRPOConfig):
                 f" (for init_expand K = M(N + 1): M = {self.num_initial_rollouts}, N = {self.num_branches}; for "
                 "token_entropy at most M(1 + max_branches_per_tree))."
             )
-        if self.loss == "treeopsd":
-            if not 0.0 < self.target_radius < 0.5:
-                raise ValueError(f"target_radius ρ must satisfy 0 < ρ < 1/2; got {self.target_radius}.")
-            if self.reward_std != "sample":
-                raise ValueError(
-                    "The treeopsd loss needs reward_std='sample': Samuelson's bound |A| ≤ (K−1)/√K on sample-"
-                    "standardised rewards is what keeps q = 1/2 + V/τ inside [1/2 − ρ, 1/2 + ρ]."
-                )
+        methods.LOSSES[self.loss].check(self)
 
     def _check_tree_fields(self):
         self._apply_tool_calling_iterations()
