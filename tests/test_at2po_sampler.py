@@ -7,6 +7,7 @@ import torch
 from scripted import arithmetic_dataset, config, contains_answer, tiny, tool_call
 
 from trl_tree import AT2POConfig, AT2POTrainer
+from trl_tree.batch import TurnCredit
 from trl_tree.rollout.engine import ScriptedEngine
 from trl_tree.testing import calculator
 
@@ -38,7 +39,7 @@ def test_entropy_guided_rounds_pick_by_score_and_branch_siblings(tmp_path):
     captured = {}
     original = trainer.turn_credit
     trainer.turn_credit = lambda tree: captured.setdefault("tree", tree) and original(tree)
-    batch = trainer._generate_and_score_completions([trainer.train_dataset[0]])
+    batch = trainer.generate_batch([trainer.train_dataset[0]])
     tree = captured["tree"]
     index = {tok.decode(t.action_ids[:-1]): i for i, t in enumerate(tree.turns)}
     # round 1: S_X = 1.0 − 0.05·(2−1) beats S_Y = 0.93 (Y has no sibling): X is re-sampled as a sibling of X
@@ -47,4 +48,4 @@ def test_entropy_guided_rounds_pick_by_score_and_branch_siblings(tmp_path):
     assert tree.turns[index[Y2]].parent == tree.turns[index[Y]].parent == index[X]
     assert tree.num_leaves == 2 + 2 * 1
     # the credit is a softmax over child entropies (A4) and every turn has a finite advantage
-    assert torch.isfinite(batch["credit_A"]).all()
+    assert torch.isfinite(TurnCredit.from_dict(batch).A).all()

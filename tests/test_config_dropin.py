@@ -246,7 +246,7 @@ def test_the_trainer_scores_leaves_with_the_configured_aggregation(tmp_path):
     captured = {}
     original = trainer.turn_credit
     trainer.turn_credit = lambda tree: captured.setdefault("tree", tree) and original(tree)
-    trainer._generate_and_score_completions([trainer.train_dataset[0]])
+    trainer.generate_batch([trainer.train_dataset[0]])
     per_func = trainer._last_rewards_per_func
     expected = _grpo_normalize_then_sum(per_func, torch.tensor([1.0, 2.0]), num_generations=per_func.shape[0])
     assert captured["tree"].rewards == pytest.approx(expected.tolist())

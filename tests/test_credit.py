@@ -178,6 +178,23 @@ def test_entropy_softmax_backup_weights_children_by_entropy():
     assert math.isclose(V[tree.roots[0]].item(), 0.75 - 0.25)
 
 
+def test_entropy_softmax_counts_a_merged_leaf_by_its_multiplicity_like_child_mean():
+    """Two identical trajectories merge into one leaf of multiplicity 2; child-softmax must give it the weight of two
+    sibling leaves of its entropy (the unmerged tree), as child-mean does: logits H + log m."""
+    x, y, z = Turn([1], [-1.0], [9]), Turn([2], [-1.0]), Turn([3], [-1.0])
+    tree = RolloutTree.from_trajectories([0], [[x, y], [x, y], [x, z]], [1, 1, 0])
+    A = torch.tensor([1.0, 1.0, -2.0], dtype=torch.float64)
+    y_idx, _, z_idx = tree.leaf_of
+    root = tree.roots[0]
+    equal = torch.full((tree.num_turns,), 0.7, dtype=torch.float64)
+    assert torch.allclose(credit.entropy_softmax_backup(tree, A, equal), credit.child_mean_backup(tree, A))
+    entropies = torch.zeros(tree.num_turns, dtype=torch.float64)
+    entropies[y_idx], entropies[z_idx] = math.log(3.0), 0.0
+    # unmerged: children y, y (e^H = 3 each, value 1) and z (e^H = 1, value −2) → (3 + 3 − 2) / 7
+    V = credit.entropy_softmax_backup(tree, A, entropies)
+    assert math.isclose(V[root].item(), (3 * 1.0 + 3 * 1.0 + 1 * -2.0) / 7)
+
+
 def test_group_normalize_divisor_is_one_when_scores_are_equal():
     assert torch.equal(credit.group_normalize(torch.full((4,), 2.0)), torch.zeros(4, dtype=torch.float64))
     s = torch.tensor([0.0, 1.0, 2.0])

@@ -141,7 +141,7 @@ def test_no_fork_or_copy_when_nothing_branches_or_branches_replay(tmp_path, over
             return self.fork()
 
     trainer = _trainer(tmp_path, CopyCountingEnv, **overrides)
-    trainer._generate_and_score_completions([trainer.train_dataset[0]])
+    trainer.generate_batch([trainer.train_dataset[0]])
     assert copies == []
 
 
@@ -171,7 +171,7 @@ def test_fork_and_copy_modes_say_what_to_do_with_a_remote_session(tmp_path, serv
         _trainer(tmp_path, server.factory(RemoteCounterEnv), environment_branching="fork")
     trainer = _trainer(tmp_path, server.factory(RemoteCounterEnv), environment_branching="copy")
     with pytest.raises(TypeError, match=r"environment_branching='copy', but copy.deepcopy of RemoteCounterEnv failed"):
-        trainer._generate_and_score_completions([trainer.train_dataset[0]])
+        trainer.generate_batch([trainer.train_dataset[0]])
 
 
 def test_a_non_deterministic_environment_warns_when_replay_diverges(tmp_path, server):
@@ -179,7 +179,7 @@ def test_a_non_deterministic_environment_warns_when_replay_diverges(tmp_path, se
                        reward=lambda completions, **kw: [0.0] * len(completions))
     with pytest.warns(ReplayDivergenceWarning, match=r"Replaying tool 'take_ticket' \(call of turn \d\) on a fresh "
                                                      r"TicketEnv gave '\d+', but the branch recorded '\d+'"):
-        trainer._generate_and_score_completions([trainer.train_dataset[0]])
+        trainer.generate_batch([trainer.train_dataset[0]])
 
 
 def test_environment_branching_is_validated(tmp_path):

@@ -251,7 +251,7 @@ def test_a_plain_text_prompt_with_tools_hands_rewards_the_completion_without_the
     replies = {"": [CALL_1_PLUS_1, "I do not know.", CALL_1_PLUS_1],
                "</tool_response><|im_end|>\n<|im_start|>assistant\n": ["The answer is 2."] * 3}
     trainer = _tree_trainer(tmp_path, reward_funcs=[reward], dataset=dataset, replies=replies)
-    trainer._generate_and_score_completions([dataset[0]])
+    trainer.generate_batch([dataset[0]])
     assert len(seen) == 4 and all(isinstance(c, str) for _, c in seen)
     assert sorted(c for _, c in seen) == ["I do not know."] + ["The answer is 2."] * 3
     assert not any(c.startswith(p) for p, c in seen)
@@ -270,7 +270,7 @@ def _score_one_tree(trainer):
     trees = []
     original = trainer.turn_credit
     trainer.turn_credit = lambda tree: trees.append(tree) or original(tree)
-    trainer._generate_and_score_completions([trainer.train_dataset[0]])
+    trainer.generate_batch([trainer.train_dataset[0]])
     return trainer._last_rewards_per_func, torch.tensor(trees[0].rewards)
 
 
@@ -329,5 +329,5 @@ def test_a_reward_function_returning_the_wrong_thing_is_named_with_what_to_retur
 
     trainer = _tree_trainer(tmp_path, reward_funcs=[bad_reward])
     with pytest.raises(error, match="Reward function 'bad_reward' " + message):
-        trainer._generate_and_score_completions([trainer.train_dataset[0]])
+        trainer.generate_batch([trainer.train_dataset[0]])
 

@@ -68,7 +68,7 @@ def tree_generation(tmp_path, tools, replies, **overrides):
     trainer = TreeOPSDTrainer(model=model, reward_funcs=recorder, args=args, train_dataset=arithmetic_dataset(2),
                               processing_class=tok, tools=tools)
     trainer.generation_engine = scripted_engine(tok, replies)
-    trainer._generate_and_score_completions([trainer.train_dataset[0]])
+    trainer.generate_batch([trainer.train_dataset[0]])
     return trainer, recorder
 
 

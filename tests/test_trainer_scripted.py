@@ -7,6 +7,7 @@ import torch
 from scripted import CALL_1_PLUS_1, arithmetic_dataset, config, contains_answer, scripted_engine, tiny
 
 from trl_tree import TreeOPSDConfig, TreeOPSDTrainer, TreePOConfig, TreePOTrainer
+from trl_tree.batch import TurnCredit
 from trl_tree.testing import calculator
 
 # Initial trajectories (M = 2): τ1 calls the calculator then answers 2 (R=1); τ2 gives up (R=0, T=1).
@@ -56,7 +57,7 @@ def test_scripted_tree_rewards_credit_teacher_and_loss(tmp_path):
 
     trainer.turn_credit = spy.__get__(trainer)
     inputs = [trainer.train_dataset[0]]
-    batch = trainer._generate_and_score_completions(inputs)
+    batch = trainer.generate_batch(inputs)
     tree = captured["tree"]
 
     # the tree: K = 4 leaves, 4 unique turns (call, "answer 2" ×2, "answer 3", "give up")
@@ -86,11 +87,11 @@ def test_scripted_tree_rewards_credit_teacher_and_loss(tmp_path):
     w2 = 1 / (1 + math.exp(logp[three] - logp[two]))
     V = {two: a, three: -a, give_up: -a, call: w2 * a - (1 - w2) * a}
     tau = 3 / (0.25 * 2)
-    q = batch["credit_q"][0]
+    q = TurnCredit.from_dict(batch).q[0]
     for i, v in V.items():
-        assert math.isclose(batch["credit_A"][0, i].item(), v, abs_tol=1e-5)
+        assert math.isclose(TurnCredit.from_dict(batch).A[0, i].item(), v, abs_tol=1e-5)
         assert math.isclose(q[i].item(), 0.5 + v / tau, abs_tol=1e-6)
-    assert math.isclose(batch["credit_tau"][0].item(), tau, rel_tol=1e-6)
+    assert math.isclose(TurnCredit.from_dict(batch).tau[0].item(), tau, rel_tol=1e-6)
 
     # first block: s = 0 exactly, so the loss is (τ/L_x) Σ L_i KL(Ber(q_i) ‖ Ber(1/2))
     loss = trainer.compute_loss(trainer.model, batch)
@@ -182,11 +183,12 @@ def test_stateful_environment_branches_see_the_state_at_their_anchor(tmp_path):
     trainer = TreeOPSDTrainer(model=model, reward_funcs=counter_reward, args=args,
                               train_dataset=arithmetic_dataset(1), processing_class=tok, environment_factory=CounterEnv)
     trainer.generation_engine = ScriptedEngine(script, [eos])
-    batch = trainer._generate_and_score_completions([trainer.train_dataset[0]])
+    batch = trainer.generate_batch([trainer.train_dataset[0]])
     # every leaf (the original and three branches from turns 1..3) counted 1, 2, 3 on its own copy of the world
     assert seen[0] == [["1", "2", "3"]] * 4
     # all-equal rewards: zero advantages, q = 1/2 everywhere, a finite loss
-    assert torch.equal(batch["credit_q"][0, : int(batch["credit_count"][0])], torch.full((4,), 0.5))
+    credit = TurnCredit.from_dict(batch)
+    assert torch.equal(credit.q[0, : int(credit.count[0])], torch.full((4,), 0.5))
     assert torch.isfinite(trainer.compute_loss(trainer.model, batch))
 
 
@@ -212,7 +214,7 @@ def test_failing_and_malformed_tool_calls_become_observations_and_are_counted(tm
                               train_dataset=arithmetic_dataset(1), processing_class=tok, tools=[calculator, boom])
     trainer.generation_engine = scripted_engine(tok, replies)
     trainer.model.train()
-    trainer._generate_and_score_completions([trainer.train_dataset[0]])
+    trainer.generate_batch([trainer.train_dataset[0]])
     metrics = trainer._metrics["train"]
     assert metrics["tools/failure_frequency"] == [1.0] and metrics["tools/call_frequency"] == [2.0]
     assert metrics["reward"] == [1.0]
@@ -231,7 +233,7 @@ def test_malformed_tool_call_ends_the_trajectory_with_end_policy(tmp_path):
                               train_dataset=arithmetic_dataset(1), processing_class=tok, tools=[calculator])
     trainer.generation_engine = scripted_engine(tok, replies)
     trainer.model.train()
-    trainer._generate_and_score_completions([trainer.train_dataset[0]])
+    trainer.generate_batch([trainer.train_dataset[0]])
     metrics = trainer._metrics["train"]
     assert metrics["tree/turns_per_leaf"] == [1.0]  # the malformed turn is terminal: no observation, no answer
     assert metrics["tools/failure_frequency"] == [1.0] and metrics["tools/call_frequency"] == [1.0]
@@ -253,7 +255,7 @@ def test_a_reward_function_that_raises_or_returns_nan_is_named_with_the_sample(t
                               train_dataset=arithmetic_dataset(1), processing_class=tok, tools=[calculator])
     trainer.generation_engine = scripted_engine(tok, REPLIES)
     with pytest.raises(error, match=message):
-        trainer._generate_and_score_completions([trainer.train_dataset[0]])
+        trainer.generate_batch([trainer.train_dataset[0]])
 
 
 @pytest.mark.parametrize(
@@ -283,7 +285,7 @@ def test_invalid_configuration_is_rejected_with_advice(tmp_path, overrides, mess
 
 def test_log_completions_shows_each_tree_as_text_with_its_rewards(tmp_path):
     trainer = _trainer(TreeOPSDTrainer, TreeOPSDConfig, tmp_path, log_completions=True)
-    trainer._generate_and_score_completions([trainer.train_dataset[0]])
+    trainer.generate_batch([trainer.train_dataset[0]])
     trees = [t for t in trainer._logs["extra"]["tree"] if t.startswith("prompt")]
     assert len(trees) == 1 and "K=4" in trees[0] and "rewards: 1 0 0 1" in trees[0] and "×2" in trees[0]
     assert list(trainer._logs["rewards"]["contains_answer"]) == [1.0, 0.0, 0.0, 1.0]
@@ -301,7 +303,7 @@ def test_a_budget_cut_trajectory_is_scored_and_its_truncated_turn_can_be_masked(
     captured = {}
     original = trainer.turn_credit
     trainer.turn_credit = lambda tree: captured.setdefault("tree", tree) and original(tree)
-    batch = trainer._generate_and_score_completions([trainer.train_dataset[0]])
+    batch = trainer.generate_batch([trainer.train_dataset[0]])
     tree = captured["tree"]
     truncated = [i for i, t in enumerate(tree.turns) if t.truncated]
     assert truncated and tree.rewards[0] == 1.0  # cut by the budget, still scored ("The answer is 2." was said)
@@ -341,7 +343,7 @@ def test_max_turn_tokens_caps_each_sampled_turn_and_the_cut_turn_ends_the_trajec
     captured = {}
     original = trainer.turn_credit
     trainer.turn_credit = lambda tree: captured.setdefault("tree", tree) and original(tree)
-    batch = trainer._generate_and_score_completions([trainer.train_dataset[0]])
+    batch = trainer.generate_batch([trainer.train_dataset[0]])
     tree = captured["tree"]
     assert requested and max(requested) <= 24
     truncated = [i for i, t in enumerate(tree.turns) if t.truncated]

@@ -11,6 +11,7 @@ import torch
 from scripted import CALL_1_PLUS_1, arithmetic_dataset, config, contains_answer, tiny, tool_call
 
 from trl_tree import TreeAdvConfig, TreeAdvTrainer, TreeConfig, TreeTrainer, Turn
+from trl_tree.batch import TurnCredit
 from trl_tree.rollout.engine import ScriptedEngine
 from trl_tree.rollout.samplers import Branch
 from trl_tree.rollout.token_branching import split_turns
@@ -98,7 +99,7 @@ def _cut_offsets(tree, first):
 def test_branches_start_at_high_entropy_tokens_within_the_cap_and_min_segment_length(tmp_path):
     trainer, captured = _trainer(tmp_path, _math_script(), num_initial_rollouts=2, entropy_threshold=TAU,
                                  max_branches_per_tree=2, min_segment_length=3, max_turns=1)
-    batch = trainer._generate_and_score_completions([trainer.train_dataset[0]])
+    batch = trainer.generate_batch([trainer.train_dataset[0]])
     tree = captured[0]
     assert trainer.sampler.last_branch_points == [2, 1]  # the cap binds on tree 1 (token 7 was eligible)
     assert tree.num_leaves == 5 and tree.rewards == [1.0, 0.0, 0.0, 1.0, 1.0]
@@ -122,10 +123,10 @@ def test_branches_start_at_high_entropy_tokens_within_the_cap_and_min_segment_le
     assert batch["valid"][0, 0].item() == tree.num_unique_tokens < tree.num_path_tokens
     trained = (batch["turn_ids"][0, 0] >= 0).sum().item()
     assert trained == sum(len(t.action_ids) for t in tree.turns)
-    _assert_segment_advantages(tree, batch["credit_A"][0])
+    _assert_segment_advantages(tree, TurnCredit.from_dict(batch).A[0])
     # the root segment of tree 1 is shared by R1 (A+), its continuation at 4 (A−) and the one at 10 (A+)
     A = _leaf_advantages(tree.rewards)
-    assert math.isclose(batch["credit_A"][0, first_1].item(), (A[0] + A[2] + A[3]) / 3, abs_tol=1e-5)
+    assert math.isclose(TurnCredit.from_dict(batch).A[0, first_1].item(), (A[0] + A[2] + A[3]) / 3, abs_tol=1e-5)
     assert torch.isfinite(trainer.compute_loss(trainer.model, batch))
 
 
@@ -143,7 +144,7 @@ def test_a_branch_inside_a_tool_call_changes_the_call_and_max_turns_counts_assis
     sampled = []
     sample = trainer.sampler.sample
     trainer.sampler.sample = lambda roots: sampled.append(sample(roots)) or sampled[-1]
-    batch = trainer._generate_and_score_completions([trainer.train_dataset[0]])
+    batch = trainer.generate_batch([trainer.train_dataset[0]])
     tree, tok = captured[0], trainer.processing_class
     assert tree.num_leaves == 3 and tree.rewards == [1.0, 0.0, 0.0]
     head = tree.roots[0]
@@ -158,7 +159,7 @@ def test_a_branch_inside_a_tool_call_changes_the_call_and_max_turns_counts_assis
     messages = sampled[0][0][2].messages
     assert [m["role"] for m in messages] == ["assistant", "tool", "assistant"] and messages[1]["content"] == "3"
     assert messages[0]["tool_calls"][0]["function"] == {"name": "calculator", "arguments": {"expression": "1+2"}}
-    _assert_segment_advantages(tree, batch["credit_A"][0])
+    _assert_segment_advantages(tree, TurnCredit.from_dict(batch).A[0])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -185,7 +186,7 @@ def test_without_branching_treeadv_equals_flat_grpo(tmp_path):
         script = lambda tok: EntropyScript(tok, list(FLAT), after_tool=FLAT_AFTER)  # noqa: E731
         trainer, captured = _trainer(tmp_path / name, script, cls, config_cls, tools=[calculator],
                                      num_initial_rollouts=3, max_turns=3, max_completion_length=300, **extra)
-        batch = trainer._generate_and_score_completions([trainer.train_dataset[0]])
+        batch = trainer.generate_batch([trainer.train_dataset[0]])
         out = {"tree": captured[0], "batch": batch, "loss": [], "grads": []}
         noise = 0.05 * torch.randn(batch["old_logps"].shape, generator=torch.Generator().manual_seed(0))
         for old in (batch["old_logps"], batch["old_logps"] + noise):
@@ -199,8 +200,8 @@ def test_without_branching_treeadv_equals_flat_grpo(tmp_path):
     assert [t.action_ids for t in adv["tree"].turns] == [t.action_ids for t in grpo["tree"].turns]
     assert adv["tree"].paths == grpo["tree"].paths and adv["tree"].rewards == grpo["tree"].rewards == [1.0, 0.0, 0.0]
     assert not any(t.partial for t in adv["tree"].turns)
-    assert torch.allclose(adv["batch"]["credit_A"], grpo["batch"]["credit_A"], atol=1e-6)
-    assert torch.allclose(adv["batch"]["credit_w"], grpo["batch"]["credit_w"])
+    assert torch.allclose(TurnCredit.from_dict(adv["batch"]).A, TurnCredit.from_dict(grpo["batch"]).A, atol=1e-6)
+    assert torch.allclose(TurnCredit.from_dict(adv["batch"]).w, TurnCredit.from_dict(grpo["batch"]).w)
     for block in range(2):
         assert abs(adv["loss"][block]) > 1e-6 or block == 0
         assert math.isclose(adv["loss"][block], grpo["loss"][block], rel_tol=1e-5, abs_tol=1e-7)
@@ -232,7 +233,7 @@ def test_gspo_token_loss_in_the_trainer_equals_gspo_token_over_each_trees_sequen
     trainer, captured = _trainer(tmp_path, _math_script(2), n_prompts=2, num_initial_rollouts=2, max_turns=1,
                                  entropy_threshold=TAU, max_branches_per_tree=2, min_segment_length=3,
                                  loss="gspo_token", epsilon=eps, epsilon_high=eps)
-    batch = trainer._generate_and_score_completions([trainer.train_dataset[0], trainer.train_dataset[1]])
+    batch = trainer.generate_batch([trainer.train_dataset[0], trainer.train_dataset[1]])
     noise = 0.05 * torch.randn(batch["old_logps"].shape, generator=torch.Generator().manual_seed(1))
     batch["old_logps"] = batch["old_logps"] + noise
     from trl_tree.packing import PackedTrees, packed_token_logps
@@ -245,7 +246,7 @@ def test_gspo_token_loss_in_the_trainer_equals_gspo_token_over_each_trees_sequen
         ids = batch["turn_ids"][n, 0]
         lp = [logps[n, 0][ids == i] for i in range(tree.num_turns)]
         old = [batch["old_logps"][n, 0][ids == i] for i in range(tree.num_turns)]
-        expected.append(_flat_gspo_token(tree, lp, old, batch["credit_A"][n], eps))
+        expected.append(_flat_gspo_token(tree, lp, old, TurnCredit.from_dict(batch).A[n], eps))
         ratios += [torch.cat([lp[i] - old[i] for i in p]).mean().exp().item() for p in tree.paths]
     assert any(abs(r - 1) > eps for r in ratios) and any(abs(r - 1) < eps for r in ratios)  # clips both ways
     assert math.isclose(loss, torch.stack(expected).mean().item(), rel_tol=1e-5, abs_tol=1e-7)
@@ -272,7 +273,7 @@ def test_a_single_tree_without_high_entropy_tokens_still_gets_two_leaves(tmp_pat
     script = lambda tok: EntropyScript(tok, roots, {"I think the answer": " is 2."})  # noqa: E731
     trainer, captured = _trainer(tmp_path, script, num_initial_rollouts=1, max_turns=1, entropy_threshold=TAU,
                                  max_branches_per_tree=2, min_segment_length=2)
-    trainer._generate_and_score_completions([trainer.train_dataset[0]])
+    trainer.generate_batch([trainer.train_dataset[0]])
     tree = captured[0]
     assert tree.num_leaves == 2 and tree.rewards == [0.0, 1.0]
     assert len(tree.turns[tree.roots[0]].action_ids) == 6
@@ -305,7 +306,7 @@ def test_real_generation_with_exact_entropies_keeps_the_invariants_over_two_roun
     captured = []
     original = trainer.turn_credit
     trainer.turn_credit = lambda tree: captured.append(tree) or original(tree)
-    batch = trainer._generate_and_score_completions([trainer.train_dataset[0]])
+    batch = trainer.generate_batch([trainer.train_dataset[0]])
     tree, points = captured[0], trainer.sampler.last_branch_points
     assert all(n <= 3 for n in points) and tree.num_leaves == 2 + sum(points) and sum(points) > 0
     for turn in tree.turns:
@@ -314,7 +315,7 @@ def test_real_generation_with_exact_entropies_keeps_the_invariants_over_two_roun
             assert len(turn.action_ids) >= 3 and len(rest.action_ids) >= 3
             assert rest.entropies[0] > 0.5
     assert batch["valid"][0, 0].item() == tree.num_unique_tokens
-    _assert_segment_advantages(tree, batch["credit_A"][0])
+    _assert_segment_advantages(tree, TurnCredit.from_dict(batch).A[0])
 
 
 def test_a_plain_tree_trainer_with_token_branching_generates_entropies(tmp_path):
@@ -325,5 +326,5 @@ def test_a_plain_tree_trainer_with_token_branching_generates_entropies(tmp_path)
     trainer = TreeTrainer(model=model, reward_funcs=contains_answer, args=args, train_dataset=arithmetic_dataset(1),
                           processing_class=tok)
     assert trainer.needs_entropies and trainer.generation_engine.with_scores
-    batch = trainer._generate_and_score_completions([trainer.train_dataset[0]])
-    assert int(batch["credit_count"][0]) > args.num_initial_rollouts  # branched inside completions
+    batch = trainer.generate_batch([trainer.train_dataset[0]])
+    assert int(TurnCredit.from_dict(batch).count[0]) > args.num_initial_rollouts  # branched inside completions

@@ -17,6 +17,8 @@ from test_trainer_scripted import CounterEnv  # the same stateful counter world
 from trl.trainer.utils import split_tensor_dict
 
 from trl_tree import TreeFlexConfig, TreeFlexTrainer, Turn, losses
+from trl_tree.batch import LossInputs, TurnCredit
+from trl_tree.losses import aggregation_weights
 from trl_tree.packing import PackedTrees, packed_token_logps
 from trl_tree.rollout.engine import ScriptedEngine
 from trl_tree.rollout.flex_harness import (
@@ -27,8 +29,7 @@ from trl_tree.rollout.flex_harness import (
     FlexSearch,
 )
 from trl_tree.testing import calculator
-from trl_tree.trainer.base import _flatten_micro_batch
-from trl_tree.trainer.treeflex import FlexGroup, aggregation_weights, pack_groups
+from trl_tree.trainer.treeflex import FlexGroup, pack_groups
 
 REFLECT = {
     0: ["Compute 1+1 with the calculator.", "Compute 1+1."],
@@ -84,7 +85,7 @@ def _trainer(tmp_path, cls=TreeFlexTrainer, reward=contains_answer, n_prompts=1,
 def scripted(tmp_path_factory):
     """One scripted generation batch (with the −0.2 hook) and the trainer that made it."""
     trainer, groups = _trainer(tmp_path_factory.mktemp("flex"), cls=Penalise)
-    batch = trainer._generate_and_score_completions([trainer.train_dataset[0]])
+    batch = trainer.generate_batch([trainer.train_dataset[0]])
     return trainer, groups[0], batch
 
 
@@ -175,7 +176,7 @@ def _resume_nodes(tmp_path, factory):
     script = TwoRoleScript(tok, reflect, first=[call] * 4, after=["Card: counted."] * 4)
     trainer.generation_engine = ScriptedEngine(script, [script.eos])
     trainer.log_completions = True
-    batch = trainer._generate_and_score_completions([trainer.train_dataset[0]])
+    batch = trainer.generate_batch([trainer.train_dataset[0]])
     assert seen == [1, 2]
     assert torch.allclose(torch.tensor(list(trainer._logs["advantages"])), torch.tensor([-0.5, 0.5]) / 0.5**0.5)
     assert trainer._logs["extra"]["blocks"][0].startswith("reflection:")
@@ -196,10 +197,10 @@ def test_penalties_move_only_their_turn_and_not_the_baseline(tmp_path, scripted)
     """Same script with and without the −0.2 hook: only the hooked turn's advantage (and tokens' gradient) moves."""
     trainer, group, batch = scripted
     plain, plain_groups = _trainer(tmp_path)
-    plain_batch = plain._generate_and_score_completions([plain.train_dataset[0]])
+    plain_batch = plain.generate_batch([plain.train_dataset[0]])
     assert _turn_texts(trainer, group) == _turn_texts(plain, plain_groups[0])
     n = group.num_turns
-    A, A_plain = batch["credit_A"][0, :n].double(), plain_batch["credit_A"][0, :n].double()
+    A, A_plain = (TurnCredit.from_dict(b).A[0, :n].double() for b in (batch, plain_batch))
     hooked = (group.penalties != plain_groups[0].penalties).nonzero().flatten().tolist()
     assert len(hooked) == 1 and math.isclose(group.penalties[hooked[0]].item(), -0.2)
     divisor = math.sqrt(0.5)  # scores (1, 0): mean 1/2, sample std 1/√2, unchanged by any penalty
@@ -216,9 +217,9 @@ def test_penalties_move_only_their_turn_and_not_the_baseline(tmp_path, scripted)
 
         packed = PackedTrees.from_dict(b)
         logps = b["old_logps"].clone().requires_grad_(True)
-        flat = _flatten_micro_batch(packed, logps, b)
+        flat = LossInputs.build(packed.turn_ids, logps, b["old_logps"], TurnCredit.from_dict(b))
         (g,) = torch.autograd.grad(tr.turn_loss(flat, "train"), logps)
-        return g[packed.turn_ids >= 0], flat["turn_ids"]
+        return g[packed.turn_ids >= 0], flat.turn_ids
 
     g, ids = token_grad(trainer, batch)
     g_plain, _ = token_grad(plain, plain_batch)
@@ -229,9 +230,9 @@ def test_penalties_move_only_their_turn_and_not_the_baseline(tmp_path, scripted)
 @pytest.mark.parametrize("mode", ["pre_norm", "post_norm"])
 def test_divisor_is_one_when_all_scores_are_equal(tmp_path, mode):
     trainer, groups = _trainer(tmp_path, reward=lambda completions, **kw: [1.0] * len(completions), penalty_mode=mode)
-    batch = trainer._generate_and_score_completions([trainer.train_dataset[0]])
+    batch = trainer.generate_batch([trainer.train_dataset[0]])
     group = groups[0]
-    A = batch["credit_A"][0, : group.num_turns].double()
+    A = TurnCredit.from_dict(batch).A[0, : group.num_turns].double()
     assert torch.equal(group.penalties != 0, A != 0)  # no penalty: no advantage; penalties at their own scale
     assert torch.allclose(A, group.penalties, atol=1e-7) and (group.penalties == -1.0).sum() == 2
 
@@ -307,7 +308,7 @@ def test_trainer_weights_realise_each_mode_over_the_group(scripted, mode, role_l
     trainer, group, _ = scripted
     trainer.args.aggregation, trainer.args.role_lambda = mode, role_lambda
     try:
-        w = trainer.turn_credit(group)["w"].double()
+        w = trainer.turn_credit(group).w.double()
     finally:
         trainer.args.aggregation, trainer.args.role_lambda = "rollout", 0.0
     token_turn = torch.repeat_interleave(torch.arange(group.num_turns), group.lengths.long())
@@ -331,14 +332,15 @@ def test_loss_is_the_group_aggregate_and_exact_under_micro_batch_splitting(tmp_p
     trainer, groups = _trainer(tmp_path, n_prompts=2, aggregation="block", steps_per_generation=2)
     tok = trainer.processing_class
     trainer.generation_engine = ScriptedEngine(_Doubled(tok), [tok.convert_tokens_to_ids("<|im_end|>")])
-    batch = trainer._generate_and_score_completions([trainer.train_dataset[0], trainer.train_dataset[1]])
+    batch = trainer.generate_batch([trainer.train_dataset[0], trainer.train_dataset[1]])
 
     def group_aggregate(group, A):
         token_turn = torch.repeat_interleave(torch.arange(group.num_turns), group.lengths.long())
         return losses.aggregate(-A[token_turn], torch.ones(token_turn.numel(), dtype=torch.bool),
                                 block_ids=group.turn_block[token_turn], mode="block").item()
 
-    expected = [group_aggregate(g, batch["credit_A"][n, : g.num_turns].double()) for n, g in enumerate(groups)]
+    A = TurnCredit.from_dict(batch).A
+    expected = [group_aggregate(g, A[n, : g.num_turns].double()) for n, g in enumerate(groups)]
     with torch.no_grad():
         full = trainer.compute_loss(trainer.model, batch).item()
         halves = [trainer.compute_loss(trainer.model, half).item() for half in split_tensor_dict(batch, 2)]
@@ -431,11 +433,11 @@ def test_a_user_harness_plugs_in_and_trains(tmp_path):
     trainer = TreeFlexTrainer(model=model, reward_funcs=contains_answer, args=args, harness=NotesHarness(),
                               train_dataset=arithmetic_dataset(1), processing_class=tok, tools=[calculator])
     trainer.generation_engine = scripted_engine(tok, replies)
-    batch = trainer._generate_and_score_completions([trainer.train_dataset[0]])
+    batch = trainer.generate_batch([trainer.train_dataset[0]])
     assert batch["valid"].shape == (1, 4)  # 2 searches × 2 blocks, one row each
     second_context = tok.decode(batch["input_ids"][0, 1, : int(batch["valid"][0, 1])])
     assert "Your notes so far: Notes: start." in second_context
-    assert torch.equal(batch["credit_role"][0, :4], torch.zeros(4, dtype=torch.long))
+    assert torch.equal(TurnCredit.from_dict(batch).role[0, :4], torch.zeros(4, dtype=torch.long))
     assert torch.isfinite(trainer.compute_loss(trainer.model, batch))
 
 

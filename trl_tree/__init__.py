@@ -1,35 +1,28 @@
 """trl-tree: tree-structured agentic RL on top of Hugging Face TRL.
 
-The light modules (`tree`, `credit`, `losses`) import eagerly; `packing` (`from trl_tree import packing`) and the
-trainers pull in transformers/TRL and are imported on first use, so `import trl_tree.credit` stays fast.
+The light modules (`tree`, `credit`, `losses`, `methods`, the method table) import eagerly; `packing` and the
+trainers pull in transformers/TRL and are imported on first use (`trl_tree.packing`, `trl_tree.TreeOPSDTrainer`), so
+`import trl_tree.credit` stays fast. The config and trainer classes exported here are those of the method table
+(`trl_tree.methods.exported_classes`).
 """
 
-from . import credit, losses
+import importlib
+
+from . import credit, losses, methods
 from .tree import RolloutTree, Turn
 
 __version__ = "0.1.0"
 
-_TRAINERS = {
-    "TreeConfig": "trl_tree.trainer.config",
-    "TreeTrainer": "trl_tree.trainer.base",
-    "TreeOPSDConfig": "trl_tree.trainer.treeopsd",
-    "TreeOPSDTrainer": "trl_tree.trainer.treeopsd",
-    "TreePOConfig": "trl_tree.trainer.treepo",
-    "TreePOTrainer": "trl_tree.trainer.treepo",
-    "AT2POConfig": "trl_tree.trainer.at2po",
-    "AT2POTrainer": "trl_tree.trainer.at2po",
-    "TreeAdvConfig": "trl_tree.trainer.treeadv",
-    "TreeAdvTrainer": "trl_tree.trainer.treeadv",
-    "TreeFlexConfig": "trl_tree.trainer.treeflex",
-    "TreeFlexTrainer": "trl_tree.trainer.treeflex",
-}
+_LAZY_MODULES = ("packing",)
+_CLASSES = methods.exported_classes()
 
-__all__ = ["RolloutTree", "Turn", "credit", "losses", "packing", *_TRAINERS]
+__all__ = ["RolloutTree", "Turn", "credit", "losses", "methods", *_LAZY_MODULES, *_CLASSES]
 
 
 def __getattr__(name):
-    if name in _TRAINERS:
-        import importlib
-
-        return getattr(importlib.import_module(_TRAINERS[name]), name)
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    if name in _CLASSES:
+        module, attr = _CLASSES[name].split(":")
+        return getattr(importlib.import_module(module), attr)
     raise AttributeError(f"module 'trl_tree' has no attribute {name!r}")

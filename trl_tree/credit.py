@@ -11,7 +11,7 @@ A merged leaf's value is the mean of its occurrences' A_k (T2, `leaf_values`).
 
 Every backup here is a softmax-weighted average over a turn's unique children, `V_i = Σ_c softmax_c(z_c) V_c`;
 the methods differ only in the child logits z_c: the summed behaviour log-likelihood (TreeOPSD), log of the
-child's multiplicity (AT2PO child-mean), the child's entropy (AT2PO child-softmax) or log of the leaf occurrences
+child's multiplicity (AT2PO child-mean), the child's entropy plus that log (AT2PO child-softmax) or log of the leaf occurrences
 below it (leaf-mean, TreeAdv's segment advantage). `softmax_backup` is that one mechanism.
 """
 
@@ -56,12 +56,11 @@ def standardize(rewards: Tensor, *, ddof: int = 1, eps: float = 0.0, min_leaves:
 
 
 def group_normalize(scores: Tensor) -> Tensor:
-    """TreeFlex F1: (R − mean) / std over the group's terminal scores, with divisor 1 when all scores are equal."""
+    """TreeFlex F1: (R − mean) / divisor over the group's terminal scores (`group_baseline`: the sample std, or 1
+    when all scores are equal or there is one)."""
     scores = torch.as_tensor(scores, dtype=torch.float64)
-    centered = scores - scores.mean()
-    if scores.numel() < 2 or bool((scores == scores[0]).all()):
-        return centered
-    return centered / scores.std(correction=1)
+    mean, divisor = group_baseline(scores)
+    return (scores - mean) / divisor
 
 
 def samuelson_bound(num_leaves: int) -> float:
@@ -169,10 +168,15 @@ def likelihood_backup(tree: RolloutTree, leaf_advantages: Tensor) -> Tensor:
     return softmax_backup(tree, leaf_values(tree, leaf_advantages), action_logp_sums(tree))
 
 
+def _log_leaf_multiplicity(tree: RolloutTree) -> Tensor:
+    """log m_c for a leaf child reached by m trajectories, 0 for any other turn: as a softmax logit offset it counts
+    the leaf m times, as the unmerged tree of the m identical trajectories would."""
+    return torch.where(is_leaf(tree), multiplicities(tree), torch.ones(tree.num_turns, dtype=torch.float64)).log()
+
+
 def child_mean_backup(tree: RolloutTree, leaf_advantages: Tensor) -> Tensor:
     """AT2PO A4 child-mean: V_i = mean over children; a leaf child with multiplicity m counts m times."""
-    weights = torch.where(is_leaf(tree), multiplicities(tree), torch.ones(tree.num_turns, dtype=torch.float64))
-    return softmax_backup(tree, leaf_values(tree, leaf_advantages), weights.log())
+    return softmax_backup(tree, leaf_values(tree, leaf_advantages), _log_leaf_multiplicity(tree))
 
 
 def leaf_mean_backup(tree: RolloutTree, leaf_advantages: Tensor) -> Tensor:
@@ -181,8 +185,15 @@ def leaf_mean_backup(tree: RolloutTree, leaf_advantages: Tensor) -> Tensor:
 
 
 def entropy_softmax_backup(tree: RolloutTree, leaf_advantages: Tensor, turn_entropies: Tensor) -> Tensor:
-    """AT2PO A4 child-softmax (default): V_i = Σ_c softmax_c(H_c) V_c over the children's turn entropies."""
-    return softmax_backup(tree, leaf_values(tree, leaf_advantages), torch.as_tensor(turn_entropies))
+    """AT2PO A4 child-softmax (default): V_i = Σ_c softmax_c(H_c) V_c over the children's turn entropies (A1).
+
+    A leaf child reached by m identical trajectories counts m times, as in `child_mean_backup`: its logit is
+    H_c + log m_c. AT2PO's tree keeps the m trajectories as m sibling leaves of equal entropy and value, and merging
+    them (T2) must not change the credit; with equal entropies this backup is exactly child-mean. (TreeOPSD's T3
+    instead softmaxes over unique children: its paper defines the backup on the merged tree.)
+    """
+    logits = torch.as_tensor(turn_entropies, dtype=torch.float64) + _log_leaf_multiplicity(tree)
+    return softmax_backup(tree, leaf_values(tree, leaf_advantages), logits)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -239,6 +250,13 @@ def path_turn_pairs(trees: RolloutTree | list[RolloutTree]) -> tuple[Tensor, Ten
     return torch.cat(pair_paths), torch.cat(pair_turns), torch.cat(path_trees)
 
 
+def _pair_path_lengths(tree: RolloutTree, lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """`path_turn_pairs(tree)`'s (pair_paths, pair_turns) and the trained length |p_k| of each pair's path."""
+    pair_paths, pair_turns, _ = path_turn_pairs(tree)
+    path_len = torch.zeros(tree.num_leaves, dtype=torch.float64).index_add_(0, pair_paths, lengths[pair_turns])
+    return pair_paths, pair_turns, path_len[pair_paths]
+
+
 def path_token_weights(tree: RolloutTree, lengths: Tensor | None = None) -> Tensor:
     """AT2PO A5 / GRPO seq-mean-token-mean over the K root-to-leaf paths, as a per-token weight of each unique turn.
 
@@ -256,12 +274,57 @@ def path_token_weights(tree: RolloutTree, lengths: Tensor | None = None) -> Tens
             `losses.turn_token_counts(turn_ids, n)` when some turns are masked, e.g. truncated ones).
     """
     lengths = turn_lengths(tree) if lengths is None else torch.as_tensor(lengths, dtype=torch.float64)
-    pair_paths, pair_turns, _ = path_turn_pairs(tree)
-    path_len = torch.zeros(tree.num_leaves, dtype=torch.float64).index_add_(0, pair_paths, lengths[pair_turns])
-    per_pair = torch.where(
-        path_len[pair_paths] > 0, 1.0 / (tree.num_leaves * path_len[pair_paths].clamp(min=1e-300)), 0.0
-    )
+    _, pair_turns, path_len = _pair_path_lengths(tree, lengths)
+    per_pair = torch.where(path_len > 0, 1.0 / (tree.num_leaves * path_len.clamp(min=1e-300)), 0.0)
     return torch.zeros(tree.num_turns, dtype=torch.float64).index_add_(0, pair_turns, per_pair)
+
+
+def path_credit(tree: RolloutTree, leaf_advantages: Tensor) -> Tensor:
+    """No tree credit (AT2PO's "credit off" ablation; flat GRPO): every token takes its trajectory's A_k.
+
+    A token shared by several paths gets one value, the path-weighted mean of their A_k with the weights of
+    `path_token_weights`: A_i = Σ_{k∋i} A_k/(K|p_k|) / w_i. Trained with those weights, this reproduces the flat
+    per-path gradient at θ_old exactly. Every path counts as if it had at least one token, so a turn whose paths
+    have none still gets the mean of their A_k.
+    """
+    leaf_advantages = torch.as_tensor(leaf_advantages, dtype=torch.float64)
+    pair_paths, pair_turns, path_len = _pair_path_lengths(tree, turn_lengths(tree))
+    per_pair = 1.0 / (tree.num_leaves * path_len.clamp(min=1))
+    zeros = torch.zeros(tree.num_turns, dtype=torch.float64)
+    weight = zeros.index_add(0, pair_turns, per_pair)
+    weighted = zeros.index_add(0, pair_turns, per_pair * leaf_advantages[pair_paths])
+    return weighted / weight.clamp(min=1e-300)
+
+
+def path_intervals(tree: RolloutTree) -> tuple[Tensor, Tensor, Tensor]:
+    """The root-to-leaf paths through each turn as a DFS range: (path_lo, path_hi) per turn, and the path count K.
+
+    Numbering the K trajectories by the DFS index of their leaf, the paths through turn i are exactly those whose
+    leaf lies in i's subtree, a contiguous DFS range [path_lo_i, path_hi_i). Per-turn tensors travel in the trainer's
+    per-turn batch layout where `path_turn_pairs`'s pairs would not; `pairs_from_intervals` expands them back.
+    """
+    leaves = torch.bincount(torch.tensor(tree.leaf_of, dtype=torch.long), minlength=tree.num_turns)
+    lo = torch.cumsum(leaves, 0) - leaves
+    hi = lo + leaf_counts_below(tree).long()
+    return lo, hi, torch.tensor(tree.num_leaves)
+
+
+def pairs_from_intervals(
+    path_lo: Tensor, path_hi: Tensor, num_paths: Tensor, tree_ids: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`path_turn_pairs`'s (pair_paths, pair_turns, path_trees) of a batch from the per-turn ranges of
+    `path_intervals` (turns numbered globally, `tree_ids` per turn, `num_paths` per tree). Path ids are global (tree
+    x's paths follow those of trees 0..x−1) and renumbered in DFS order, which no loss depends on."""
+    lo, hi, num_paths = path_lo.long(), path_hi.long(), num_paths.long()
+    tree_ids = tree_ids.to(lo.device)
+    counts = hi - lo
+    first = lo + (torch.cumsum(num_paths, 0) - num_paths)[tree_ids]
+    starts = torch.cumsum(counts, 0) - counts
+    within = torch.arange(int(counts.sum()), device=lo.device) - torch.repeat_interleave(starts, counts)
+    pair_paths = torch.repeat_interleave(first, counts) + within
+    pair_turns = torch.repeat_interleave(torch.arange(lo.numel(), device=lo.device), counts)
+    path_trees = torch.repeat_interleave(torch.arange(num_paths.numel(), device=lo.device), num_paths)
+    return pair_paths, pair_turns, path_trees
 
 
 def token_mean_weights(tree: RolloutTree, lengths: Tensor | None = None) -> Tensor:

@@ -128,7 +128,7 @@ def _num_weighted_turns(advantages: Tensor, turn_weights: Tensor) -> int:
 
     It is read off A_i, one entry per unique turn; w_i must match it, since both are indexed by the tokens' turn ids.
     The two losses share their parameter list on purpose: the trainer swaps one for the other (the "atpo" and "grpo"
-    entries of `trainer.components.LOSSES`), which is AT2PO's ablation.
+    entries of `trl_tree.methods.LOSSES`), which is AT2PO's ablation.
     """
     num_turns = advantages.numel()
     if turn_weights.numel() != num_turns:
@@ -412,7 +412,7 @@ def dual_clip_loss(
 
     r_t = exp(log π_θ − log π_old), evaluated in the token's own generating context. For A < 0 the loss is capped at
     −c·A = c|A|: a token whose ratio has blown up (r > c) stops contributing gradient instead of dominating.
-    Returns the per-token loss (to be reduced by `aggregate`).
+    Returns the per-token loss (to be reduced by `aggregate` / `aggregation_weights`).
 
     Args:
         advantages: A per token (e.g. `process_advantages` gathered by each token's turn).
@@ -427,16 +427,61 @@ def dual_clip_loss(
     return torch.where(A < 0, torch.minimum(clipped, -c * A), clipped)
 
 
-def _mean_of_means(values: Tensor, ids: Tensor) -> Tensor:
-    """Mean within each id, then the mean over the ids present."""
-    _, inverse = torch.unique(ids, return_inverse=True)
-    n = int(inverse.max()) + 1
-    sums = values.new_zeros(n).index_add(0, inverse, values)
-    counts = values.new_zeros(n).index_add(0, inverse, torch.ones_like(values))
-    return (sums / counts).mean()
-
-
 AGGREGATION_MODES = ("token", "block", "rollout", "role")
+
+
+def _unit_weights(lengths: Tensor, unit_ids: Tensor) -> Tensor:
+    """w_i = 1 / (#units · L_u(i)): the mean within each unit, then the mean over the units with trained tokens."""
+    _, inverse = torch.unique(unit_ids, return_inverse=True)
+    totals = torch.zeros(int(inverse.max()) + 1, dtype=torch.float64, device=lengths.device).index_add_(
+        0, inverse, lengths
+    )
+    units = int((totals > 0).sum())
+    mine = totals[inverse]
+    return torch.where(mine > 0, 1.0 / (units * mine.clamp(min=1e-300)), torch.zeros_like(mine))
+
+
+def aggregation_weights(
+    lengths: Tensor, search_ids: Tensor | None, block_ids: Tensor | None, role_ids: Tensor | None,
+    mode: str = "rollout", role_lambda: float = 0.0,
+) -> Tensor:
+    """TreeFlex F4 for one group as a weight per element (a turn of L_i trained tokens, or one token with L = 1):
+    the group's loss is Σ_i w_i Σ_{t ∈ i} l_t.
+
+        token:    w_i = 1 / L                         L = the group's trained tokens
+        block:    w_i = 1 / (#blocks · L_b(i))        every causal block equal; more blocks, more weight for their search
+        rollout:  w_i = 1 / (#searches · L_s(i))      every complete search equal, whatever its length or blocks
+        role:     w_i = 1 / (#roles · L_ρ(i))         Reflection and Execution equal
+        mixed:    w = (1 − λ) w_mode + λ w_role       (λ = role_lambda ∈ [0, 1]; the paper trains with rollout, λ = 0)
+
+    Units without trained tokens are ignored; Σ_i w_i L_i = 1 when anything is trained.
+
+    Args:
+        lengths: L_i, trained tokens of each element (0 for a masked one); search_ids, block_ids, role_ids: per
+            element (the ones the mode needs are required).
+    """
+    if mode not in AGGREGATION_MODES:
+        raise ValueError(f"aggregation must be one of {AGGREGATION_MODES}, got {mode!r}.")
+    if not 0.0 <= role_lambda <= 1.0:
+        raise ValueError(f"role_lambda must lie in [0, 1], got {role_lambda}.")
+    lengths = torch.as_tensor(lengths, dtype=torch.float64)
+    if lengths.numel() == 0:
+        return lengths.clone()
+    units = {"block": ("block_ids", block_ids), "rollout": ("search_ids", search_ids), "role": ("role_ids", role_ids)}
+
+    def weights(unit: str) -> Tensor:
+        if unit == "token":
+            total = lengths.sum()
+            return torch.full_like(lengths, 1.0 / float(total) if total > 0 else 0.0)
+        name, ids = units[unit]
+        if ids is None:
+            raise ValueError(f"mode={unit!r} (or role_lambda > 0 for 'role') needs {name}.")
+        return _unit_weights(lengths, torch.as_tensor(ids, device=lengths.device))
+
+    if mode == "role" or role_lambda == 1.0:
+        return weights("role")
+    base = weights(mode)
+    return base if role_lambda == 0.0 else (1 - role_lambda) * base + role_lambda * weights("role")
 
 
 def aggregate(
@@ -455,34 +500,22 @@ def aggregate(
         rollout:  mean over searches i of (mean over i's trained tokens)  every complete search equal (paper's setup)
         role:     mean over roles ρ of (mean over ρ's trained tokens)     Reflection and Execution equal
 
-        loss = (1 − λ) · loss_mode + λ · loss_role     (λ = role_lambda ∈ [0, 1]; the paper trains with rollout, λ = 0)
+        loss = (1 − λ) · loss_mode + λ · loss_role
 
     Only tokens with mask 1 count (prompt, restored context, harness text and observations are masked). Ids are
     global over what is passed: "over all blocks of the group" means every block id present, so a search with more
-    blocks weighs more under `block`. Blocks/searches/roles without trained tokens are ignored.
+    blocks weighs more under `block`. Blocks/searches/roles without trained tokens are ignored. This is
+    `aggregation_weights` with every token its own element (L = 1); the trainer uses the per-turn form.
 
     Args:
         per_token_loss, token_mask, block_ids, search_ids, role_ids: [n_tokens]; the ids the mode needs are required.
     """
-    if mode not in AGGREGATION_MODES:
-        raise ValueError(f"mode must be one of {AGGREGATION_MODES}, got {mode!r}.")
-    if not 0.0 <= role_lambda <= 1.0:
-        raise ValueError(f"role_lambda must lie in [0, 1], got {role_lambda}.")
     mask = token_mask.bool()
     if not mask.any():
+        if mode not in AGGREGATION_MODES:
+            raise ValueError(f"aggregation must be one of {AGGREGATION_MODES}, got {mode!r}.")
         return (per_token_loss * 0.0).sum()
-    values = per_token_loss[mask]
-    needed = {"block": ("block_ids", block_ids), "rollout": ("search_ids", search_ids), "role": ("role_ids", role_ids)}
-
-    def reduce(unit: str) -> Tensor:
-        if unit == "token":
-            return values.mean()
-        name, ids = needed[unit]
-        if ids is None:
-            raise ValueError(f"mode={unit!r} (or role_lambda > 0 for 'role') needs {name}.")
-        return _mean_of_means(values, ids.to(mask.device)[mask])
-
-    if mode == "role" or role_lambda == 1.0:
-        return reduce("role")
-    base = reduce(mode)
-    return base if role_lambda == 0.0 else (1 - role_lambda) * base + role_lambda * reduce("role")
+    ids = [None if x is None else x.to(mask.device)[mask] for x in (search_ids, block_ids, role_ids)]
+    w = aggregation_weights(torch.ones(int(mask.sum()), dtype=torch.float64, device=mask.device), *ids, mode,
+                            role_lambda)
+    return (w.to(per_token_loss) * per_token_loss[mask]).sum()

@@ -11,6 +11,10 @@ Answers are compared after SQuAD normalisation, the convention of HotpotQA, Sear
 
 from __future__ import annotations
 
+import functools
+import inspect
+import math
+import numbers
 import re
 import string
 from collections import Counter
@@ -19,7 +23,7 @@ from typing import Any
 
 DEFAULT_F1_THRESHOLD = 0.3
 
-_ANSWER_SPAN = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+ANSWER_SPAN = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)  # the final answer of the agents here
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = set(string.punctuation)
 # HotpotQA's official F1 refuses partial credit between a yes/no answer and anything else: "no" must not earn half a
@@ -111,7 +115,7 @@ def extract_answer(completion: Completion) -> str | None:
     message = _final_assistant_message(completion)
     if message is None:
         return None
-    spans = _ANSWER_SPAN.findall(_text_of(message))
+    spans = ANSWER_SPAN.findall(_text_of(message))
     return spans[-1].strip() if spans else None
 
 
@@ -149,7 +153,7 @@ def _has_one_answer_span(message: dict[str, Any]) -> bool:
     text = _text_of(message)
     if text.count("<answer>") != 1 or text.count("</answer>") != 1:
         return False
-    span = _ANSWER_SPAN.search(text)
+    span = ANSWER_SPAN.search(text)
     return span is not None and bool(span.group(1).strip())
 
 
@@ -213,3 +217,107 @@ def format_reward(prompts: list, completions: list[Completion], **kwargs) -> lis
     A final message that still requests a tool call is not an answer and scores 0.
     """
     return [float(is_well_formed(c)) for c in completions]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Guarding the trainer's reward functions
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def guard_reward_func(func, name: str):
+    """Wrap a reward function so that an exception, a NaN or an output of the wrong kind names the function.
+
+    `None` stays allowed (TRL's "not applicable"); NaN or ±inf is an error, because a tree needs every leaf's reward
+    to standardise and back up. A 1-D tensor or array of rewards is read as GRPOTrainer reads it; strings, nested
+    values or a wrong count are errors that say what to return. A model-based reward (an `nn.Module`) or an async
+    function is left as it is.
+    """
+    import torch
+    from trl.trainer.utils import is_async_callable
+
+    if isinstance(func, torch.nn.Module) or is_async_callable(func) or getattr(func, "_trl_tree_guarded", False):
+        return func
+
+    @functools.wraps(func)
+    def guarded(*args, prompts=None, completions=None, **kwargs):
+        try:
+            out = func(*args, prompts=prompts, completions=completions, **kwargs)
+        except Exception as e:
+            j = _first_failing_sample(func, prompts, completions, kwargs)
+            where = f"sample {j}" if j is not None else f"a batch of {len(completions or [])} samples"
+            raise RuntimeError(
+                f"Reward function '{name}' raised {type(e).__name__}: {e} on {where}"
+                + (f" (completion: {_quote(completions[j])})" if j is not None else "")
+                + ". Fix the function, or return None for samples it cannot score."
+            ) from e
+        out = _checked_rewards(name, out, completions or [])
+        for j, r in enumerate(out):
+            if r is not None and not math.isfinite(r):
+                raise ValueError(
+                    f"Reward function '{name}' returned {r} for sample {j} (completion: {_quote(completions[j])}). "
+                    "Rewards must be finite; return None where the function does not apply."
+                )
+        return out
+
+    guarded._trl_tree_guarded = True
+    guarded.__signature__ = inspect.signature(func) if callable(func) else None
+    return guarded
+
+
+_RETURN_ADVICE = (
+    "return a list with one reward per completion: a number (a float, int, bool or one-element tensor), or None "
+    "where the function does not apply"
+)
+
+
+def _checked_rewards(name: str, out, completions: list) -> list[float | None]:
+    """A reward function's output as GRPOTrainer reads it (a list, or a tensor / array it iterates, with None for
+    "not applicable"), as a list of floats and Nones; anything else is an error that names the function."""
+    if out is None or isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__"):
+        raise TypeError(f"Reward function '{name}' returned {_quote(repr(out))} ({type(out).__name__}); {_RETURN_ADVICE}.")
+    if _is_tensor(out) and out.dim() != 1:
+        raise ValueError(
+            f"Reward function '{name}' returned a tensor of shape {tuple(out.shape)}; {_RETURN_ADVICE} (a 1-D tensor of "
+            f"{len(completions)} rewards works too)."
+        )
+    values = list(out)
+    if len(values) != len(completions):
+        raise ValueError(
+            f"Reward function '{name}' returned {len(values)} rewards for {len(completions)} completions; "
+            f"{_RETURN_ADVICE}."
+        )
+    checked = []
+    for j, r in enumerate(values):
+        if _is_tensor(r) and r.numel() == 1:
+            r = r.item()
+        if r is not None and not isinstance(r, numbers.Real):
+            raise TypeError(
+                f"Reward function '{name}' returned {_quote(repr(r))} ({type(r).__name__}) for sample {j} "
+                f"(completion: {_quote(completions[j])}); {_RETURN_ADVICE}."
+            )
+        checked.append(None if r is None else float(r))
+    return checked
+
+
+def _first_failing_sample(func, prompts, completions, kwargs) -> int | None:
+    n = len(completions or [])
+    for j in range(n):
+        one = {k: ([v[j]] if isinstance(v, list) and len(v) == n else v) for k, v in kwargs.items()}
+        try:
+            func(prompts=[prompts[j]], completions=[completions[j]], **one)
+        except Exception:
+            return j
+    return None
+
+
+def _quote(value) -> str:
+    """A sample's completion or a reward's value as quoted in reward-function errors."""
+    from .rollout.env import shorten
+
+    return shorten(value, 160)
+
+
+def _is_tensor(value) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor)

@@ -237,3 +237,18 @@ def _validate(trajectories: list[list[Turn]], rewards: list[float]) -> None:
                     f"Trajectory {k}, turn {t} is partial (it stops inside an assistant turn), so it can have no "
                     "observation and must be followed by the segment that continues the turn."
                 )
+
+
+def render_tree(tree: RolloutTree, tokenizer, values=None, width: int = 80) -> str:
+    """The tree as indented text: one line per unique turn (its action, the observation's start, ×multiplicity),
+    then the K rewards (`values`: a value per unique turn to show, e.g. V_i). Used by the trainers' `log_completions`."""
+    lines = [f"prompt ({len(tree.prompt_ids)} tokens)  K={tree.num_leaves}  unique turns={tree.num_turns}"]
+    for i, turn in enumerate(tree.turns):
+        action = tokenizer.decode(turn.action_ids, skip_special_tokens=False).replace("\n", " ")
+        if len(action) > width:
+            action = action[: width - 1] + "…"
+        extra = f" ×{turn.multiplicity}" if turn.multiplicity > 1 else ""
+        value = f" V={values[i]:+.3f}" if values is not None else ""
+        lines.append(f"{'  ' * (turn.depth + 1)}[{i}] {action}{extra}{value}")
+    lines.append("rewards: " + " ".join(f"{r:g}" for r in tree.rewards))
+    return "\n".join(lines)

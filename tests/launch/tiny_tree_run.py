@@ -1,7 +1,8 @@
 """A few TreeOPSD steps on the tiny model with a calculator tool, for `accelerate launch` tests.
 
 Usage: accelerate launch [--multi_gpu --num_processes 2 | --config_file ds.yaml] tests/launch/tiny_tree_run.py OUT
-       [lora] [treeopsd | at2po | treeadv | treeflex | opsd_on_entropy_tree | atpo_on_init_expand | flat_grpo]
+       [lora] [a method of trl_tree.methods.METHODS | treeadv_gspo | treeflex_uneven | opsd_on_entropy_tree |
+               atpo_on_init_expand | flat_grpo]
 Writes OUT/report-rank{r}.json per rank: world size, whether every trainable parameter changed, the logged metric names.
 """
 
@@ -13,37 +14,53 @@ import sys
 import torch
 from datasets import Dataset
 
-from trl_tree import (
-    AT2POConfig,
-    AT2POTrainer,
-    TreeAdvConfig,
-    TreeAdvTrainer,
-    TreeConfig,
-    TreeFlexConfig,
-    TreeFlexTrainer,
-    TreeOPSDConfig,
-    TreeOPSDTrainer,
-    TreeTrainer,
-)
+from trl_tree import TreeConfig, TreeTrainer, methods
+from trl_tree.rollout.flex_harness import TwoRoleHarness
 from trl_tree.testing import calculator, calculator_conversations, tiny_model_and_tokenizer, warm_start
 
-METHODS = {
-    "treeopsd": (TreeOPSDTrainer, TreeOPSDConfig, {}),
-    "at2po": (AT2POTrainer, AT2POConfig, {"num_initial_rollouts": 2, "expansion_rounds": 1, "branches_per_round": 2}),
+# What each named method of the method table changes for the tiny model (a method not listed runs with its defaults)
+TINY = {
+    "at2po": {"num_initial_rollouts": 2, "expansion_rounds": 1, "branches_per_round": 2},
     # a low τ_H so that the tiny model's completions do branch
-    "treeadv": (TreeAdvTrainer, TreeAdvConfig, {"num_initial_rollouts": 2, "entropy_threshold": 0.5,
-                                                "max_branches_per_tree": 2, "min_segment_length": 2}),
-    "treeadv_gspo": (TreeAdvTrainer, TreeAdvConfig, {"num_initial_rollouts": 2, "entropy_threshold": 0.5,
-                                                     "max_branches_per_tree": 2, "min_segment_length": 2,
-                                                     "loss": "gspo_token", "epsilon": 3e-4, "epsilon_high": 4e-4}),
+    "treeadv": {"num_initial_rollouts": 2, "entropy_threshold": 0.5, "max_branches_per_tree": 2,
+                "min_segment_length": 2},
     # two-role harness: Reflection + one Execution segment (from a restored node) per search, K = 2 searches
-    "treeflex": (TreeFlexTrainer, TreeFlexConfig, {"num_searches": 2, "max_blocks": 2}),
+    "treeflex": {"num_searches": 2, "max_blocks": 2},
+}
+
+
+class UnevenHarness(TwoRoleHarness):
+    """The two-role harness, but rank r keeps r fewer searches of each task: ranks return different numbers of
+    searches, so every gather of per-search values must accept uneven counts."""
+
+    def run(self, tasks, kit):
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        return [searches[: len(searches) - rank] for searches in super().run(tasks, kit)]
+
+
+# Other configurations: (named method, or None for `TreeTrainer`; fields; trainer keyword arguments)
+VARIANTS = {
+    "treeadv_gspo": ("treeadv", {**TINY["treeadv"], "loss": "gspo_token", "epsilon": 3e-4, "epsilon_high": 4e-4}, {}),
+    "treeflex_uneven": ("treeflex", {"num_searches": 3, "max_blocks": 2, "log_completions": True},
+                        {"harness": UnevenHarness()}),
     # compositions: the TreeOPSD loss on an entropy-guided tree; ATPO on init-expand trees; flat multi-turn GRPO
-    "opsd_on_entropy_tree": (TreeTrainer, TreeConfig, {"sampler": "entropy_guided", "expansion_rounds": 1,
-                                                        "branches_per_round": 2, "num_initial_rollouts": 2}),
-    "atpo_on_init_expand": (TreeTrainer, TreeConfig, {"loss": "atpo", "credit": "child_mean"}),
-    "flat_grpo": (TreeTrainer, TreeConfig, {"sampler": "flat", "num_initial_rollouts": 4, "credit": "path",
-                                             "loss": "grpo"}),
+    "opsd_on_entropy_tree": (None, {"sampler": "entropy_guided", "expansion_rounds": 1, "branches_per_round": 2,
+                                    "num_initial_rollouts": 2}, {}),
+    "atpo_on_init_expand": (None, {"loss": "atpo", "credit": "child_mean"}, {}),
+    "flat_grpo": (None, {"sampler": "flat", "num_initial_rollouts": 4, "credit": "path", "loss": "grpo"}, {}),
+}
+
+
+def _entry(method, overrides, trainer_kwargs):
+    if method is None:
+        return TreeTrainer, TreeConfig, overrides, trainer_kwargs
+    spec = methods.METHODS[method]
+    return spec.trainer_class(), spec.config_class(), overrides, trainer_kwargs
+
+
+METHODS = {
+    **{name: _entry(name, TINY.get(name, {}), {}) for name in methods.METHODS},
+    **{name: _entry(*variant) for name, variant in VARIANTS.items()},
 }
 
 
@@ -67,7 +84,7 @@ def build_trainer(out: str, use_lora: bool = False, max_steps: int = 2, packing:
     and the final answer, no tool schema in the prompt), with the same verifiable reward. `config_fields` go to the
     method's config (e.g. `log_completions=True`).
     """
-    trainer_cls, config_cls, overrides = METHODS[method]
+    trainer_cls, config_cls, overrides, trainer_kwargs = METHODS[method]
     model, tok = tiny_model_and_tokenizer()
     conversations = calculator_conversations(64, seed=0)
     torch.manual_seed(0)
@@ -93,7 +110,8 @@ def build_trainer(out: str, use_lora: bool = False, max_steps: int = 2, packing:
         save_strategy="no", use_cpu=not torch.cuda.is_available(), seed=0, **config_fields,
     )
     return trainer_cls(model=model, reward_funcs=correct_answer, args=args, train_dataset=ds,
-                       processing_class=tok, tools=[calculator] if use_tools else None, peft_config=peft_config)
+                       processing_class=tok, tools=[calculator] if use_tools else None, peft_config=peft_config,
+                       **trainer_kwargs)
 
 
 def main():

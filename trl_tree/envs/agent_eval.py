@@ -21,6 +21,7 @@ import torch
 
 from trl_tree.rewards import exact_match_score, extract_answer, f1_score, is_well_formed
 from trl_tree.rollout.engine import Continuation, _cut_at_eos
+from trl_tree.rollout.env import MAX_OBSERVATION_CHARS
 from trl_tree.rollout.prefix_cache import PrefixKVStore, left_padded, supports_reuse
 from trl_tree.rollout.samplers import Branch, SamplerSettings, TurnLoop
 
@@ -158,7 +159,7 @@ class AgentSettings:
     max_turns: int = 5
     max_completion_length: int = 512
     max_turn_tokens: int | None = None
-    max_observation_chars: int | None = 16384
+    max_observation_chars: int | None = MAX_OBSERVATION_CHARS
     tool_timeout: float | None = 30.0
     tool_execution: str = "main"  # or "thread": see TreeConfig.tool_execution
     batch_size: int = 64

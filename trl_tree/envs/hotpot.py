@@ -37,11 +37,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from ..rollout.env import MAX_OBSERVATION_CHARS
+
 REQUIRED_COLUMNS = ("question", "answer")
 SEARCH_TOOL_NAME = "search"
 DEFAULT_TOPK = 3
 DEFAULT_MAX_QUERY_CHARS = 512  # the paper's query limit (Appendix F.1)
-DEFAULT_MAX_CHARS = 16_384  # the paper's cap on retrieved observations (Appendix E.3)
+DEFAULT_MAX_CHARS = MAX_OBSERVATION_CHARS  # the paper's cap on retrieved observations
+# The search tool cuts its passage list so that list and marker fit in `max_chars` together; what the model then sees
+# of any tool output is cut again at `max_observation_chars` with `rollout.env.TRUNCATION_MARKER` (the same 16,384 by
+# default, so a search observation is never cut twice).
 TRUNCATION_MARKER = "\n[... search results truncated]"
 _LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")
 

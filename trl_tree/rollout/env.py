@@ -34,6 +34,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 TRUNCATION_MARKER = "\n...[truncated: {n} more characters]"
+MAX_OBSERVATION_CHARS = 16_384  # the TreeOPSD paper's cap on a retrieved observation (Appendix E.3)
 TOOL_EXECUTION_MODES = ("main", "thread")
 
 

@@ -22,13 +22,15 @@ import random
 import torch
 from torch import Tensor
 
+from ..losses import turn_entropy
 from ..tree import RolloutTree
 
 SIBLING_PENALTY = 0.05
 
 
 def tree_turn_entropies(tree: RolloutTree) -> Tensor:
-    """A1 on a tree: H_i = mean of turn i's stored per-token entropies (`Turn.entropies`), over `tree.turns`.
+    """A1 on a tree: H_i = mean of turn i's stored per-token entropies (`Turn.entropies`), over `tree.turns`
+    (`losses.turn_entropy` of the tree's tokens).
 
     Raises:
         ValueError: a turn was generated without per-token entropies.
@@ -41,9 +43,7 @@ def tree_turn_entropies(tree: RolloutTree) -> Tensor:
         )
     lengths = torch.tensor([len(t.entropies) for t in tree.turns], dtype=torch.long)
     values = torch.tensor([h for t in tree.turns for h in t.entropies], dtype=torch.float64)
-    turn_ids = torch.repeat_interleave(torch.arange(tree.num_turns), lengths)
-    sums = torch.zeros(tree.num_turns, dtype=torch.float64).index_add_(0, turn_ids, values)
-    return sums / lengths.clamp(min=1)
+    return turn_entropy(values, torch.repeat_interleave(torch.arange(tree.num_turns), lengths), tree.num_turns)
 
 
 def sibling_counts(tree: RolloutTree) -> Tensor:

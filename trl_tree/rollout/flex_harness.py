@@ -94,6 +94,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from ..rewards import ANSWER_SPAN
 from ..tree import Turn
 from .env import RecordedCall, TreeEnvironment, fork_environment
 from .samplers import Branch, TurnLoop, _bind_tools
@@ -110,7 +111,6 @@ EXECUTION_PROMPT = (
     "You are the Execution role of a search agent. Follow the instruction, using the tools when they help. Finish "
     "with a checkpoint card: a short summary of what you found, including the answer if you have it."
 )
-ANSWER_PATTERN = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 RESUME_PATTERN = re.compile(r"<resume>\s*(-?\d+)\s*</resume>")
 LAST_SEGMENT_NOTE = "No Execution segments remain: reply with the final answer as <answer>...</answer>."
 
@@ -327,7 +327,7 @@ class TwoRoleHarness:
         branch.prefix_ids = branch.prefix_ids + list(out.ids)
         search.completion.append({"role": "assistant", "content": text})
         no_segments_left = 1 + len(search.segments) >= kit.max_blocks
-        if not out.finished or ANSWER_PATTERN.search(text) or no_segments_left:
+        if not out.finished or ANSWER_SPAN.search(text) or no_segments_left:
             search.done = True
             return None
         node = len(search.nodes) - 1

@@ -21,6 +21,7 @@ from typing import Any
 from ..tree import RolloutTree, Turn
 from .engine import GenerationEngine
 from .env import (
+    MAX_OBSERVATION_CHARS,
     RecordedCall,
     ToolResult,
     TreeEnvironment,
@@ -163,7 +164,7 @@ class SamplerSettings:
     max_turns: int
     max_completion_length: int
     tool_timeout: float | None = 30.0
-    max_observation_chars: int | None = 16384
+    max_observation_chars: int | None = MAX_OBSERVATION_CHARS
     failure_penalty: float = -1.0
     malformed_tool_calls: str = "observe"  # or "end" (TreeConfig.malformed_tool_calls)
     tool_execution: str = "main"  # or "thread" (TreeConfig.tool_execution)

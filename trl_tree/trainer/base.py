@@ -9,16 +9,14 @@ accelerate / DeepSpeed, vLLM, logging, checkpoints, Hub):
    into micro-batches);
 2. the loss (`_compute_loss`): one packed forward of the current policy and the method's turn-level loss.
 
-The configuration chooses the sampler, the credit and the loss independently (`trl_tree.trainer.components`); the
-named trainers (`TreeOPSDTrainer`, `TreePOTrainer`, `AT2POTrainer`) are presets of `TreeTrainer`.
+The configuration chooses the sampler, the credit and the loss independently from the method table
+(`trl_tree.methods`); the named trainers (`TreeOPSDTrainer`, `TreePOTrainer`, `AT2POTrainer`, `TreeAdvTrainer`) are
+presets of `TreeTrainer`. `generate_batch` is the public seam to one generation batch (what TRL trains on).
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
-import math
-import numbers
 from typing import Any
 
 import torch
@@ -26,19 +24,20 @@ from datasets import IterableDataset
 from trl import GRPOTrainer
 from trl.chat_template_utils import parse_response
 from trl.data_utils import is_conversational
-from trl.trainer.utils import RepeatSampler, is_async_callable, nanstd, repeat_iterable_dataset
+from trl.trainer.utils import RepeatSampler, nanstd, repeat_iterable_dataset
 
-from .. import credit, losses, trl_internals
+from .. import credit, losses, methods, trl_internals
+from ..batch import LossInputs, TurnCredit
 from ..packing import PackedTrees, pack_cheapest, pack_trees, packed_token_logps, unwrap_model
+from ..rewards import guard_reward_func
 from ..rollout.engine import HFEngine, rollout_session
-from ..rollout.env import EnvironmentPool, TreeEnvironment, environment_tools, shorten
+from ..rollout.env import EnvironmentPool, TreeEnvironment, environment_tools
 from ..rollout.samplers import SamplerSettings, TreeRoot, TurnLoop
-from ..tree import RolloutTree
+from ..tree import RolloutTree, render_tree
 from . import components, model_card, resume
+from . import metrics as tree_metrics
 from .config import TreeConfig
 from .tree_view_logging import TreeViewRecorder
-
-PER_TURN = "credit_"  # batch keys of per-turn tensors, padded to the largest tree: [N, max_turns]
 
 
 class TreeTrainer(GRPOTrainer):
@@ -76,7 +75,7 @@ class TreeTrainer(GRPOTrainer):
         self._check_enough_prompts()
         self._resize_completion_logs(args.prompts_per_generation * args.leaves_per_tree)
         self._hide_fork_from_tools()
-        self.reward_funcs = [_guard_reward_func(f, n) for f, n in zip(self.reward_funcs, self.reward_func_names)]
+        self.reward_funcs = [guard_reward_func(f, n) for f, n in zip(self.reward_funcs, self.reward_func_names)]
         self.generation_engine = self._build_engine()
         self._turn_loop = self._build_turn_loop()
         self.sampler = self.build_sampler(self._turn_loop)
@@ -109,7 +108,7 @@ class TreeTrainer(GRPOTrainer):
             f"{type(self).__name__}: num_generations G = {a.num_generations} trajectories of budget per prompt; "
             f"{a.prompts_per_generation} prompts per generation batch; {a.trees_per_micro_batch} trees per micro-batch "
             f"per process; K = {a.leaves_per_tree} leaves per tree"
-            + (" (at most)" if a.sampler == "token_entropy" else "")
+            + (" (at most)" if methods.SAMPLERS[a.sampler].variable_leaves else "")
             + f"; {per_step} prompts and {per_step * float(components.trajectory_budget(a)):g} expected trajectories "
             f"per optimizer step; E = {a.num_optimizer_blocks} optimizer blocks per generation batch."
         )
@@ -183,13 +182,9 @@ class TreeTrainer(GRPOTrainer):
 
     @property
     def needs_entropies(self) -> bool:
-        """Per-token entropies from generation are needed by entropy-guided expansion and the entropy backup (A1)."""
-        a = self.args
-        return (
-            (a.sampler == "entropy_guided" and a.expansion_mode == "entropy")
-            or a.sampler == "token_entropy"
-            or a.credit == "child_softmax"
-        )
+        """Whether generation records per-token entropies: the sampler or the credit reads them
+        (`trl_tree.methods.needs_entropies`)."""
+        return methods.needs_entropies(self.args)
 
     def _build_turn_loop(self) -> TurnLoop:
         settings = SamplerSettings(
@@ -212,8 +207,9 @@ class TreeTrainer(GRPOTrainer):
         )
 
     def build_sampler(self, loop: TurnLoop):
+        """The configured sampler (`trl_tree.methods.SAMPLERS`), seeded per process."""
         seed = self.args.seed + 1000 * self.accelerator.process_index
-        return components.build_sampler(self.args, loop, seed)
+        return methods.SAMPLERS[self.args.sampler].build(self.args, loop, seed)
 
     def _parse_action(self, ids: list[int], prefix: list[int]) -> dict:
         if not self.tools:
@@ -222,10 +218,7 @@ class TreeTrainer(GRPOTrainer):
         return parse_response(trl_internals.tokenizer(self), ids, prefix=prefix, tools=self.tools)
 
     def _any_rank_active(self, flag: bool) -> bool:
-        if self.accelerator.num_processes == 1:
-            return flag
-        t = torch.tensor([1.0 if flag else 0.0], device=self.accelerator.device)
-        return bool(self.accelerator.reduce(t, reduction="sum").item() > 0)
+        return tree_metrics.any_rank(self.accelerator, flag)
 
     # ---------------------------------------------------------------- generation
 
@@ -255,8 +248,20 @@ class TreeTrainer(GRPOTrainer):
             )
         return batch[::G]
 
-    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    def generate_batch(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        """Grow, score and credit one tree per dataset row of `inputs` and return them as one micro-batch: exactly
+        what the trainer trains on (in train mode) or evaluates (in eval mode).
+
+        The batch is a flat dict of tensors, as TRL buffers it: the packed trees (`PackedTrees.from_dict(batch)`),
+        π_old's log-probs (`batch["old_logps"]`, the packed layout) and the per-turn credit
+        (`TurnCredit.from_dict(batch)`, one row per tree). Generation metrics are logged as in training. This is the
+        public seam to inspect a method's trees, credit and loss inputs without running `train()`; during training
+        TRL reaches it through `_generate_and_score_completions`.
+        """
         return self._generate_micro_batches(inputs, 1)[0]
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        return self.generate_batch(inputs)
 
     def _generate_micro_batches(self, inputs: list[dict[str, Any]], num_chunks: int) -> list[dict[str, torch.Tensor]]:
         """Grow and score one tree per prompt, then pack, recompute π_old and compute credit per micro-batch."""
@@ -287,7 +292,7 @@ class TreeTrainer(GRPOTrainer):
             packed, old_logps = self._pack_with_behaviour_logps(chunk, mode)
             credit_of_chunk = [self.turn_credit(unit) for unit in chunk]
             batch = {**packed.to(self.accelerator.device).to_dict(), "old_logps": old_logps}
-            batch.update(_pad_per_turn(credit_of_chunk, self.accelerator.device))
+            batch.update(TurnCredit.stack(credit_of_chunk, self.accelerator.device).to_dict())
             batches.append(batch)
             per_turn += credit_of_chunk
             forward_tokens += packed.num_forward_tokens
@@ -432,9 +437,10 @@ class TreeTrainer(GRPOTrainer):
                 turn.action_logps = chunk.tolist()
         return logps.detach()
 
-    def turn_credit(self, tree: RolloutTree) -> dict[str, torch.Tensor]:
-        """Per-turn tensors of one tree (over `tree.turns`) that the loss needs; 0-dim tensors are per tree."""
-        return components.turn_credit(tree, self.args)
+    def turn_credit(self, unit) -> TurnCredit:
+        """The credit of one unit (a tree, over `tree.turns`; TreeFlex: a group) with everything its loss reads
+        (`trl_tree.methods.turn_credit`)."""
+        return methods.turn_credit(unit, self.args)
 
     # ---------------------------------------------------------------- loss
 
@@ -442,28 +448,24 @@ class TreeTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         packed = PackedTrees.from_dict(inputs)
         logps, entropy = packed_token_logps(model, packed, temperature=self.temperature, compute_entropy=True)
-        flat = _flatten_micro_batch(packed, logps, inputs)
-        loss = self.turn_loss(flat, mode)
+        batch = LossInputs.build(packed.turn_ids, logps, inputs["old_logps"], TurnCredit.from_dict(inputs))
+        loss = self.turn_loss(batch, mode)
         # GRPO's `entropy`: mean entropy of the trained tokens (each unique token once), from the training forward
-        metrics = trl_internals.metrics(self, mode)
-        metrics["entropy"].append(self._mean_over_ranks(entropy[packed.turn_ids >= 0].detach()))
+        logged = trl_internals.metrics(self, mode)
+        logged["entropy"].append(self._mean_over_ranks(entropy[packed.turn_ids >= 0].detach()))
         if mode == "train":
             loss = loss / getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
         return loss
 
-    def turn_loss(self, flat: dict[str, torch.Tensor], mode: str) -> torch.Tensor:
-        spec = components.LOSSES[self.args.loss]
-        loss = spec.compute(flat, self.args)
+    def turn_loss(self, batch: LossInputs, mode: str) -> torch.Tensor:
+        """The configured loss of one micro-batch (`trl_tree.methods.LOSSES`), logging its metrics and every method's
+        mean |s_i|, the turns' log-ratio, per optimizer block."""
+        loss, loss_metrics = methods.LOSSES[self.args.loss].compute(batch, self.args)
         with torch.no_grad():
-            if spec.clip_counts is not None:
-                self._log_clip_ratio(mode, spec.clip_counts(flat, self.args))
-            num_turns = flat["A"].numel()
-            s = losses.turn_mean_log_ratio(flat["logps"], flat["old_logps"], flat["turn_ids"], num_turns)
-        block, metrics = self._optimizer_block(), trl_internals.metrics(self, mode)
-        if "q" in flat:  # how far each turn still is from its teacher
-            gap = (torch.sigmoid(s) - flat["q"]).abs().tolist()
-            metrics[f"treeopsd/abs_p_minus_q/block_{block}"].append(self._mean_over_ranks(gap))
-        metrics[f"tree/abs_log_ratio/block_{block}"].append(self._mean_over_ranks(s.abs().tolist()))
+            s = losses.turn_mean_log_ratio(batch.logps, batch.old_logps, batch.turn_ids, batch.num_turns)
+        block = self._optimizer_block()
+        loss_metrics["tree/abs_log_ratio/block_{block}"] = s.abs()
+        tree_metrics.log_values(trl_internals.metrics(self, mode), self.accelerator, loss_metrics, block)
         return loss
 
     def _optimizer_block(self) -> int:
@@ -495,31 +497,13 @@ class TreeTrainer(GRPOTrainer):
     # ---------------------------------------------------------------- metrics
 
     def _max_over_ranks(self, value: int) -> int:
-        if self.accelerator.num_processes == 1:
-            return value
-        t = torch.tensor([value], device=self.accelerator.device)
-        return int(self.accelerator.reduce(t, reduction="max").item())
+        return tree_metrics.max_over_ranks(self.accelerator, value)
 
     def _gather_uneven(self, values: torch.Tensor) -> torch.Tensor:
-        """All ranks' values of a 1-D tensor whose length differs by rank (padded with NaN, which is dropped)."""
-        values = values.float().to(self.accelerator.device)
-        if self.accelerator.num_processes == 1:
-            return values
-        padded = self.accelerator.pad_across_processes(values, dim=0, pad_index=float("nan"))
-        gathered = self.accelerator.gather(padded)
-        return gathered[~torch.isnan(gathered)]
+        return tree_metrics.gather_uneven(self.accelerator, values)
 
     def _mean_over_ranks(self, values: list[float] | torch.Tensor) -> float:
-        values = torch.as_tensor(values, dtype=torch.float64, device=self.accelerator.device)
-        t = torch.stack([values.sum(), values.new_tensor(float(values.numel()))])
-        total = self.accelerator.reduce(t, reduction="sum")
-        return (total[0] / total[1].clamp(min=1)).item()
-
-    def _log_clip_ratio(self, mode: str, path_counts: torch.Tensor) -> None:
-        """GRPO's `clip_ratio/*` over every rank's root-to-leaf paths (`losses.clip_ratio_summary`)."""
-        gathered = self._gather_uneven(path_counts.reshape(-1))
-        for key, value in losses.clip_ratio_summary(gathered).items():
-            trl_internals.metrics(self, mode)[f"clip_ratio/{key}"].append(value)
+        return tree_metrics.mean_over_ranks(self.accelerator, values)
 
     def _log_rollout_metrics(self, mode, group_sizes: list[int], lengths: list[int], clipped: list[bool],
                              tool_calls: list[int], tool_failures: list[int]) -> None:
@@ -603,17 +587,14 @@ class TreeTrainer(GRPOTrainer):
         total = self.accelerator.reduce(total, reduction="sum")
         metrics["tools/failure_frequency"].append((total[0] / total[1]).item() if total[1] > 0 else 0.0)
 
-    def log_turn_credit(self, metrics, per_turn: list[dict[str, torch.Tensor]]) -> None:
-        """Mean |A| of the turn credit, and for TreeOPSD mean |q − 1/2| (how far the teachers move the policy)."""
-        advantages = [a for d in per_turn for a in d["A"].abs().tolist()]
-        metrics["tree/abs_turn_advantage"].append(self._mean_over_ranks(advantages))
-        if "q" in per_turn[0]:
-            gaps = [g for d in per_turn for g in (d["q"] - 0.5).abs().tolist()]
-            metrics["treeopsd/abs_q_minus_half"].append(self._mean_over_ranks(gaps))
+    def log_turn_credit(self, metrics, per_turn: list[TurnCredit]) -> None:
+        """Mean |A| of the turn credit over every rank's turns, and the loss's own credit metrics
+        (`trl_tree.methods.Loss.credit_metrics`; TreeOPSD: mean |q − 1/2|, how far the teachers move the policy)."""
+        values = {"tree/abs_turn_advantage": torch.cat([c.A.abs() for c in per_turn])}
+        values.update(methods.LOSSES[self.args.loss].credit_metrics(per_turn))
+        tree_metrics.log_values(metrics, self.accelerator, values)
 
     def _log_tree_completions(self, prompts, trees, branches_per_tree):
-        from accelerate.utils import gather_object
-
         rows_prompt, rows_completion, rows_tree, rows_adv = [], [], [], []
         for prompt, tree, branches in zip(prompts, trees, branches_per_tree):
             A = credit.standardize(torch.tensor(tree.rewards), min_leaves=1) if tree.num_leaves > 1 else [0.0]
@@ -623,13 +604,22 @@ class TreeTrainer(GRPOTrainer):
                 rows_completion.append(b.messages)
                 rows_tree.append(text if k == 0 else f"(leaf {k} of the tree above: turns {tree.paths[k]})")
                 rows_adv.append(float(A[k]))
+        self._log_completion_rows(rows_prompt, rows_completion, rows_adv, {"tree": rows_tree})
+
+    def _log_completion_rows(self, prompts: list, completions: list, advantages: list[float],
+                             extra: dict[str, list]) -> None:
+        """GRPOTrainer's completions table (`log_completions`), one row per leaf (TreeFlex: per search) of every rank,
+        with each reward function's column. Objects are gathered, so ranks may hold different numbers of rows."""
+        from accelerate.utils import gather_object
+
         logs = trl_internals.completion_logs(self)
-        logs["prompt"].extend(gather_object(rows_prompt))
-        logs["completion"].extend(gather_object(rows_completion))
+        logs["prompt"].extend(gather_object(prompts))
+        logs["completion"].extend(gather_object(completions))
         for i, name in enumerate(self.reward_func_names):
             logs["rewards"][name].extend(gather_object(self._last_rewards_per_func[:, i].tolist()))
-        logs["advantages"].extend(gather_object(rows_adv))
-        logs["extra"]["tree"].extend(gather_object(rows_tree))  # GRPOTrainer.log prints and saves the table
+        logs["advantages"].extend(gather_object(advantages))
+        for column, rows in extra.items():  # GRPOTrainer.log prints and saves the table
+            logs["extra"][column].extend(gather_object(rows))
 
 
 # -------------------------------------------------------------------- helpers
@@ -691,152 +681,3 @@ def _mask_truncated_turns(packed: PackedTrees, trees: list[RolloutTree]) -> None
             hit = torch.isin(packed.turn_ids[n], torch.tensor(truncated, device=packed.turn_ids.device))
             packed.turn_ids[n][hit] = -1
             packed.score_index[n][hit] = -1
-
-
-def _pad_per_turn(per_turn: list[dict[str, torch.Tensor]], device) -> dict[str, torch.Tensor]:
-    """Stack per-tree credit: per-turn tensors padded to [N, max_turns], per-tree scalars to [N]."""
-    out: dict[str, torch.Tensor] = {}
-    width = max(max((v.numel() for v in d.values() if v.dim() == 1), default=1) for d in per_turn)
-    out[PER_TURN + "count"] = torch.tensor([_num_turns(d) for d in per_turn], device=device)
-    for key in per_turn[0]:
-        values = [d[key] for d in per_turn]
-        if values[0].dim() == 0:
-            out[PER_TURN + key] = torch.stack(values).to(device)
-        else:
-            padded = torch.zeros(len(values), width, dtype=values[0].dtype)
-            for n, v in enumerate(values):
-                padded[n, : v.numel()] = v
-            out[PER_TURN + key] = padded.to(device)
-    return out
-
-
-def _num_turns(d: dict[str, torch.Tensor]) -> int:
-    return max((v.numel() for v in d.values() if v.dim() == 1), default=0)
-
-
-def _flatten_micro_batch(packed: PackedTrees, logps: torch.Tensor, inputs: dict) -> dict[str, torch.Tensor]:
-    """Per-token tensors of the trained tokens with global turn ids, and per-turn tensors of the micro-batch's trees:
-    the layout `trl_tree.losses` takes (docs/design.md §4)."""
-    counts = inputs[PER_TURN + "count"]
-    n_trees = counts.numel()
-    offsets = torch.cumsum(counts, 0) - counts
-    mask = packed.turn_ids >= 0
-    tree_of_token = torch.arange(n_trees, device=logps.device).view(-1, 1, 1).expand_as(packed.turn_ids)
-    turn_mask = torch.arange(int(counts.max()), device=counts.device).unsqueeze(0) < counts.unsqueeze(1)
-    flat = {
-        "logps": logps[mask],
-        "old_logps": inputs["old_logps"][mask],
-        "turn_ids": (packed.turn_ids + offsets.view(-1, 1, 1))[mask],
-        "token_tree_ids": tree_of_token[mask],
-        "tree_ids": torch.arange(n_trees, device=counts.device).unsqueeze(1).expand_as(turn_mask)[turn_mask],
-        "num_trees": n_trees,
-    }
-    for key, value in inputs.items():
-        if key.startswith(PER_TURN) and key != PER_TURN + "count":
-            name = key[len(PER_TURN) :]
-            flat[name] = value if value.dim() == 1 else value[:, : turn_mask.shape[1]][turn_mask]
-    return flat
-
-
-def render_tree(tree: RolloutTree, tokenizer, values: torch.Tensor | None = None, width: int = 80) -> str:
-    """The tree as indented text: one line per unique turn (its action, the observation's start, ×multiplicity),
-    then the K rewards. Used by `log_completions`."""
-    lines = [f"prompt ({len(tree.prompt_ids)} tokens)  K={tree.num_leaves}  unique turns={tree.num_turns}"]
-    for i, turn in enumerate(tree.turns):
-        action = tokenizer.decode(turn.action_ids, skip_special_tokens=False).replace("\n", " ")
-        if len(action) > width:
-            action = action[: width - 1] + "…"
-        extra = f" ×{turn.multiplicity}" if turn.multiplicity > 1 else ""
-        value = f" V={values[i]:+.3f}" if values is not None else ""
-        lines.append(f"{'  ' * (turn.depth + 1)}[{i}] {action}{extra}{value}")
-    lines.append("rewards: " + " ".join(f"{r:g}" for r in tree.rewards))
-    return "\n".join(lines)
-
-
-def _guard_reward_func(func, name: str):
-    """Wrap a reward function so that an exception, a NaN or an output of the wrong kind names the function.
-
-    `None` stays allowed (TRL's "not applicable"); NaN or ±inf is an error, because a tree needs every leaf's reward
-    to standardise and back up. A 1-D tensor or array of rewards is read as GRPOTrainer reads it; strings, nested
-    values or a wrong count are errors that say what to return. A model-based reward (an `nn.Module`) or an async
-    function is left as it is.
-    """
-    if isinstance(func, torch.nn.Module) or is_async_callable(func) or getattr(func, "_trl_tree_guarded", False):
-        return func
-
-    @functools.wraps(func)
-    def guarded(*args, prompts=None, completions=None, **kwargs):
-        try:
-            out = func(*args, prompts=prompts, completions=completions, **kwargs)
-        except Exception as e:
-            j = _first_failing_sample(func, prompts, completions, kwargs)
-            where = f"sample {j}" if j is not None else f"a batch of {len(completions or [])} samples"
-            raise RuntimeError(
-                f"Reward function '{name}' raised {type(e).__name__}: {e} on {where}"
-                + (f" (completion: {_quote(completions[j])})" if j is not None else "")
-                + ". Fix the function, or return None for samples it cannot score."
-            ) from e
-        out = _checked_rewards(name, out, completions or [])
-        for j, r in enumerate(out):
-            if r is not None and not math.isfinite(r):
-                raise ValueError(
-                    f"Reward function '{name}' returned {r} for sample {j} (completion: {_quote(completions[j])}). "
-                    "Rewards must be finite; return None where the function does not apply."
-                )
-        return out
-
-    guarded._trl_tree_guarded = True
-    guarded.__signature__ = inspect.signature(func) if callable(func) else None
-    return guarded
-
-
-_RETURN_ADVICE = (
-    "return a list with one reward per completion: a number (a float, int, bool or one-element tensor), or None "
-    "where the function does not apply"
-)
-
-
-def _checked_rewards(name: str, out, completions: list) -> list[float | None]:
-    """A reward function's output as GRPOTrainer reads it (a list, or a tensor / array it iterates, with None for
-    "not applicable"), as a list of floats and Nones; anything else is an error that names the function."""
-    if out is None or isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__"):
-        raise TypeError(f"Reward function '{name}' returned {_quote(repr(out))} ({type(out).__name__}); {_RETURN_ADVICE}.")
-    if isinstance(out, torch.Tensor) and out.dim() != 1:
-        raise ValueError(
-            f"Reward function '{name}' returned a tensor of shape {tuple(out.shape)}; {_RETURN_ADVICE} (a 1-D tensor of "
-            f"{len(completions)} rewards works too)."
-        )
-    values = list(out)
-    if len(values) != len(completions):
-        raise ValueError(
-            f"Reward function '{name}' returned {len(values)} rewards for {len(completions)} completions; "
-            f"{_RETURN_ADVICE}."
-        )
-    checked = []
-    for j, r in enumerate(values):
-        if isinstance(r, torch.Tensor) and r.numel() == 1:
-            r = r.item()
-        if r is not None and not isinstance(r, numbers.Real):
-            raise TypeError(
-                f"Reward function '{name}' returned {_quote(repr(r))} ({type(r).__name__}) for sample {j} "
-                f"(completion: {_quote(completions[j])}); {_RETURN_ADVICE}."
-            )
-        checked.append(None if r is None else float(r))
-    return checked
-
-
-def _first_failing_sample(func, prompts, completions, kwargs) -> int | None:
-    n = len(completions or [])
-    for j in range(n):
-        one = {k: ([v[j]] if isinstance(v, list) and len(v) == n else v) for k, v in kwargs.items()}
-        try:
-            func(prompts=[prompts[j]], completions=[completions[j]], **one)
-        except Exception:
-            return j
-    return None
-
-
-
-def _quote(value) -> str:
-    """A sample's completion or a reward's value as quoted in reward-function errors."""
-    return shorten(value, 160)

@@ -27,7 +27,8 @@ from typing import ClassVar
 
 from trl import GRPOConfig
 
-from ..rollout.env import ENVIRONMENT_BRANCHING, check_tool_execution
+from .. import losses, methods
+from ..rollout.env import ENVIRONMENT_BRANCHING, MAX_OBSERVATION_CHARS, check_tool_execution
 
 _GRPO_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
 # GRPO options without an effect on any tree trainer, and what to use instead (`TreeConfig.unused_grpo_options`)
@@ -60,7 +61,6 @@ def _as_grpo_reads(name: str, value):
     return value
 
 
-UNCLIPPED_LOSSES = ("treeopsd", "treepo")  # the losses that read neither epsilon nor epsilon_high
 PACKING_LAYOUTS = ("tree", "paths", "auto")
 MALFORMED_TOOL_CALL_POLICIES = ("observe", "end")
 ANCHOR_RULES = ("uniform",)
@@ -71,9 +71,10 @@ GENERATION_CACHES = ("prefix", "static", "dynamic")
 class TreeConfig(GRPOConfig):
     """Fields shared by every tree trainer (the sampler budget, tools, packing).
 
-    Composition (see `trl_tree.trainer.components`): `sampler` ("init_expand", "flat", "entropy_guided",
+    Composition (the method table, `trl_tree.methods`): `sampler` ("init_expand", "flat", "entropy_guided",
     "token_entropy"), `credit` ("likelihood", "child_mean", "child_softmax", "leaf_mean", "path") and `loss`
     ("treeopsd", "treepo", "atpo", "grpo", "gspo_token") are chosen independently; the named configs are presets.
+    TreeFlex's "two_role", "search" and "dual_clip" go together (`TreeFlexConfig`).
 
     Parameters:
         sampler (`str`, defaults to `"init_expand"`): how trees grow.
@@ -216,7 +217,9 @@ class TreeConfig(GRPOConfig):
     tool_execution: str = field(
         default="main", metadata={"help": "main (as GRPO; signal works, no timeout of sync tools) | thread (timeout)"}
     )
-    max_observation_chars: int | None = field(default=16384, metadata={"help": "Cap on a tool output's length."})
+    max_observation_chars: int | None = field(
+        default=MAX_OBSERVATION_CHARS, metadata={"help": "Cap on a tool output's length."}
+    )
     tool_failure_penalty: float = field(default=-1.0, metadata={"help": "Penalty per failed tool call (TreeFlex)."})
     malformed_tool_calls: str = field(
         default="observe", metadata={"help": "observe (error observation, go on) | end (end the trajectory, as TRL)"}
@@ -290,13 +293,7 @@ class TreeConfig(GRPOConfig):
 
     def _resolve_budget(self):
         """num_generations ↔ the sampler's budget: derive whichever is unset, or check that the two agree."""
-        from .components import (
-            BUDGET_FORMULAS,
-            budget_field,
-            budget_for_generations,
-            num_generations_of,
-            valid_budgets,
-        )
+        from .components import budget_field, budget_for_generations, budget_formula, num_generations_of, valid_budgets
 
         name = budget_field(self)
         G = self.num_generations
@@ -312,7 +309,7 @@ class TreeConfig(GRPOConfig):
             f"no {name} ≥ 1 costs exactly that")
         raise ValueError(
             f"num_generations={G} is the rollout budget per prompt in complete trajectories; for sampler="
-            f"{self.sampler!r} a tree costs {BUDGET_FORMULAS[self.sampler]} (rounded up), and {given}. "
+            f"{self.sampler!r} a tree costs {budget_formula(self.sampler)} (rounded up), and {given}. "
             + (f"Settings that give G = {G}: {', '.join(options)}. " if options else
                f"No setting of {name} gives G = {G} with the other sampler fields as they are. ")
             + f"Set those, or leave num_generations unset to derive it from {name}."
@@ -374,12 +371,13 @@ class TreeConfig(GRPOConfig):
             name: advice for name, advice in sorted(_REJECTED_ADVICE.items())
             if _as_grpo_reads(name, getattr(self, name)) != _GRPO_DEFAULTS[name]
         }
-        if self.loss in UNCLIPPED_LOSSES:
+        if not methods.choice("loss", self.loss).clipped:
+            clipped = [name for name, loss in methods.LOSSES.items() if loss.clipped and loss.unit == "tree"]
             for name in ("epsilon", "epsilon_high"):
                 if getattr(self, name) != _GRPO_DEFAULTS[name]:
                     found[name] = (
                         f"the {self.loss!r} loss has no ratio clip (its teacher / fixed credit bounds the update); the "
-                        "clipped losses 'atpo', 'grpo' and 'gspo_token' read it."
+                        f"clipped losses {', '.join(map(repr, clipped))} read it."
                     )
         if self.max_tool_calling_iterations is not None and not self.maps_tool_calling_iterations:
             found["max_tool_calling_iterations"] = (
@@ -409,16 +407,24 @@ class TreeConfig(GRPOConfig):
 
     @property
     def leaves_per_tree(self) -> int:
+        """K: leaves per tree (at most, for a sampler with a variable K); TreeFlex: searches per task."""
         from .components import leaves_per_tree
 
         return leaves_per_tree(self)
 
-    def _check_composition(self):
-        from .components import CREDITS, LOSSES, SAMPLERS
+    def _check_components(self) -> None:
+        """sampler, credit and loss are registered in `trl_tree.methods` and train the same kind of unit."""
+        methods.components_of(self)
+        methods.check_units(self)
 
+    def _check_composition(self):
+        self._check_components()
+        if methods.SAMPLERS[self.sampler].unit != "tree":
+            raise ValueError(
+                f"sampler={self.sampler!r} is TreeFlex's harness: use TreeFlexConfig and TreeFlexTrainer for it."
+            )
         for name, value, valid in (
-            ("sampler", self.sampler, SAMPLERS), ("credit", self.credit, tuple(CREDITS)),
-            ("loss", self.loss, tuple(LOSSES)), ("reward_std", self.reward_std, ("sample", "population")),
+            ("reward_std", self.reward_std, ("sample", "population")),
             ("anchor_rule", self.anchor_rule, ANCHOR_RULES), ("expansion_mode", self.expansion_mode,
                                                                ("entropy", "random")),
         ):
@@ -444,14 +450,7 @@ class TreeConfig(GRPOConfig):
                 f" (for init_expand K = M(N + 1): M = {self.num_initial_rollouts}, N = {self.num_branches}; for "
                 "token_entropy at most M(1 + max_branches_per_tree))."
             )
-        if self.loss == "treeopsd":
-            if not 0.0 < self.target_radius < 0.5:
-                raise ValueError(f"target_radius ρ must satisfy 0 < ρ < 1/2; got {self.target_radius}.")
-            if self.reward_std != "sample":
-                raise ValueError(
-                    "The treeopsd loss needs reward_std='sample': Samuelson's bound |A| ≤ (K−1)/√K on sample-"
-                    "standardised rewards is what keeps q = 1/2 + V/τ inside [1/2 − ρ, 1/2 + ρ]."
-                )
+        methods.LOSSES[self.loss].check(self)
 
     def _check_tree_fields(self):
         self._apply_tool_calling_iterations()
@@ -525,3 +524,117 @@ class AT2POConfig(TreeConfig):
         default=None, metadata={"help": "M: initial trajectories per prompt (default 10, or from num_generations)."}
     )
     default_num_initial_rollouts: ClassVar[int] = 10
+
+
+def harnesses() -> tuple[str, ...]:
+    """TreeFlex's built-in harnesses: the samplers of the method table that grow groups of complete searches."""
+    return tuple(name for name, s in methods.SAMPLERS.items() if s.unit == "group")
+
+
+PENALTY_MODES = ("pre_norm", "post_norm")
+
+
+@dataclass
+class TreeAdvConfig(TreeConfig):
+    """Configuration of `TreeAdvTrainer`: a forest of M = 4 trees per prompt, each branching inside its completions at
+    tokens with entropy above τ_H = 1 nat (at most 2 branch points per tree, pieces of at least 8 tokens, one
+    round), segment advantages (D1–D3, sample std) and GRPO's clipped token surrogate (D4).
+
+    Switches: `loss="gspo_token"` (GSPO-token; GSPO clips the sequence ratio tightly, e.g. `epsilon=3e-4,
+    epsilon_high=4e-4`), `entropy_threshold=float("inf")` (no branching: GRPO with G = M), `num_initial_rollouts`
+    (the paper's 1, 2, 4 trees), `branching_rounds` (deeper trees), `credit="path"` (no segment credit: each token
+    takes its trajectory's advantage, as in GRPO). See `TreeConfig` for every field."""
+
+    sampler: str = field(
+        default="token_entropy", metadata={"help": "init_expand | flat | entropy_guided | token_entropy"}
+    )
+    credit: str = field(default="leaf_mean", metadata={"help": "leaf_mean (D2 segment advantage) | path | ..."})
+    loss: str = field(default="grpo", metadata={"help": "grpo | gspo_token | ..."})
+    num_initial_rollouts: int | None = field(
+        default=None, metadata={"help": "M: trees per prompt (default 4, or from num_generations)."}
+    )
+
+
+@dataclass
+class TreeFlexConfig(TreeConfig):
+    """Configuration of `TreeFlexTrainer` (docs/design.md §3 F1–F4). Shares `TreeConfig`'s tool and budget fields.
+
+    Parameters:
+        sampler (`str`, defaults to `"two_role"`): the built-in harness (Reflection + Execution segments). Ignored
+            when a `harness=` object is passed to the trainer.
+        credit (`str`, defaults to `"search"`): fixed: F1–F2 group-relative credit over complete searches.
+        loss (`str`, defaults to `"dual_clip"`): fixed: F3 PPO clip with the dual clip.
+        num_searches (`int`, *optional*): K, complete searches per task (the group; at least 2). Defaults to 4, or to
+            GRPO's `num_generations` when only that is set: a complete search is one member of the group, as a
+            completion is in GRPO, so G = K.
+        max_blocks (`int`, defaults to `4`): causal blocks per search at most (two-role: one Reflection block and up
+            to `max_blocks − 1` Execution segments).
+        penalty_mode (`str`, defaults to `"pre_norm"`): `"pre_norm"` A = (R + Q − mean)/divisor, `"post_norm"`
+            A = (R − mean)/divisor + Q.
+        aggregation (`str`, defaults to `"rollout"`): the unit that gets equal weight: `"token"`, `"block"`,
+            `"rollout"` (each complete search; the paper's setup) or `"role"`.
+        role_lambda (`float`, defaults to `0.0`): λ ∈ [0, 1] mixing the role mean into the aggregation (paper: 0).
+        dual_clip_c (`float`, defaults to `3.0`): c of the dual clip for negative advantages (c > 1).
+        max_card_chars (`int`, defaults to `2000`): a checkpoint card copied into another block is cut here.
+        max_turns (`int`, defaults to `5`): assistant turns per Execution segment (per block of a custom harness).
+        max_completion_length: token budget of one block after its context (generated plus appended tokens).
+        tool_failure_penalty (`float`, defaults to `-1.0`): Q per malformed or rejected tool call (≤ 0).
+        num_initial_rollouts, num_branches, target_radius, anchor_rule, expansion_*: unused (None or ignored);
+            `packing` too: every block is one causal path.
+    """
+
+    sampler: str = field(default="two_role", metadata={"help": "The harness: two_role (or pass harness=)."})
+    credit: str = field(default="search", metadata={"help": "Fixed: search-group credit with turn penalties."})
+    loss: str = field(default="dual_clip", metadata={"help": "Fixed: PPO clip + dual clip."})
+    num_searches: int | None = field(
+        default=None, metadata={"help": "K: complete searches per task (the group; default 4, or num_generations)."}
+    )
+    max_blocks: int = field(default=4, metadata={"help": "Causal blocks per search at most."})
+    penalty_mode: str = field(default="pre_norm", metadata={"help": "pre_norm | post_norm"})
+    aggregation: str = field(default="rollout", metadata={"help": "token | block | rollout | role"})
+    role_lambda: float = field(default=0.0, metadata={"help": "λ: weight of the role mean in the aggregation."})
+    dual_clip_c: float = field(default=3.0, metadata={"help": "c of the dual clip (A < 0), c > 1."})
+    max_card_chars: int | None = field(default=2000, metadata={"help": "Cut for cards copied into other blocks."})
+    # tree-sampler fields that do not apply (None keeps them out of the model card)
+    num_initial_rollouts: int | None = field(default=None, metadata={"help": "Unused by TreeFlex."})
+    num_branches: int | None = field(default=None, metadata={"help": "Unused by TreeFlex."})
+    target_radius: float | None = field(default=None, metadata={"help": "Unused by TreeFlex."})
+    anchor_rule: str | None = field(default=None, metadata={"help": "Unused by TreeFlex."})
+
+    maps_tool_calling_iterations: ClassVar[bool] = False  # max_turns is per segment here
+
+    @classmethod
+    def _default_budget(cls, field_name: str) -> int:
+        return 4  # num_searches
+
+    def _check_composition(self):
+        preset = methods.METHODS["treeflex"]
+        fixed = {"credit": (preset.credit, self.credit), "loss": (preset.loss, self.loss)}
+        for name, (want, value) in fixed.items():
+            if value != want:
+                raise ValueError(
+                    f"TreeFlexConfig.{name} is fixed to {want!r} (got {value!r}): TreeFlex's credit and loss are F1–F3;"
+                    " vary them with penalty_mode, aggregation, role_lambda and dual_clip_c."
+                )
+        checks = [
+            ("sampler", self.sampler, harnesses()),
+            ("penalty_mode", self.penalty_mode, PENALTY_MODES),
+            ("aggregation", self.aggregation, losses.AGGREGATION_MODES),
+        ]
+        for name, value, valid in checks:
+            if value not in valid:
+                raise ValueError(f"{name} must be one of {valid}; got {value!r}.")
+        self._check_components()
+        self._resolve_budget()
+        if self.num_searches < 2:
+            raise ValueError(
+                f"num_searches (K) must be ≥ 2: the group compares complete searches; got {self.num_searches}."
+            )
+        if self.max_blocks is None or self.max_blocks < 1:
+            raise ValueError(f"max_blocks must be ≥ 1; got {self.max_blocks}.")
+        if not 0.0 <= self.role_lambda <= 1.0:
+            raise ValueError(f"role_lambda must lie in [0, 1]; got {self.role_lambda}.")
+        if not self.dual_clip_c > 1.0:
+            raise ValueError(f"dual_clip_c must exceed 1; got {self.dual_clip_c}.")
+        if self.tool_failure_penalty > 0:
+            raise ValueError(f"tool_failure_penalty is a process penalty Q ≤ 0; got {self.tool_failure_penalty}.")

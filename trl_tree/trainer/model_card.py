@@ -27,49 +27,14 @@ import re
 
 TRL_TREE_NAME = "trl-tree"
 
-# (config attribute, label in the card, when it applies). A tree trainer is a sampler x credit x loss choice
-# (`TreeConfig.sampler/credit/loss`); only the fields the chosen components read are listed, so a card never shows,
-# say, a teacher radius for a loss without a teacher. A condition is (component, choices): the row applies when the
-# component is one of the choices, or (component, choices, False): when it is none of them. A config without those
-# fields gets every row it has. TreeFlex (sampler "two_role", credit "search", loss "dual_clip") has no tree: its rows
-# are its group of complete searches, the harness, the process penalties, the aggregation and the dual clip.
-_FLEX_SAMPLERS = {"two_role"}
-_FLEX = ("sampler", _FLEX_SAMPLERS)
-_NOT_FLEX = ("sampler", _FLEX_SAMPLERS, False)
-_CLIPPED_LOSSES = {"atpo", "grpo", "gspo_token", "dual_clip"}
-_TREE_FIELDS = (
-    ("sampler", "how the tree is grown", _NOT_FLEX),
-    ("sampler", "the rollout harness (complete searches made of causal blocks)", _FLEX),
-    ("credit", "how terminal rewards become turn credit", None),
-    ("loss", "turn-level loss", None),
-    ("reward_std", "standardisation of the leaf rewards", ("credit", {"search"}, False)),
-    ("num_initial_rollouts", "M: complete trajectories sampled per prompt", _NOT_FLEX),
-    ("num_branches", "N: continuations branched from each trajectory", ("sampler", {"init_expand"})),
-    ("anchor_rule", "branch points", ("sampler", {"init_expand"})),
-    ("expansion_rounds", "L: entropy-guided expansion rounds", ("sampler", {"entropy_guided"})),
-    ("branches_per_round", "K: branches added per expansion round", ("sampler", {"entropy_guided"})),
-    ("expansion_mode", "which turns are re-sampled: by node score or at random", ("sampler", {"entropy_guided"})),
-    ("sibling_penalty", "α: node score S = H − α·max(0, siblings − 1)", ("sampler", {"entropy_guided"})),
-    ("entropy_threshold", "τ_H: branch inside turns above this token entropy", ("sampler", {"token_entropy"})),
-    ("max_branches_per_tree", "branch points (new leaves) per tree at most", ("sampler", {"token_entropy"})),
-    ("min_segment_length", "fewest tokens of either piece of a split segment", ("sampler", {"token_entropy"})),
-    ("branching_rounds", "rounds of token-level branching", ("sampler", {"token_entropy"})),
-    ("num_searches", "K: complete searches per task (the group)", ("credit", {"search"})),
-    ("max_blocks", "causal blocks per search at most", ("credit", {"search"})),
-    ("max_card_chars", "characters kept of a checkpoint card copied into another block", ("sampler", {"two_role"})),
-    ("penalty_mode", "where turn penalties enter: pre_norm (R + Q − mean)/σ or post_norm", ("credit", {"search"})),
-    ("tool_failure_penalty", "Q: process penalty per failed or malformed tool call", ("credit", {"search"})),
-    ("aggregation", "the unit given equal weight in a group's loss", ("loss", {"dual_clip"})),
-    ("role_lambda", "λ: weight of the role mean mixed into the aggregation", ("loss", {"dual_clip"})),
-    ("target_radius", "ρ: teacher radius, q ∈ [1/2 − ρ, 1/2 + ρ]", ("loss", {"treeopsd"})),
-    ("epsilon", "ε: clip range of the ratio (lower side)", ("loss", _CLIPPED_LOSSES)),
-    ("epsilon_high", "ε_high: upper clip range (default: ε)", ("loss", _CLIPPED_LOSSES)),
-    ("dual_clip_c", "c: dual clip at −c·A for negative advantages", ("loss", {"dual_clip"})),
-    ("num_optimizer_blocks", "E: sequential optimizer blocks per generation batch", None),
-    ("max_turns", "assistant turns per trajectory (final answer included)", _NOT_FLEX),
-    ("max_turns", "assistant turns per Execution segment (per block of a custom harness)", _FLEX),
-    ("packing", "training layout of a tree", _NOT_FLEX),
-)
+# The card lists exactly the fields the configured sampler, credit and loss read, with the meanings the method table
+# gives them (`trl_tree.methods`), so a card never shows, say, a teacher radius for a loss without a teacher.
+_COMPONENT_LABELS = {
+    "sampler": {"tree": "how the tree is grown", "group": "the rollout harness (complete searches made of causal blocks)"},
+    "credit": {"tree": "how terminal rewards become turn credit", "group": "how terminal rewards become turn credit"},
+    "loss": {"tree": "turn-level loss", "group": "turn-level loss"},
+}
+_BLOCKS_ROW = ("num_optimizer_blocks", "E: sequential optimizer blocks per generation batch")
 _RUN_FIELDS = (
     ("num_generations", "G: rollout budget per prompt, in complete trajectories (a tree's expected cost)", None),
     ("prompts_per_generation", "prompts (trees) per generation batch, all processes", None),
@@ -77,8 +42,6 @@ _RUN_FIELDS = (
     ("learning_rate", "learning rate", None),
     ("lr_scheduler_type", "learning-rate schedule", None),
     ("max_steps", "optimizer steps", None),
-    ("max_completion_length", "token budget of one trajectory", _NOT_FLEX),
-    ("max_completion_length", "token budget of one block after its context", _FLEX),
     ("max_observation_chars", "characters kept of a tool observation", None),
     ("malformed_tool_calls", "after an unparseable tool call: error observation, or end the trajectory", None),
     ("temperature", "sampling temperature", None),
@@ -93,20 +56,21 @@ def _trl_tree_version() -> str:
     return __version__
 
 
-def _applies(args, condition) -> bool:
-    if condition is None:
-        return True
-    component, choices, *inside = condition
-    if not hasattr(args, component):  # a config that predates the component fields: show what it has
-        return not (component == "loss" and "treepo" in type(args).__name__.lower())
-    return (getattr(args, component) in choices) == (inside[0] if inside else True)
+def _tree_fields(args) -> list[tuple[str, str, None]]:
+    """(field, meaning, None) rows of the configured components: their names, then the fields each reads."""
+    from ..methods import components_of, fields_read
+
+    sampler = components_of(args)[0]
+    rows = [(kind, _COMPONENT_LABELS[kind][sampler.unit], None) for kind in ("sampler", "credit", "loss")]
+    rows += [(name, meaning, None) for name, meaning in fields_read(args).items()]
+    return rows + [(*_BLOCKS_ROW, None)]
 
 
 def _rows(args, fields) -> list[str]:
     rows, seen = [], set()
-    for name, label, condition in fields:
+    for name, label, _ in fields:
         value = getattr(args, name, None)
-        if name in seen or value is None or not _applies(args, condition):
+        if name in seen or value is None:
             continue
         seen.add(name)
         if isinstance(value, float):
@@ -183,7 +147,7 @@ def tree_section(trainer, dataset_name: str | None = None) -> str:
             f"{1 + B} leaves per tree, at most {M * (1 + B)} per prompt); shared prefixes are trained once.",
             "",
         ]
-    elif getattr(args, "sampler", None) in _FLEX_SAMPLERS and getattr(args, "num_searches", None) is not None:
+    elif getattr(args, "sampler", None) == "two_role" and getattr(args, "num_searches", None) is not None:
         harness = getattr(trainer, "_harness", None)  # a custom harness passed to TreeFlexTrainer(harness=...)
         blocks = (
             "one Reflection block, then Execution segments that restart from restored checkpoint cards"
@@ -198,7 +162,7 @@ def tree_section(trainer, dataset_name: str | None = None) -> str:
         ]
     lines += tools_and_rewards(trainer)
     lines += ["| hyperparameter | value | meaning |", "|---|---|---|"]
-    lines += _rows(args, _TREE_FIELDS) + _rows(args, _RUN_FIELDS)
+    lines += _rows(args, _tree_fields(args)) + _rows(args, _RUN_FIELDS)
     return "\n".join(lines) + "\n"
 
 

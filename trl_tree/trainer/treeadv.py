@@ -21,31 +21,8 @@ A preset of `TreeTrainer` (sampler="token_entropy", credit="leaf_mean", loss="gr
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from .base import TreeTrainer
-from .config import TreeConfig
-
-
-@dataclass
-class TreeAdvConfig(TreeConfig):
-    """Configuration of `TreeAdvTrainer`: a forest of M = 4 trees per prompt, each branching inside its completions at
-    tokens with entropy above τ_H = 1 nat (at most 2 branch points per tree, pieces of at least 8 tokens, one
-    round), segment advantages (D1–D3, sample std) and GRPO's clipped token surrogate (D4).
-
-    Switches: `loss="gspo_token"` (GSPO-token; GSPO clips the sequence ratio tightly, e.g. `epsilon=3e-4,
-    epsilon_high=4e-4`), `entropy_threshold=float("inf")` (no branching: GRPO with G = M), `num_initial_rollouts`
-    (the paper's 1, 2, 4 trees), `branching_rounds` (deeper trees), `credit="path"` (no segment credit: each token
-    takes its trajectory's advantage, as in GRPO). See `TreeConfig` for every field."""
-
-    sampler: str = field(
-        default="token_entropy", metadata={"help": "init_expand | flat | entropy_guided | token_entropy"}
-    )
-    credit: str = field(default="leaf_mean", metadata={"help": "leaf_mean (D2 segment advantage) | path | ..."})
-    loss: str = field(default="grpo", metadata={"help": "grpo | gspo_token | ..."})
-    num_initial_rollouts: int | None = field(
-        default=None, metadata={"help": "M: trees per prompt (default 4, or from num_generations)."}
-    )
+from .config import TreeAdvConfig
 
 
 class TreeAdvTrainer(TreeTrainer):

@@ -25,84 +25,34 @@ Design decisions
   the harness recorded on the turn (`Turn.penalty`: `tool_failure_penalty` per malformed or rejected tool call) plus
   the trainer's `process_penalty` hook (e.g. −0.2 for out-of-scope work). `credit.standardize` is not used: it needs
   K ≥ 2 and has no divisor-1 rule.
-- **Aggregation as precomputed weights** (F4): at generation time every turn gets a per-token weight w_i such that a
-  group's loss is the weighted token sum Σ_t w_{turn(t)} l_t, which equals `losses.aggregate` over the group for the
-  chosen mode (token / block / rollout / role, mixed with the role mean by λ). The micro-batch loss is the mean over
-  its groups of that sum (like the other tree trainers' mean over trees), so `_compute_loss` stays a weighted sum.
-  Every mode is thus per group and each task counts equally in a batch ("token" is the token mean of a group, not
-  of the whole batch).
+- **Aggregation as precomputed weights** (F4, `losses.aggregation_weights`): at generation time every turn gets a
+  per-token weight w_i such that a group's loss is the weighted token sum Σ_t w_{turn(t)} l_t, which equals
+  `losses.aggregate` over the group for the chosen mode (token / block / rollout / role, mixed with the role mean by
+  λ). The micro-batch loss is the mean over its groups of that sum (like the other tree trainers' mean over trees),
+  so `_compute_loss` stays a weighted sum. Every mode is thus per group and each task counts equally in a batch
+  ("token" is the token mean of a group, not of the whole batch).
 - **Loss** (F3): `losses.dual_clip_loss` per token, PPO clip ε (ε_high) and for A < 0 the dual clip at −c·A, c = 3.
+- **Credit and loss come from the method table** (`trl_tree.methods`: credit "search", loss "dual_clip"), like every
+  other method's; this trainer differs only in its unit (a group of searches made of causal blocks, grown by a
+  harness) and how it packs it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from .. import credit, losses, trl_internals
+from .. import credit, trl_internals
 from ..packing import PackedTrees, pack_trees, packed_token_logps, pad_rows
-from ..rollout.flex_harness import FlexBlock, FlexHarness, FlexKit, FlexSearch, FlexTask, TwoRoleHarness
+from ..rollout.flex_harness import FlexBlock, FlexHarness, FlexKit, FlexSearch, FlexTask
 from ..tree import RolloutTree
 from .base import TreeTrainer
-from .config import TreeConfig
+from .config import TreeFlexConfig
 
-HARNESSES = ("two_role",)
-PENALTY_MODES = ("pre_norm", "post_norm")
-
-# ---------------------------------------------------------------------------------------------------------------
-# F4 as weights
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _unit_weights(lengths: Tensor, unit_ids: Tensor) -> Tensor:
-    """w_i = 1 / (#units · L_u(i)): the mean within each unit, then the mean over the units with trained tokens."""
-    _, inverse = torch.unique(unit_ids, return_inverse=True)
-    totals = torch.zeros(int(inverse.max()) + 1, dtype=torch.float64).index_add_(0, inverse, lengths)
-    units = int((totals > 0).sum())
-    mine = totals[inverse]
-    return torch.where(mine > 0, 1.0 / (units * mine.clamp(min=1e-300)), torch.zeros_like(mine))
-
-
-def aggregation_weights(
-    lengths: Tensor, search_ids: Tensor, block_ids: Tensor, role_ids: Tensor, mode: str = "rollout",
-    role_lambda: float = 0.0,
-) -> Tensor:
-    """TreeFlex F4 for one group as a per-token weight of each turn: Σ_t w_{turn(t)} l_t = `losses.aggregate(l, …)`.
-
-        token:    w_i = 1 / L                         L = the group's trained tokens
-        block:    w_i = 1 / (#blocks · L_b(i))        every block equal; more blocks, more weight for their search
-        rollout:  w_i = 1 / (#searches · L_s(i))      every complete search equal, whatever its length or blocks
-        role:     w_i = 1 / (#roles · L_ρ(i))         Reflection and Execution equal
-        mixed:    w = (1 − λ) w_mode + λ w_role
-
-    Units without trained tokens are ignored (as in `losses.aggregate`); Σ_i w_i L_i = 1 when anything is trained.
-
-    Args:
-        lengths: L_i, trained tokens per turn (0 for a masked turn); search_ids, block_ids, role_ids: per turn.
-    """
-    if mode not in losses.AGGREGATION_MODES:
-        raise ValueError(f"aggregation must be one of {losses.AGGREGATION_MODES}, got {mode!r}.")
-    if not 0.0 <= role_lambda <= 1.0:
-        raise ValueError(f"role_lambda must lie in [0, 1], got {role_lambda}.")
-    lengths = torch.as_tensor(lengths, dtype=torch.float64)
-    if lengths.numel() == 0:
-        return lengths.clone()
-    units = {"block": block_ids, "rollout": search_ids, "role": role_ids}
-
-    def weights(unit: str) -> Tensor:
-        if unit == "token":
-            total = lengths.sum()
-            return torch.full_like(lengths, 1.0 / float(total) if total > 0 else 0.0)
-        return _unit_weights(lengths, torch.as_tensor(units[unit]))
-
-    if mode == "role" or role_lambda == 1.0:
-        return weights("role")
-    base = weights(mode)
-    return base if role_lambda == 0.0 else (1 - role_lambda) * base + role_lambda * weights("role")
-
+__all__ = ["FlexGroup", "TreeFlexConfig", "TreeFlexTrainer", "pack_groups"]
 
 # ---------------------------------------------------------------------------------------------------------------
 # A task's group as trainable blocks
@@ -206,99 +156,6 @@ def pack_groups(groups: list[FlexGroup], pad_token_id: int) -> PackedTrees:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Configuration
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class TreeFlexConfig(TreeConfig):
-    """Configuration of `TreeFlexTrainer` (docs/design.md §3 F1–F4). Shares `TreeConfig`'s tool and budget fields.
-
-    Parameters:
-        sampler (`str`, defaults to `"two_role"`): the built-in harness (Reflection + Execution segments). Ignored
-            when a `harness=` object is passed to the trainer.
-        credit (`str`, defaults to `"search"`): fixed: F1–F2 group-relative credit over complete searches.
-        loss (`str`, defaults to `"dual_clip"`): fixed: F3 PPO clip with the dual clip.
-        num_searches (`int`, *optional*): K, complete searches per task (the group; at least 2). Defaults to 4, or to
-            GRPO's `num_generations` when only that is set: a complete search is one member of the group, as a
-            completion is in GRPO, so G = K.
-        max_blocks (`int`, defaults to `4`): causal blocks per search at most (two-role: one Reflection block and up
-            to `max_blocks − 1` Execution segments).
-        penalty_mode (`str`, defaults to `"pre_norm"`): `"pre_norm"` A = (R + Q − mean)/divisor, `"post_norm"`
-            A = (R − mean)/divisor + Q.
-        aggregation (`str`, defaults to `"rollout"`): the unit that gets equal weight: `"token"`, `"block"`,
-            `"rollout"` (each complete search; the paper's setup) or `"role"`.
-        role_lambda (`float`, defaults to `0.0`): λ ∈ [0, 1] mixing the role mean into the aggregation (paper: 0).
-        dual_clip_c (`float`, defaults to `3.0`): c of the dual clip for negative advantages (c > 1).
-        max_card_chars (`int`, defaults to `2000`): a checkpoint card copied into another block is cut here.
-        max_turns (`int`, defaults to `5`): assistant turns per Execution segment (per block of a custom harness).
-        max_completion_length: token budget of one block after its context (generated plus appended tokens).
-        tool_failure_penalty (`float`, defaults to `-1.0`): Q per malformed or rejected tool call (≤ 0).
-        num_initial_rollouts, num_branches, target_radius, anchor_rule, expansion_*: unused (None or ignored);
-            `packing` too: every block is one causal path.
-    """
-
-    sampler: str = field(default="two_role", metadata={"help": "The harness: two_role (or pass harness=)."})
-    credit: str = field(default="search", metadata={"help": "Fixed: search-group credit with turn penalties."})
-    loss: str = field(default="dual_clip", metadata={"help": "Fixed: PPO clip + dual clip."})
-    num_searches: int | None = field(
-        default=None, metadata={"help": "K: complete searches per task (the group; default 4, or num_generations)."}
-    )
-    max_blocks: int = field(default=4, metadata={"help": "Causal blocks per search at most."})
-    penalty_mode: str = field(default="pre_norm", metadata={"help": "pre_norm | post_norm"})
-    aggregation: str = field(default="rollout", metadata={"help": "token | block | rollout | role"})
-    role_lambda: float = field(default=0.0, metadata={"help": "λ: weight of the role mean in the aggregation."})
-    dual_clip_c: float = field(default=3.0, metadata={"help": "c of the dual clip (A < 0), c > 1."})
-    max_card_chars: int | None = field(default=2000, metadata={"help": "Cut for cards copied into other blocks."})
-    # tree-sampler fields that do not apply (None keeps them out of the model card)
-    num_initial_rollouts: int | None = field(default=None, metadata={"help": "Unused by TreeFlex."})
-    num_branches: int | None = field(default=None, metadata={"help": "Unused by TreeFlex."})
-    target_radius: float | None = field(default=None, metadata={"help": "Unused by TreeFlex."})
-    anchor_rule: str | None = field(default=None, metadata={"help": "Unused by TreeFlex."})
-
-    maps_tool_calling_iterations: ClassVar[bool] = False  # max_turns is per segment here
-
-    @property
-    def leaves_per_tree(self) -> int:
-        """K: complete searches per task (the group members)."""
-        return self.num_searches
-
-    @classmethod
-    def _default_budget(cls, field_name: str) -> int:
-        return 4  # num_searches
-
-    def _check_composition(self):
-        fixed = {"credit": ("search", self.credit), "loss": ("dual_clip", self.loss)}
-        for name, (want, value) in fixed.items():
-            if value != want:
-                raise ValueError(
-                    f"TreeFlexConfig.{name} is fixed to {want!r} (got {value!r}): TreeFlex's credit and loss are F1–F3;"
-                    " vary them with penalty_mode, aggregation, role_lambda and dual_clip_c."
-                )
-        checks = [
-            ("sampler", self.sampler, HARNESSES),
-            ("penalty_mode", self.penalty_mode, PENALTY_MODES),
-            ("aggregation", self.aggregation, losses.AGGREGATION_MODES),
-        ]
-        for name, value, valid in checks:
-            if value not in valid:
-                raise ValueError(f"{name} must be one of {valid}; got {value!r}.")
-        self._resolve_budget()
-        if self.num_searches < 2:
-            raise ValueError(
-                f"num_searches (K) must be ≥ 2: the group compares complete searches; got {self.num_searches}."
-            )
-        if self.max_blocks is None or self.max_blocks < 1:
-            raise ValueError(f"max_blocks must be ≥ 1; got {self.max_blocks}.")
-        if not 0.0 <= self.role_lambda <= 1.0:
-            raise ValueError(f"role_lambda must lie in [0, 1]; got {self.role_lambda}.")
-        if not self.dual_clip_c > 1.0:
-            raise ValueError(f"dual_clip_c must exceed 1; got {self.dual_clip_c}.")
-        if self.tool_failure_penalty > 0:
-            raise ValueError(f"tool_failure_penalty is a process penalty Q ≤ 0; got {self.tool_failure_penalty}.")
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # Trainer
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -322,7 +179,7 @@ class TreeFlexTrainer(TreeTrainer):
         Other arguments: as `GRPOTrainer` (`tools=` / `environment_factory=`, reward functions, PEFT, …).
 
     Hooks: `process_penalty(example, search, block, turn_index) -> float` adds a penalty Q ≤ 0 to a turn (default
-    0); `turn_credit(group)` returns the per-turn tensors of a group; `turn_loss(flat, mode)` the micro-batch loss.
+    0); `turn_credit(group)` returns the `TurnCredit` of a group; `turn_loss(batch, mode)` the micro-batch loss.
 
     Example:
         ```python
@@ -351,10 +208,11 @@ class TreeFlexTrainer(TreeTrainer):
         super().__init__(model, reward_funcs, args=args, **kwargs)
 
     def build_sampler(self, loop):
+        """The harness passed to the trainer, else the configured one (`trl_tree.methods.SAMPLERS`)."""
         self._turn_loop = loop
         if self._harness is not None:
             return self._harness
-        return TwoRoleHarness(max_card_chars=self.args.max_card_chars)
+        return super().build_sampler(loop)
 
     @property
     def harness(self) -> FlexHarness:
@@ -407,14 +265,6 @@ class TreeFlexTrainer(TreeTrainer):
         holds the tool-failure penalties). Override, e.g. return −0.2 for a judged out-of-scope turn."""
         return 0.0
 
-    def turn_credit(self, group: FlexGroup) -> dict[str, Tensor]:
-        """Per-turn tensors of one group (group-wide turn order): A (F1–F2), w (F4 weights) and the turn's ids."""
-        A = credit.process_advantages(group.scores, group.penalties, group.turn_search, mode=self.args.penalty_mode)
-        w = aggregation_weights(group.lengths, group.turn_search, group.turn_block, group.turn_role,
-                                self.args.aggregation, self.args.role_lambda)
-        return {"A": A.float(), "w": w.float(), "penalty": group.penalties.float(), "search": group.turn_search,
-                "block": group.turn_block, "role": group.turn_role}
-
     # ---------------------------------------------------------------- generation
 
     def _generate_micro_batches(self, inputs: list[dict[str, Any]], num_chunks: int) -> list[dict[str, Tensor]]:
@@ -451,27 +301,6 @@ class TreeFlexTrainer(TreeTrainer):
                                               temperature=self.temperature)
         return packed, old_logps
 
-    # ---------------------------------------------------------------- loss
-
-    def turn_loss(self, flat: dict[str, Tensor], mode: str) -> Tensor:
-        """Mean over the micro-batch's groups of Σ_t w_{turn(t)} · dual_clip(r_t, A_{turn(t)}) (F3–F4)."""
-        a = self.args
-        ids = flat["turn_ids"]
-        A, w = flat["A"][ids], flat["w"][ids]
-        per_token = losses.dual_clip_loss(flat["logps"], flat["old_logps"], A, epsilon=a.epsilon, c=a.dual_clip_c,
-                                          epsilon_high=a.epsilon_high)
-        loss = (w.to(per_token) * per_token).sum() / max(int(flat["num_trees"]), 1)
-        with torch.no_grad():
-            ratio = (flat["logps"] - flat["old_logps"]).exp()
-            dual = (A < 0) & (ratio > a.dual_clip_c)
-            s = losses.turn_mean_log_ratio(flat["logps"], flat["old_logps"], ids, flat["A"].numel())
-            self._log_clip_ratio(mode, _search_clip_counts(flat, a))
-        block = self._optimizer_block()
-        metrics = trl_internals.metrics(self, mode)
-        metrics[f"tree/abs_log_ratio/block_{block}"].append(self._mean_over_ranks(s.abs().tolist()))
-        metrics["treeflex/dual_clip_fraction"].append(self._mean_over_ranks(dual.float().tolist()))
-        return loss
-
     # ---------------------------------------------------------------- metrics
 
     def _log_flex(self, mode, prompts, groups: list[FlexGroup], scores, per_turn, forward_tokens: int):
@@ -495,8 +324,7 @@ class TreeFlexTrainer(TreeTrainer):
         penalties = [q for g in groups for q in g.penalties.tolist()]
         metrics["treeflex/penalised_turn_fraction"].append(self._mean_over_ranks([float(q < 0) for q in penalties]))
         metrics["treeflex/mean_turn_penalty"].append(self._mean_over_ranks(penalties))
-        metrics["tree/abs_turn_advantage"].append(self._mean_over_ranks(
-            [a for d in per_turn for a in d["A"].abs().tolist()]))
+        self.log_turn_credit(metrics, per_turn)
         for r, role in enumerate(self.harness.roles):
             share = [float(g.lengths[g.turn_role == r].sum() / g.lengths.sum().clamp(min=1)) for g in groups]
             metrics[f"treeflex/token_share/{role}"].append(self._mean_over_ranks(share))
@@ -506,8 +334,6 @@ class TreeFlexTrainer(TreeTrainer):
                 self._tree_view.record_flex(mode, prompts, groups, per_turn)
 
     def _log_flex_completions(self, prompts, groups: list[FlexGroup]):
-        from accelerate.utils import gather_object
-
         rows_prompt, rows_completion, rows_adv, rows_blocks = [], [], [], []
         for prompt, group in zip(prompts, groups):
             advantages = credit.group_normalize(group.scores)
@@ -516,25 +342,7 @@ class TreeFlexTrainer(TreeTrainer):
                 rows_completion.append(search.completion)
                 rows_adv.append(a)
                 rows_blocks.append(" | ".join(f"{b.role}:{len(b.context_ids)}+{len(b.turns)}t" for b in search.blocks))
-        trl_internals.completion_logs(self)["prompt"].extend(gather_object(rows_prompt))
-        trl_internals.completion_logs(self)["completion"].extend(gather_object(rows_completion))
-        for i, name in enumerate(self.reward_func_names):
-            col = self.accelerator.gather(self._last_rewards_per_func[:, i].to(self.accelerator.device))
-            trl_internals.completion_logs(self)["rewards"][name].extend(col.tolist())
-        trl_internals.completion_logs(self)["advantages"].extend(gather_object(rows_adv))
-        trl_internals.completion_logs(self)["extra"]["blocks"].extend(gather_object(rows_blocks))
-
-
-def _search_clip_counts(flat: dict[str, Tensor], args: TreeFlexConfig) -> Tensor:
-    """GRPO's clip counts (`losses.token_clip_counts`) with each complete search as the sequence: a turn belongs to
-    exactly one search, numbered across the micro-batch's groups."""
-    searches = flat["search"].long()
-    _, path_of_turn = torch.unique(flat["tree_ids"].long() * (int(searches.max()) + 1) + searches, return_inverse=True)
-    return losses.token_clip_counts(
-        flat["logps"], flat["old_logps"], flat["turn_ids"], flat["A"], path_of_turn,
-        torch.arange(path_of_turn.numel(), device=path_of_turn.device), int(path_of_turn.max()) + 1,
-        epsilon_low=args.epsilon, epsilon_high=args.epsilon_high if args.epsilon_high is not None else args.epsilon,
-    )
+        self._log_completion_rows(rows_prompt, rows_completion, rows_adv, {"blocks": rows_blocks})
 
 
 def _as_scored(search: FlexSearch) -> _Scored:

@@ -1,0 +1,185 @@
+"""The method table (`trl_tree.methods`): each sampler, credit and loss is declared once, and what depends on the
+choice (config validation, entropies, the model card, the package's exports, the loss and its metrics) reads it;
+the typed micro-batch credit (`trl_tree.batch`) survives TRL's buffers."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from scripted import config
+from trees import deep_tree, flatten, hotpot_like_tree, perturbed
+
+import trl_tree
+from trl_tree import credit, losses, methods
+from trl_tree.batch import LossInputs, TurnCredit
+from trl_tree.trainer.config import TreeConfig, TreeFlexConfig
+from trl_tree.trainer.model_card import tree_section
+
+
+def test_every_exported_name_resolves_including_the_lazy_packing_module():
+    for name in trl_tree.__all__:
+        assert getattr(trl_tree, name) is not None, name
+    assert trl_tree.packing.pack_trees is not None  # `import trl_tree; trl_tree.packing` works without a from-import
+
+
+@pytest.mark.parametrize("name", list(methods.METHODS))
+def test_each_named_method_is_a_preset_of_its_registered_components(name):
+    method = methods.METHODS[name]
+    config_class, trainer_class = method.config_class(), method.trainer_class()
+    defaults = {f.name: f.default for f in dataclasses.fields(config_class)}
+    assert (defaults["sampler"], defaults["credit"], defaults["loss"]) == (method.sampler, method.credit, method.loss)
+    assert trainer_class.config_class is config_class
+    assert getattr(trl_tree, f"{method.title}Config") is config_class
+    assert getattr(trl_tree, f"{method.title}Trainer") is trainer_class
+
+
+def test_every_field_a_component_reads_exists_on_its_config():
+    tree_fields = {f.name for f in dataclasses.fields(TreeConfig)}
+    flex_fields = {f.name for f in dataclasses.fields(TreeFlexConfig)}
+    for table in (methods.SAMPLERS, methods.CREDITS, methods.LOSSES):
+        for component in table.values():
+            fields = flex_fields if component.unit == "group" else tree_fields
+            assert set(component.fields) <= fields, (component.name, set(component.fields) - fields)
+
+
+@pytest.mark.parametrize(
+    "choice, needed",
+    [
+        ({"sampler": "entropy_guided", "credit": "child_mean", "loss": "atpo"}, True),  # A2 node scores
+        ({"sampler": "entropy_guided", "expansion_mode": "random", "credit": "child_mean", "loss": "atpo"}, False),
+        ({"sampler": "token_entropy", "credit": "leaf_mean", "loss": "grpo"}, True),  # branch points
+        ({"sampler": "init_expand", "credit": "child_softmax", "loss": "atpo"}, True),  # A4 entropy backup
+        ({"sampler": "init_expand", "credit": "likelihood", "loss": "treeopsd"}, False),
+        ({"sampler": "flat", "credit": "path", "loss": "grpo", "num_initial_rollouts": 4}, False),
+    ],
+)
+def test_needs_entropies_follows_the_chosen_components(tmp_path, choice, needed):
+    assert methods.needs_entropies(config(TreeConfig, tmp_path, **choice)) is needed
+
+
+def test_an_unknown_component_names_the_field_and_the_registered_choices(tmp_path):
+    with pytest.raises(ValueError, match=r"loss must be one of \('treeopsd', 'treepo', 'atpo', 'grpo', 'gspo_token'"):
+        config(TreeConfig, tmp_path, loss="ppo")
+
+
+def test_components_of_a_tree_and_of_treeflex_do_not_mix(tmp_path):
+    with pytest.raises(ValueError, match="choose components of one kind"):
+        config(TreeConfig, tmp_path, credit="search")
+    with pytest.raises(ValueError, match="use TreeFlexConfig"):
+        TreeConfig(str(tmp_path), sampler="two_role", credit="search", loss="dual_clip", use_cpu=True, bf16=False)
+
+
+@pytest.fixture
+def half_treepo():
+    """A new loss registered for one test: TreePO's surrogate at half the scale, reading `target_radius`."""
+
+    def prepare(tree, A, args):
+        return TurnCredit(A=A)
+
+    @methods.register_loss("half_treepo", prepare=prepare, fields={"target_radius": "a field this loss reads"})
+    def compute(batch, args):
+        loss, metrics = methods.LOSSES["treepo"].compute(batch, args)
+        return loss / 2, {"half_treepo/abs_A": batch.credit.A.abs()}
+
+    yield methods.LOSSES["half_treepo"]
+    del methods.LOSSES["half_treepo"]
+
+
+def test_a_registered_loss_is_one_configuration_away(tmp_path, half_treepo):
+    """One registration: the config accepts it, the model card lists the field it reads, the trainer's credit and
+    loss run it; and as a loss without a clip, a changed epsilon is rejected naming it."""
+    args = config(TreeConfig, tmp_path, loss="half_treepo", target_radius=0.125)
+    assert "target_radius" in methods.fields_read(args)
+
+    class Card:
+        pass
+
+    card = Card()
+    card.args = args
+    assert "| `target_radius` | 0.125 |" in tree_section(card)
+    with pytest.raises(ValueError, match="'half_treepo' loss has no ratio clip"):
+        config(TreeConfig, tmp_path, loss="half_treepo", epsilon=0.3)
+
+    tree = hotpot_like_tree()
+    unit = methods.turn_credit(tree, args)
+    turn_ids, old, _ = flatten(tree)
+    batch = LossInputs.build(turn_ids.view(1, 1, -1), old.view(1, 1, -1), old.view(1, 1, -1), TurnCredit.stack([unit]))
+    loss, metrics = half_treepo.compute(batch, args)
+    full, _ = methods.LOSSES["treepo"].compute(batch, args)
+    assert loss.item() == full.item() / 2 and set(metrics) == {"half_treepo/abs_A"}
+
+
+def _one_batch(trees, args, seed=0):
+    """The micro-batch of `trees` as the trainer lays it out, at log-probs near π_old."""
+    units = [methods.turn_credit(tree, args) for tree in trees]
+    flats = [flatten(tree) for tree in trees]
+    width = max(f[0].numel() for f in flats)
+    turn_ids = torch.full((len(trees), 1, width), -1)
+    old = torch.zeros(len(trees), 1, width, dtype=torch.float64)
+    for n, (ids, lp, _) in enumerate(flats):
+        turn_ids[n, 0, : ids.numel()], old[n, 0, : lp.numel()] = ids, lp
+    new = perturbed(old, seed, 0.05)
+    return LossInputs.build(turn_ids, new, old, TurnCredit.stack(units))
+
+
+@pytest.mark.parametrize("loss, credit_name", [
+    ("treeopsd", "likelihood"), ("treepo", "likelihood"), ("atpo", "child_mean"), ("grpo", "leaf_mean"),
+    ("gspo_token", "leaf_mean"),
+])  # fmt: skip
+def test_each_tree_loss_returns_its_loss_and_typed_metrics(tmp_path, loss, credit_name):
+    """(loss, metrics): the loss equals the pure function of `trl_tree.losses` on the same tensors; a clipped loss
+    reports GRPO's clip counts per root-to-leaf path (K rows per tree), TreeOPSD its teachers' gaps per turn."""
+    eps = {"epsilon": 3e-4, "epsilon_high": 4e-4} if loss == "gspo_token" else {}
+    args = config(TreeConfig, tmp_path, loss=loss, credit=credit_name, **eps)
+    trees = [hotpot_like_tree(), deep_tree()]
+    batch = _one_batch(trees, args)
+    value, metrics = methods.LOSSES[loss].compute(batch, args)
+    assert value.dim() == 0 and math.isfinite(value.item())
+    if methods.LOSSES[loss].clipped:
+        counts = metrics["clip_ratio"].counts
+        assert counts.shape == (sum(t.num_leaves for t in trees), 3)
+        path_tokens = [float(credit.turn_lengths(t)[path].sum()) for t in trees for path in t.paths]
+        assert sorted(counts[:, 2].tolist()) == sorted(path_tokens)  # every path's trained tokens (paths renumbered)
+    if loss == "treeopsd":
+        c = batch.credit
+        expected = losses.treeopsd_loss(batch.logps, batch.old_logps, batch.turn_ids, c.q, c.tau, batch.tree_ids)
+        assert torch.allclose(value, expected)
+        assert metrics["treeopsd/abs_p_minus_q/block_{block}"].numel() == batch.num_turns
+
+
+def test_turn_credit_survives_the_buffers_and_flattens_in_global_turn_order(tmp_path):
+    """stack → to_dict → from_dict → flatten gives each unit's per-turn values back, units in order, and keeps the
+    per-unit fields one per unit."""
+    args = config(TreeConfig, tmp_path)  # TreeOPSD: A, q per turn; τ per tree
+    trees = [hotpot_like_tree(), deep_tree(), hotpot_like_tree()]
+    units = [methods.turn_credit(tree, args) for tree in trees]
+    stored = TurnCredit.stack(units).to_dict()
+    assert all(key.startswith("credit_") for key in stored)
+    back = TurnCredit.from_dict({**stored, "input_ids": torch.zeros(3, 1, 4)})  # other keys of the batch ignored
+    assert back.count.tolist() == [t.num_turns for t in trees]
+    flat = back.flatten()
+    assert torch.equal(flat.A, torch.cat([u.A for u in units]))
+    assert torch.equal(flat.q, torch.cat([u.q for u in units]))
+    assert torch.equal(flat.tau, torch.stack([u.tau for u in units]))
+    assert torch.equal(flat.unit_ids(), torch.repeat_interleave(torch.arange(3), back.count))
+    assert back.w is None and flat.path_lo is None  # fields TreeOPSD's loss does not read stay unset
+
+
+def test_credits_of_different_kinds_do_not_stack():
+    with pytest.raises(ValueError, match="same credit fields"):
+        TurnCredit.stack([TurnCredit(A=torch.zeros(2)), TurnCredit(A=torch.zeros(2), w=torch.ones(2))])
+
+
+def test_path_credit_gives_each_turn_the_path_weighted_mean_of_its_trajectories():
+    """`credit.path_credit` uses `path_token_weights`'s weights: Σ_i w_i L_i A_i over a tree equals GRPO's
+    (1/K) Σ_k A_k (each path's tokens averaged, then the paths)."""
+    tree = hotpot_like_tree()
+    A = credit.standardize(torch.tensor(tree.rewards, dtype=torch.float64))
+    V, w, L = credit.path_credit(tree, A), credit.path_token_weights(tree), credit.turn_lengths(tree)
+    assert math.isclose((w * L * V).sum().item(), A.mean().item(), abs_tol=1e-12)
+    first = tree.roots[0]
+    through = [k for k, path in enumerate(tree.paths) if first in path]
+    lengths = torch.tensor([float(L[tree.paths[k]].sum()) for k in through], dtype=torch.float64)
+    expected = (A[through] / lengths).sum() / (1 / lengths).sum()
+    assert math.isclose(V[first].item(), expected.item(), rel_tol=1e-12)
