@@ -31,14 +31,16 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from trl_tree import trl_internals
+from trl_tree import methods, trl_internals
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # tree methods -> the prefix of their trl_tree Config / Trainer classes. "flat_grpo" is GRPO's loss on trl-tree's own
 # agent loop (sampler="flat": G independent trajectories, no branching), the control for the tree's sampling alone.
-TREE_METHODS = {"treeopsd": "TreeOPSD", "treepo": "TreePO", "at2po": "AT2PO", "treeadv": "TreeAdv", "flat_grpo": "Tree"}
+# the tree methods by name (the method table's, TreeFlex aside: its unit is a group of searches, not a tree) and
+# "flat_grpo": GRPO's loss on trl-tree's own agent loop, the plain TreeTrainer with sampler="flat"
+TREE_METHODS = {**{n: m.title for n, m in methods.METHODS.items() if n != "treeflex"}, "flat_grpo": "Tree"}
 
 
 # ---------------------------------------------------------------------------------------------------------------------

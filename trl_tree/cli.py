@@ -46,12 +46,10 @@ import importlib.resources
 import sys
 from pathlib import Path
 
-COMMANDS = {
-    "treeopsd": "Train with TreeOPSD (tree rollouts, turn-level Bernoulli forward-KL).",
-    "treepo": "Train with TreePO (TreeOPSD's trees and credit, fixed-credit loss).",
-    "at2po": "Train with AT2PO (entropy-guided expansion, turn credit, ATPO loss).",
-    "treeadv": "Train with TreeAdv (branching at high-entropy tokens, segment advantages).",
-}
+from trl_tree import methods
+
+# the training commands: every method of the table but TreeFlex (see above)
+COMMANDS = {name: f"Train with {m.title} ({m.summary})." for name, m in methods.METHODS.items() if name != "treeflex"}
 VIEW_HELP = "Render the rollout-tree pages of a run again from its saved data (OUTPUT_DIR/tree_view/*.json)."
 _USAGE_EPILOG = (
     "Each command trains any dataset with reward functions (and tools or an environment factory) by import path, "

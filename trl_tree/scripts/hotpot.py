@@ -30,6 +30,8 @@ from typing import Any
 
 from trl import ModelConfig, ScriptArguments, TrlParser
 
+from trl_tree import methods
+
 SYNTHETIC_DATASET = "synthetic"  # how the card and the logs name the offline data
 RESULTS_FILE = "hotpot_results.json"  # the run's summary, next to the model; eval_hotpot.py reads its settings
 
@@ -149,37 +151,23 @@ class HotpotScriptArguments(HotpotDataArguments):
 
 
 def method_classes(method: str) -> tuple[type, type]:
-    """(config class, trainer class) of a method name. The trainers are imported only when needed: parsing (and
-    `--help`) needs the configs alone."""
-    import trl_tree
-
-    config_class = method_config(method)
-    return config_class, getattr(trl_tree, _TRAINERS[method])
+    """(config class, trainer class) of a method name, from the method table (`trl_tree.methods`)."""
+    method_config(method)  # the unknown-name check
+    entry = methods.METHODS[method]
+    return entry.config_class(), entry.trainer_class()
 
 
-# method -> trainer class name in `trl_tree`. TreeFlex is not a method of this script: its two-role harness
-# (Reflection plans without tools, Execution segments restart from checkpoint cards) is not the single-role tool loop
-# that the warm start teaches and that the before/after evaluation (`trl_tree.envs.agent_eval`) and eval_hotpot.py
-# run, so its numbers here would not measure the policy it trains (see `trl_tree.cli`).
-_TRAINERS = {
-    "treeopsd": "TreeOPSDTrainer",
-    "treepo": "TreePOTrainer",
-    "at2po": "AT2POTrainer",
-    "treeadv": "TreeAdvTrainer",
-}
-METHODS = tuple(_TRAINERS)
+# TreeFlex is not a method of this script: its two-role harness (Reflection plans without tools, Execution segments
+# restart from checkpoint cards) is not the single-role tool loop that the warm start teaches and that the
+# before/after evaluation (`trl_tree.envs.agent_eval`) and eval_hotpot.py run, so its numbers here would not measure
+# the policy it trains (see `trl_tree.cli`).
+METHODS = tuple(name for name in methods.METHODS if name != "treeflex")
 
 
 def method_config(method: str) -> type:
-    if method not in _TRAINERS:
-        raise ValueError(f"Unknown method {method!r}; choose one of {sorted(_TRAINERS)}.")
-    if method == "treeadv":  # TreeAdvConfig lives next to its trainer
-        from trl_tree.trainer.treeadv import TreeAdvConfig
-
-        return TreeAdvConfig
-    from trl_tree.trainer.config import AT2POConfig, TreeOPSDConfig, TreePOConfig
-
-    return {"treeopsd": TreeOPSDConfig, "treepo": TreePOConfig, "at2po": AT2POConfig}[method]
+    if method not in METHODS:
+        raise ValueError(f"Unknown method {method!r}; choose one of {sorted(METHODS)}.")
+    return methods.METHODS[method].config_class()
 
 
 # The offline run's values live in a recipe file, like the paper's (`examples/recipes/`), shipped with the package.
