@@ -266,6 +266,25 @@ def run_file(output: str, method: str, seed: int) -> Path:
     return output.with_name(f"{output.stem}.runs") / f"{method}-seed{seed}.json"
 
 
+# Arguments that do not change a run's numbers: which runs to make, where to write, threads, and gradient
+# checkpointing (recomputed activations are the same activations)
+NOT_RESULT_ARGUMENTS = {"methods", "seeds", "output", "plot", "threads", "gradient_checkpointing"}
+
+
+def checked_run(path: Path, args) -> dict:
+    """A finished run's result, if it was made with these arguments: a table must not mix runs of different settings
+    (e.g. a changed default), so a mismatch is an error naming the fields."""
+    result = json.loads(path.read_text())
+    saved = result.get("config", {})
+    current = json.loads(json.dumps(vars(args), default=str))  # as the run file stores them
+    differ = {k: (saved.get(k), v) for k, v in current.items() if k not in NOT_RESULT_ARGUMENTS and saved.get(k) != v}
+    if differ:
+        listed = ", ".join(f"{k}: {old!r} there, {new!r} now" for k, (old, new) in sorted(differ.items()))
+        raise SystemExit(f"{path} was made with other settings ({listed}). Use another --output for these settings, "
+                         "or the same arguments to complete that table.")
+    return result
+
+
 def warm_start_sweep(args, task, base: str | None) -> None:
     """The held-out success of warm starts of several lengths (greedy, the benchmark's agent settings): the table
     that picks a warm start leaving room for RL."""
@@ -362,7 +381,7 @@ def main(argv=None):
             path = run_file(args.output, method, seed) if args.output else None
             if path is not None and path.is_file():
                 print(f"[{method} seed {seed}] done before: {path}", flush=True)
-                runs[method].append(json.loads(path.read_text()))
+                runs[method].append(checked_run(path, args))
                 continue
             print(f"[{method} seed {seed}]", flush=True)
             result = run(method, seed, model_path, task, args)

@@ -90,6 +90,13 @@ def test_bench_learning_smollm2_path_writes_each_run_at_once_and_skips_it_later(
     assert again["results"]["grpo"]["0"]["heldout_after"] == 0.5
     assert again["results"]["treeopsd"]["0"] == result["results"]["treeopsd"]["0"]
 
+    # a table never mixes settings: the same output with another setting is refused, naming the field
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
+    other = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_learning.py"), *args, "--learning_rate", "0.001",
+                            "--output", str(tmp_path / "bench_learning.json")],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert other.returncode != 0 and "learning_rate: 0.0002 there, 0.001 now" in other.stderr
+
 
 def test_bench_packing_gpu_cpu_smoke_writes_runs(tmp_path):
     result = run_benchmark("bench_packing_gpu.py", "--cpu-smoke", tmp_path=tmp_path)
