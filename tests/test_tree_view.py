@@ -17,10 +17,10 @@ from test_trainer_scripted import REPLIES
 from trl_tree import AT2POConfig, AT2POTrainer, RolloutTree, TreeOPSDConfig, TreeOPSDTrainer, Turn, cli, losses
 from trl_tree import credit as credit_lib
 from trl_tree import tree_view as tv
+from trl_tree.batch import LossInputs, TurnCredit
 from trl_tree.packing import PackedTrees, packed_token_logps
 from trl_tree.testing import calculator
 from trl_tree.trainer import tree_view_logging
-from trl_tree.trainer.base import _flatten_micro_batch
 
 # ------------------------------------------------------------------------------------------------------ helpers
 
@@ -63,9 +63,10 @@ def _credit_per_unit(trainer) -> list[dict[str, list[float]]]:
     batch, in unit order."""
     out = []
     for batch in trainer._buffered_inputs:
-        for n, count in enumerate(batch["credit_count"].tolist()):
-            out.append({key[len("credit_"):]: value[n, :count].tolist() for key, value in batch.items()
-                        if key.startswith("credit_") and value.dim() == 2})
+        credit = TurnCredit.from_dict(batch)
+        per_turn = {k: v for k, v in credit.present().items() if k not in TurnCredit.PER_UNIT}
+        for n, count in enumerate(credit.count.tolist()):
+            out.append({key: value[n, :count].tolist() for key, value in per_turn.items()})
     return out
 
 
@@ -128,8 +129,8 @@ def test_treeopsd_page_shows_each_unique_turn_once_with_its_credit_rewards_and_p
     packed = PackedTrees.from_dict(batch)
     with torch.no_grad():
         logps, _ = packed_token_logps(trainer.model, packed)
-    flat = _flatten_micro_batch(packed, logps, batch)
-    s = losses.turn_mean_log_ratio(flat["logps"], flat["old_logps"], flat["turn_ids"], tree.num_turns)
+    flat = LossInputs.build(packed.turn_ids, logps, batch["old_logps"], TurnCredit.from_dict(batch))
+    s = losses.turn_mean_log_ratio(flat.logps, flat.old_logps, flat.turn_ids, tree.num_turns)
     for i in range(tree.num_turns):
         assert math.isclose(float(nodes[i]["data-p-after"]), torch.sigmoid(s[i]).item(), rel_tol=1e-5)
     assert any(abs(float(n["data-p-after"]) - 0.5) > 1e-4 for n in nodes.values())  # the update moved them

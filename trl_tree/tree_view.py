@@ -29,6 +29,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .batch import TurnCredit
+
 FORMAT = "trl-tree/tree-view"
 VERSION = 1
 VIEW_DIR = "tree_view"  # under output_dir
@@ -108,7 +110,7 @@ def _number(value) -> float | None:
 
 def tree_record(
     tree,
-    credit: dict[str, Any],
+    credit: TurnCredit | dict[str, Any],
     decode: Callable[[list[int]], str],
     prompt,
     *,
@@ -121,8 +123,9 @@ def tree_record(
 
     Args:
         tree: the `RolloutTree` the trainer trained (its `turns` order is the order of the credit tensors).
-        credit: the tree's per-turn credit as the trainer computed it (`TreeTrainer.turn_credit`): `A` for every
-            method, `q` (and the per-tree `tau`) for TreeOPSD; 1-D tensors or lists over `tree.turns`, 0-dim per tree.
+        credit: the tree's per-turn credit as the trainer computed it (`TreeTrainer.turn_credit`, a `TurnCredit`):
+            `A` for every method, `q` (and the per-tree `tau`) for TreeOPSD; or a dict of such fields, 1-D tensors or
+            lists over `tree.turns`, 0-dim per tree.
         decode: token ids → text (the tokenizer's decode, special tokens kept).
         prompt: the dataset prompt (text or chat messages).
         leaf_rounds: per trajectory k, the sampling round that created it (0: the initial trajectories; AT2PO's
@@ -185,13 +188,13 @@ def tree_record(
     }
 
 
-def flex_record(group, credit: dict[str, Any], decode: Callable[[list[int]], str], prompt,
+def flex_record(group, credit: TurnCredit | dict[str, Any], decode: Callable[[list[int]], str], prompt,
                 search_advantages: Sequence[float] | None = None) -> dict:
     """One TreeFlex task as page data: its K complete searches, each a node whose children are its causal blocks
     (role, the end of the block's context), each block the chain of turns it generated with their credit.
 
-    `credit` is the group's per-turn credit (`TreeFlexTrainer.turn_credit`: `A`, `penalty`, … in the group-wide turn
-    order); turn nodes keep that index as their `id`, search and block nodes get ids after the turns.
+    `credit` is the group's per-turn credit (`TreeFlexTrainer.turn_credit`, a `TurnCredit`: `A`, `penalty`, … in the
+    group-wide turn order); turn nodes keep that index as their `id`, search and block nodes get ids after the turns.
     `search_advantages`: each search's group-normalised score (F1), shown on its node."""
     per_turn, per_tree = _split_credit(credit, group.num_turns)
     nodes, next_id, turn = [], group.num_turns, 0
@@ -266,9 +269,10 @@ def attach_turn_probabilities(record: dict, logp_old: Sequence[float | None], lo
             node["credit"]["p_after"] = _number(p_after[i])
 
 
-def _split_credit(credit: dict[str, Any], num_turns: int) -> tuple[dict[str, list], dict[str, float]]:
+def _split_credit(credit: TurnCredit | dict[str, Any], num_turns: int) -> tuple[dict[str, list], dict[str, float]]:
+    fields = credit.present() if isinstance(credit, TurnCredit) else credit
     per_turn, per_tree = {}, {}
-    for key, value in credit.items():
+    for key, value in fields.items():
         values = value.tolist() if hasattr(value, "tolist") else value
         if isinstance(values, list):
             if len(values) != num_turns:

@@ -30,10 +30,10 @@ import torch
 from transformers import TrainerCallback
 
 from .. import credit as credit_lib
-from .. import losses, trl_internals
+from .. import losses, methods, trl_internals
+from ..batch import LossInputs, TurnCredit
 from ..packing import PackedTrees, packed_token_logps
 from ..tree_view import VIEW_DIR, attach_turn_probabilities, flex_record, page_data, save_page, tree_record
-from . import components
 
 TRACKER_KEY = "tree_view"
 
@@ -56,7 +56,7 @@ class TreeViewRecorder(TrainerCallback):
         args = self.trainer.args
         records = [
             tree_record(tree, credit, decode, prompt, leaf_rounds=[getattr(b, "round", 0) for b in branches],
-                        reward_columns=cols, leaf_advantages=components.leaf_advantages(tree, args).tolist(),
+                        reward_columns=cols, leaf_advantages=methods.leaf_advantages(tree, args).tolist(),
                         with_entropy=self.trainer.needs_entropies)
             for prompt, tree, branches, credit, cols in zip(prompts, trees, branches_per_tree, per_turn, columns)
         ]
@@ -141,17 +141,15 @@ class TreeViewRecorder(TrainerCallback):
 
 def _turn_probabilities(trainer, batch: dict) -> list[tuple[list, list, list]]:
     """Per unit (tree or TreeFlex group) of a micro-batch: per turn, the mean token log-prob under π_old and under the
-    current weights, and σ(mean log-ratio); None for a turn with no trained token (masked)."""
-    from .base import PER_TURN, _flatten_micro_batch
-
+    current weights, and σ(mean log-ratio); None for a turn with no trained token (masked). The micro-batch is
+    flattened as the loss flattens it (`LossInputs.build`, as in `TreeTrainer._compute_loss`)."""
     packed = PackedTrees.from_dict(batch)
     logps, _ = packed_token_logps(trainer.model, packed, temperature=trainer.temperature)
-    flat = _flatten_micro_batch(packed, logps, batch)
-    counts = batch[PER_TURN + "count"].tolist()
-    n, ids = int(sum(counts)), flat["turn_ids"]
+    flat = LossInputs.build(packed.turn_ids, logps, batch["old_logps"], TurnCredit.from_dict(batch))
+    n, ids = flat.num_turns, flat.turn_ids
     tokens = losses.turn_token_counts(ids, n)
-    old = losses.turn_sum(flat["old_logps"].double(), ids, n) / tokens.clamp(min=1)
-    new = losses.turn_sum(flat["logps"].double(), ids, n) / tokens.clamp(min=1)
+    old = losses.turn_sum(flat.old_logps.double(), ids, n) / tokens.clamp(min=1)
+    new = losses.turn_sum(flat.logps.double(), ids, n) / tokens.clamp(min=1)
     trained = (tokens > 0).tolist()
 
     def values(t):
@@ -159,7 +157,7 @@ def _turn_probabilities(trainer, batch: dict) -> list[tuple[list, list, list]]:
 
     logp_old, logp_new, p = values(old), values(new), values(torch.sigmoid(new - old))
     out, start = [], 0
-    for c in counts:
+    for c in flat.credit.count.tolist():
         out.append((logp_old[start : start + c], logp_new[start : start + c], p[start : start + c]))
         start += c
     return out
