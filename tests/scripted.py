@@ -86,3 +86,18 @@ def unchanged_after_training(trainer) -> list[str]:
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     trainer.train()
     return [n for n, p in trainer.model.named_parameters() if p.requires_grad and torch.equal(p, before[n])]
+
+
+def hf_engine(trainer, monkeypatch, cache: str, with_scores: bool = False, **generation):
+    """An `HFEngine` of `trainer` with `generation_cache=cache` and these generation-config fields (undone after the
+    test by `monkeypatch`)."""
+    import copy
+
+    from trl_tree.rollout.engine import HFEngine
+
+    monkeypatch.setattr(trainer.args, "generation_cache", cache)
+    gen_config = copy.deepcopy(trainer.generation_config)
+    for key, value in generation.items():
+        setattr(gen_config, key, value)
+    monkeypatch.setattr(trainer, "generation_config", gen_config)
+    return HFEngine(trainer, with_scores=with_scores)

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from scripted import arithmetic_dataset, config, contains_answer, tiny
+from scripted import arithmetic_dataset, config, contains_answer, hf_engine, tiny
 from transformers import StaticCache
 
 from trl_tree import TreeConfig, TreeOPSDConfig, TreeOPSDTrainer
@@ -32,15 +32,6 @@ def prefixes(trainer):
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in LENGTHS]
 
 
-def _engine(trainer, monkeypatch, cache, with_scores=False, **generation):
-    monkeypatch.setattr(trainer.args, "generation_cache", cache)
-    gen_config = copy.deepcopy(trainer.generation_config)
-    for key, value in generation.items():
-        setattr(gen_config, key, value)
-    monkeypatch.setattr(trainer, "generation_config", gen_config)
-    return HFEngine(trainer, with_scores=with_scores)
-
-
 def _sample(engine, prefixes, budgets=BUDGETS, seed=0):
     torch.manual_seed(seed)
     return engine.generate(prefixes, budgets)
@@ -63,7 +54,7 @@ def _spy_generate(monkeypatch, model):
 def test_static_and_dynamic_caches_generate_the_same_turns(trainer, prefixes, monkeypatch, do_sample, with_scores):
     results = {}
     for cache in ("dynamic", "static"):
-        engine = _engine(trainer, monkeypatch, cache, with_scores=with_scores, do_sample=do_sample)
+        engine = hf_engine(trainer, monkeypatch, cache, with_scores=with_scores, do_sample=do_sample)
         results[cache] = [_sample(engine, prefixes, seed=seed) for seed in (0, 1)]
     for dynamic, static in zip(results["dynamic"], results["static"]):
         assert [c.ids for c in static] == [c.ids for c in dynamic]
@@ -80,12 +71,12 @@ def test_static_and_dynamic_caches_generate_the_same_turns(trainer, prefixes, mo
 def test_end_of_turn_cut_and_budget_flags_are_the_same_with_both_caches(trainer, prefixes, monkeypatch):
     """Make a token that the first turn samples early an end-of-turn token: that turn finishes on it, the others
     hit their budget, identically with both caches."""
-    sampled = _sample(_engine(trainer, monkeypatch, "dynamic"), prefixes)
+    sampled = _sample(hf_engine(trainer, monkeypatch, "dynamic"), prefixes)
     stop = sampled[0].ids[3]
     eos_ids = [*trainer.eos_token_ids, stop]
     monkeypatch.setattr(trainer, "eos_token_ids", eos_ids)
     results = {
-        cache: _sample(_engine(trainer, monkeypatch, cache, eos_token_id=eos_ids), prefixes)
+        cache: _sample(hf_engine(trainer, monkeypatch, cache, eos_token_id=eos_ids), prefixes)
         for cache in ("dynamic", "static")
     }
     assert results["static"] == results["dynamic"]
@@ -102,7 +93,7 @@ def test_end_of_turn_cut_and_budget_flags_are_the_same_with_both_caches(trainer,
 
 def test_static_cache_is_fresh_and_sized_to_each_call(trainer, prefixes, monkeypatch):
     seen = _spy_generate(monkeypatch, trainer.model)
-    engine = _engine(trainer, monkeypatch, "static")
+    engine = hf_engine(trainer, monkeypatch, "static")
     engine.generate(prefixes, BUDGETS)
     engine.generate(prefixes[:1], [5])  # a narrower call after a wide one gets a smaller cache (no ratchet)
     engine.generate([], [])  # the dummy call of an idle rank
@@ -111,9 +102,9 @@ def test_static_cache_is_fresh_and_sized_to_each_call(trainer, prefixes, monkeyp
     assert len({id(c) for c in seen}) == 3
 
     seen.clear()
-    _engine(trainer, monkeypatch, "dynamic").generate(prefixes, BUDGETS)
+    hf_engine(trainer, monkeypatch, "dynamic").generate(prefixes, BUDGETS)
     # a cache_implementation asked for explicitly (GRPOConfig.cache_implementation) is left to transformers
-    _engine(trainer, monkeypatch, "static", cache_implementation="dynamic").generate(prefixes, BUDGETS)
+    hf_engine(trainer, monkeypatch, "static", cache_implementation="dynamic").generate(prefixes, BUDGETS)
     assert seen == [None, None]
 
 
@@ -125,15 +116,15 @@ def test_synchronised_generation_keeps_the_dynamic_cache(trainer, prefixes, monk
     assert not engine_module._synced_generation(trainer.model)
     seen = _spy_generate(monkeypatch, trainer.model)
     monkeypatch.setattr(engine_module, "_synced_generation", lambda model: True)
-    _engine(trainer, monkeypatch, "static").generate(prefixes, BUDGETS)
+    hf_engine(trainer, monkeypatch, "static").generate(prefixes, BUDGETS)
     assert seen == [None]
 
 
 def test_model_without_static_cache_support_falls_back_with_one_warning(trainer, prefixes, monkeypatch, caplog):
-    expected = _sample(_engine(trainer, monkeypatch, "dynamic"), prefixes)
+    expected = _sample(hf_engine(trainer, monkeypatch, "dynamic"), prefixes)
     monkeypatch.setattr(type(trainer.model), "_can_compile_fullgraph", False)
     seen = _spy_generate(monkeypatch, trainer.model)
-    engine = _engine(trainer, monkeypatch, "static")
+    engine = hf_engine(trainer, monkeypatch, "static")
     with caplog.at_level(logging.WARNING, logger="trl_tree.rollout.engine"):
         results = [_sample(engine, prefixes) for _ in range(2)]
     assert seen == [None, None]
@@ -148,7 +139,7 @@ def test_peft_model_gets_a_static_cache_and_the_same_turns(trainer, prefixes, mo
     lora = get_peft_model(copy.deepcopy(trainer.model), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     monkeypatch.setattr(trainer, "model_wrapped", lora)
     seen = _spy_generate(monkeypatch, lora.get_base_model())
-    results = {c: _sample(_engine(trainer, monkeypatch, c), prefixes) for c in ("dynamic", "static")}
+    results = {c: _sample(hf_engine(trainer, monkeypatch, c), prefixes) for c in ("dynamic", "static")}
     assert results["static"] == results["dynamic"]
     assert seen[0] is None and isinstance(seen[1], StaticCache)
 

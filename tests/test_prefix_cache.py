@@ -2,18 +2,17 @@
 sampled: the turns of a multi-call rollout equal those of a cache-free rollout, while the reused tokens skip prefill.
 """
 
-import copy
 import logging
 
 import numpy as np
 import pytest
 import torch
-from scripted import arithmetic_dataset, config, contains_answer, tiny
+from scripted import arithmetic_dataset, config, contains_answer, hf_engine, tiny
 
 from trl_tree import TreeOPSDConfig, TreeOPSDTrainer
 from trl_tree.envs.agent_eval import GreedyEngine
 from trl_tree.rollout import prefix_cache
-from trl_tree.rollout.engine import HFEngine, rollout_session
+from trl_tree.rollout.engine import rollout_session
 from trl_tree.rollout.prefix_cache import PrefixKVStore
 
 SHARED = 40  # a system prompt every prefix starts with
@@ -30,15 +29,6 @@ def trainer(tmp_path_factory):
 
 def _tokens(g, vocab, n):
     return torch.randint(3, vocab, (n,), generator=g).tolist()
-
-
-def _engine(trainer, monkeypatch, cache, with_scores=False, **generation):
-    monkeypatch.setattr(trainer.args, "generation_cache", cache)
-    gen_config = copy.deepcopy(trainer.generation_config)
-    for key, value in generation.items():
-        setattr(gen_config, key, value)
-    monkeypatch.setattr(trainer, "generation_config", gen_config)
-    return HFEngine(trainer, with_scores=with_scores)
 
 
 def _rollout(engine, vocab, seed=0):
@@ -67,8 +57,8 @@ def _rollout(engine, vocab, seed=0):
 @pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampling"])
 def test_reused_prefixes_sample_the_same_turns_as_a_fresh_prefill(trainer, monkeypatch, do_sample):
     vocab = trainer.model.config.vocab_size
-    fresh = _rollout(_engine(trainer, monkeypatch, "dynamic", with_scores=True, do_sample=do_sample), vocab)
-    engine = _engine(trainer, monkeypatch, "prefix", with_scores=True, do_sample=do_sample)
+    fresh = _rollout(hf_engine(trainer, monkeypatch, "dynamic", with_scores=True, do_sample=do_sample), vocab)
+    engine = hf_engine(trainer, monkeypatch, "prefix", with_scores=True, do_sample=do_sample)
     with engine.rollout():
         reused = _rollout(engine, vocab)
         saved = engine.prefix_store.reused_tokens
@@ -81,7 +71,7 @@ def test_reused_prefixes_sample_the_same_turns_as_a_fresh_prefill(trainer, monke
     assert saved > 4 * SHARED  # every continued history skipped its stored part
     assert engine.prefix_store.entries == [] and engine.prefix_store.reused_tokens == 0  # dropped with the rollout
     if do_sample:  # the seed matters: the comparison is not between two constant outputs
-        other = _rollout(_engine(trainer, monkeypatch, "dynamic", do_sample=True), vocab, seed=1)
+        other = _rollout(hf_engine(trainer, monkeypatch, "dynamic", do_sample=True), vocab, seed=1)
         assert [c.ids for c in other[0]] != [c.ids for c in fresh[0]]
 
 
@@ -125,7 +115,7 @@ def test_a_row_that_another_extends_is_dropped(trainer):
 
 
 def test_the_trainer_reuses_within_a_rollout_and_starts_each_rollout_empty(trainer, monkeypatch):
-    engine = _engine(trainer, monkeypatch, "prefix")
+    engine = hf_engine(trainer, monkeypatch, "prefix")
     monkeypatch.setattr(trainer, "generation_engine", engine)
     seen = []
     original = engine.prefix_store.plan
@@ -145,11 +135,11 @@ def test_the_trainer_reuses_within_a_rollout_and_starts_each_rollout_empty(train
 
 def test_models_whose_cache_cannot_be_spliced_fall_back_with_one_warning(trainer, monkeypatch, caplog):
     vocab = trainer.model.config.vocab_size
-    expected = _rollout(_engine(trainer, monkeypatch, "dynamic"), vocab)
+    expected = _rollout(hf_engine(trainer, monkeypatch, "dynamic"), vocab)
     import trl_tree.rollout.engine as engine_module
 
     monkeypatch.setattr(engine_module, "supports_reuse", lambda model: False)
-    engine = _engine(trainer, monkeypatch, "prefix")
+    engine = hf_engine(trainer, monkeypatch, "prefix")
     with caplog.at_level(logging.WARNING, logger="trl_tree.rollout.engine"), engine.rollout():
         assert _rollout(engine, vocab) == expected
         assert engine.prefix_store.entries == []
@@ -180,9 +170,9 @@ def test_reuse_works_when_the_model_config_disables_the_cache(trainer, monkeypat
     """Gradient checkpointing sets `model.config.use_cache = False`, and then `generate` returns no cache: the engine
     passes its own cache and asks for it to be used, so the turns are still those of a fresh prefill."""
     vocab = trainer.model.config.vocab_size
-    expected = _rollout(_engine(trainer, monkeypatch, "dynamic"), vocab)
+    expected = _rollout(hf_engine(trainer, monkeypatch, "dynamic"), vocab)
     monkeypatch.setattr(trainer.model.config, "use_cache", False)
-    engine = _engine(trainer, monkeypatch, "prefix", use_cache=None)  # GRPOTrainer's, unless the user sets it
+    engine = hf_engine(trainer, monkeypatch, "prefix", use_cache=None)  # GRPOTrainer's, unless the user sets it
     with engine.rollout():
         assert _rollout(engine, vocab) == expected
         assert engine.prefix_store.reused_tokens > 4 * SHARED
