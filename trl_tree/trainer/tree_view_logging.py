@@ -142,7 +142,7 @@ class TreeViewRecorder(TrainerCallback):
 def _turn_probabilities(trainer, batch: dict) -> list[tuple[list, list, list]]:
     """Per unit (tree or TreeFlex group) of a micro-batch: per turn, the mean token log-prob under π_old and under the
     current weights, and σ(mean log-ratio); None for a turn with no trained token (masked). The micro-batch is
-    flattened as the loss flattens it (`LossInputs.build`, as in `TreeTrainer._compute_loss`)."""
+    flattened as the loss flattens it (`LossInputs.build`)."""
     packed = PackedTrees.from_dict(batch)
     logps, _ = packed_token_logps(trainer.model, packed, temperature=trainer.temperature)
     flat = LossInputs.build(packed.turn_ids, logps, batch["old_logps"], TurnCredit.from_dict(batch))
