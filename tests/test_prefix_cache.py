@@ -180,3 +180,21 @@ def test_reuse_works_when_the_model_config_disables_the_cache(trainer, monkeypat
     model.config.use_cache = False
     assert _rollout(GreedyEngine(model, tok, batch_size=2), vocab) == _rollout(
         GreedyEngine(model, tok, batch_size=2, reuse_prefixes=False), vocab)
+
+
+def test_evaluation_holds_one_batch_of_questions_in_the_store_at_a_time():
+    from trl_tree.envs.agent_eval import AgentSettings, run_agent
+
+    model, tok = tiny()
+    engine = GreedyEngine(model, tok, batch_size=2)
+    sizes, original = [], engine.store.store
+
+    def store(*args):
+        original(*args)
+        sizes.append(len(engine.store.entries))
+
+    engine.store.store = store
+    prompts = [[{"role": "user", "content": f"Question {i}: what is {i}+{i}?"}] for i in range(5)]
+    run_agent(model, tok, prompts, [], AgentSettings(max_turns=1, max_completion_length=4, batch_size=2),
+              engine=engine)
+    assert sizes and max(sizes) <= 2 and engine.store.entries == []

@@ -13,6 +13,7 @@ Used by ``examples/eval_hotpot.py`` and by ``examples/train_hotpot.py`` for its 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from trl_tree.rewards import exact_match_score, extract_answer, f1_score, is_well_formed
-from trl_tree.rollout.engine import Continuation, _cut_at_eos
+from trl_tree.rollout.engine import Continuation, _cut_at_eos, rollout_session
 from trl_tree.rollout.env import MAX_OBSERVATION_CHARS
 from trl_tree.rollout.prefix_cache import PrefixKVStore, left_padded, supports_reuse
 from trl_tree.rollout.samplers import Branch, SamplerSettings, TurnLoop
@@ -115,6 +116,18 @@ class GreedyEngine:
         self.batch_size = batch_size
         self.store = PrefixKVStore() if reuse_prefixes and supports_reuse(model) else None
 
+    @contextlib.contextmanager
+    def rollout(self):
+        """One batch of questions answered to the end (`rollout_session`): its reused keys and values are dropped
+        afterwards, so memory holds one batch's histories at a time."""
+        if self.store is not None:
+            self.store.clear()
+        try:
+            yield self
+        finally:
+            if self.store is not None:
+                self.store.clear()
+
     @torch.no_grad()
     def generate(self, prefixes: list[list[int]], max_new_tokens: list[int]) -> list[Continuation]:
         results: list[Continuation] = []
@@ -208,9 +221,8 @@ def run_agent(
         # one batch of questions at a time, to the end: the reused keys and values of a batch are dropped before the
         # next batch starts, so memory holds one batch's histories, not every question's
         for start in range(0, len(branches), settings.batch_size):
-            loop.run(branches[start : start + settings.batch_size])
-            if isinstance(loop.engine, GreedyEngine) and loop.engine.store is not None:
-                loop.engine.store.clear()
+            with rollout_session(loop.engine):
+                loop.run(branches[start : start + settings.batch_size])
     finally:
         if model is not None:
             model.train(was_training)
