@@ -3,8 +3,8 @@
 import json
 
 import pytest
-from scripted import config, tiny
 
+from tests.scripted import config, tiny
 from trl_tree import TreeOPSDConfig, TreeOPSDTrainer
 from trl_tree.envs import build_corpus, examples_to_dataset, make_search_tool, scripted_search_conversation
 from trl_tree.envs.agent_eval import AgentSettings, AgentTemplate, GreedyEngine, evaluate_agent

@@ -5,8 +5,8 @@ import random
 
 import pytest
 import torch
-from trees import deep_tree, flatten, grad, hotpot_like_tree, perturbed
 
+from tests.trees import deep_tree, flatten, grad, hotpot_like_tree, perturbed
 from trl_tree import RolloutTree, Turn, credit, losses
 from trl_tree.rollout import expansion
 

@@ -4,8 +4,8 @@ moves the next round elsewhere, and every re-sampled turn becomes a sibling of t
 import re
 
 import torch
-from scripted import arithmetic_dataset, config, contains_answer, tiny, tool_call
 
+from tests.scripted import arithmetic_dataset, config, contains_answer, tiny, tool_call
 from trl_tree import AT2POConfig, AT2POTrainer
 from trl_tree.batch import TurnCredit
 from trl_tree.rollout.engine import ScriptedEngine

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_packing import PAD, branching_tree, tiny_model
 
+from tests.test_packing import PAD, branching_tree, tiny_model
 from trl_tree.packing import _padding_sees_itself, block_mask, pack_trees, packed_token_logps
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -9,10 +9,10 @@ nothing are rejected together; `max_tool_calling_iterations`, `multi_objective_a
 import pytest
 import torch
 from datasets import Dataset
-from scripted import CALL_1_PLUS_1, arithmetic_dataset, config, contains_answer, scripted_engine, tiny
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import nanstd
 
+from tests.scripted import CALL_1_PLUS_1, arithmetic_dataset, config, contains_answer, scripted_engine, tiny
 from trl_tree import (
     AT2POConfig,
     TreeAdvConfig,

@@ -4,8 +4,8 @@ import math
 
 import pytest
 import torch
-from trees import deep_tree, hotpot_like_tree
 
+from tests.trees import deep_tree, hotpot_like_tree
 from trl_tree import RolloutTree, Turn, credit
 
 

@@ -5,10 +5,10 @@ import copy
 import itertools
 
 import pytest
-from remote_env import RemoteCounterEnv, SessionServer, TicketEnv
-from scripted import arithmetic_dataset, config, tiny, tool_call, unchanged_after_training
 from transformers import TrainerCallback
 
+from tests.remote_env import RemoteCounterEnv, SessionServer, TicketEnv
+from tests.scripted import arithmetic_dataset, config, tiny, tool_call, unchanged_after_training
 from trl_tree import TreeOPSDConfig, TreeOPSDTrainer
 from trl_tree.rollout.engine import ScriptedEngine
 from trl_tree.rollout.env import EnvironmentPool, RecordedCall, ReplayDivergenceWarning, TreeEnvironment, run_tool_call

@@ -10,13 +10,13 @@ import math
 import pytest
 import torch
 from datasets import Dataset
-from scripted import CALL_1_PLUS_1, arithmetic_dataset, config, contains_answer, scripted_engine, tiny
-from test_trainer_scripted import REPLIES
-from test_treeflex_trainer import TwoRoleScript
 from transformers import TrainerCallback
-from trees import deep_tree, flatten, hotpot_like_tree, perturbed
 from trl import GRPOConfig, GRPOTrainer
 
+from tests.scripted import CALL_1_PLUS_1, arithmetic_dataset, config, contains_answer, scripted_engine, tiny
+from tests.test_trainer_scripted import REPLIES
+from tests.test_treeflex_trainer import TwoRoleScript
+from tests.trees import deep_tree, flatten, hotpot_like_tree, perturbed
 from trl_tree import TreeConfig, TreeFlexConfig, TreeFlexTrainer, TreeOPSDConfig, TreeOPSDTrainer, credit, losses
 from trl_tree.rollout.engine import ScriptedEngine
 from trl_tree.testing import calculator

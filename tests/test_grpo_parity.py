@@ -28,7 +28,6 @@ import pytest
 import torch
 from datasets import Dataset
 from peft import LoraConfig
-from scripted import tool_call
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -39,6 +38,7 @@ from transformers import (
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from trl import GRPOConfig, GRPOTrainer
 
+from tests.scripted import tool_call
 from trl_tree import TreeOPSDConfig, TreeOPSDTrainer
 from trl_tree.testing import tiny_model_path
 

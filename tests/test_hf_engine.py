@@ -6,9 +6,9 @@ import logging
 
 import pytest
 import torch
-from scripted import arithmetic_dataset, config, contains_answer, hf_engine, tiny
 from transformers import StaticCache
 
+from tests.scripted import arithmetic_dataset, config, contains_answer, hf_engine, tiny
 from trl_tree import TreeConfig, TreeOPSDConfig, TreeOPSDTrainer
 from trl_tree.rollout.engine import HFEngine
 

@@ -4,8 +4,8 @@ import math
 
 import pytest
 import torch
-from trees import flatten, grad, hotpot_like_tree, perturbed
 
+from tests.trees import flatten, grad, hotpot_like_tree, perturbed
 from trl_tree import credit, losses
 
 

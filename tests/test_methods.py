@@ -7,10 +7,10 @@ import math
 
 import pytest
 import torch
-from scripted import config
-from trees import deep_tree, flatten, hotpot_like_tree, perturbed
 
 import trl_tree
+from tests.scripted import config
+from tests.trees import deep_tree, flatten, hotpot_like_tree, perturbed
 from trl_tree import credit, losses, methods
 from trl_tree.batch import LossInputs, TurnCredit
 from trl_tree.trainer.config import TreeConfig, TreeFlexConfig

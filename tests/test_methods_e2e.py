@@ -1,13 +1,10 @@
 """Every trainer and at least two mixed sampler × credit × loss configurations train end to end on the tiny model."""
 
-import sys
-from pathlib import Path
 
 import pytest
-from scripted import unchanged_after_training
 
-sys.path.insert(0, str(Path(__file__).parent / "launch"))
-from tiny_tree_run import build_trainer  # noqa: E402
+from tests.launch.tiny_tree_run import build_trainer
+from tests.scripted import unchanged_after_training
 
 
 @pytest.mark.parametrize("method", ["at2po", "opsd_on_entropy_tree", "atpo_on_init_expand", "flat_grpo", "treeflex"])

@@ -6,8 +6,7 @@ Offline: the Hub API is replaced by a recorder (no network).
 import re
 import types
 
-from scripted import arithmetic_dataset, config, contains_answer, tiny
-
+from tests.scripted import arithmetic_dataset, config, contains_answer, tiny
 from trl_tree import TreeFlexConfig, TreeFlexTrainer, TreeOPSDConfig, TreeOPSDTrainer, TreePOConfig, TreePOTrainer
 from trl_tree.testing import calculator
 from trl_tree.trainer.base import TreeTrainer

@@ -7,8 +7,8 @@ import logging
 import numpy as np
 import pytest
 import torch
-from scripted import arithmetic_dataset, config, contains_answer, hf_engine, tiny
 
+from tests.scripted import arithmetic_dataset, config, contains_answer, hf_engine, tiny
 from trl_tree import TreeOPSDConfig, TreeOPSDTrainer
 from trl_tree.envs.agent_eval import GreedyEngine
 from trl_tree.rollout import prefix_cache

@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
-from scripted import CALL_1_PLUS_1, config, contains_answer, tiny
 
+from tests.scripted import CALL_1_PLUS_1, config, contains_answer, tiny
 from trl_tree import TreeFlexConfig, TreeFlexTrainer, TreeOPSDConfig, TreeOPSDTrainer
 from trl_tree.rollout.engine import ScriptedEngine
 from trl_tree.rollout.flex_harness import REFLECTION_PROMPT
@@ -301,11 +301,10 @@ def test_sampler_state_of_another_configuration_is_an_error():
 def test_two_processes_resume_exactly(tmp_path, method):
     """Each rank saves and restores its own state file (its own buffer and sampler generators) and the resumed run
     equals the uninterrupted one on every rank."""
-    script = Path(__file__).parent / "launch" / "tiny_resume_run.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1", "CI": "true"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", str(script), str(tmp_path), method]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+           "--num_machines", "1", "-m", "tests.launch.tiny_resume_run", str(tmp_path), method]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=Path(__file__).parents[1])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("resume-rank*.json"))]
     assert [r["rank"] for r in reports] == [0, 1]

@@ -13,10 +13,10 @@ import threading
 import time
 
 import pytest
-from scripted import CALL_1_PLUS_1, PrefixScript, arithmetic_dataset, config, scripted_engine, tiny, tool_call
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import shutdown_event_loop_in_daemon, start_event_loop_in_daemon
 
+from tests.scripted import CALL_1_PLUS_1, PrefixScript, arithmetic_dataset, config, scripted_engine, tiny, tool_call
 from trl_tree import TreeOPSDConfig, TreeOPSDTrainer
 from trl_tree.rollout.engine import ScriptedEngine
 from trl_tree.rollout.env import TRUNCATION_MARKER, run_tool_call

@@ -1,13 +1,10 @@
 """Unscripted end-to-end: a warm-started tiny model calls a real tool while TreeOPSD trains it (issue: trainer)."""
 
-import sys
-from pathlib import Path
 
 import pytest
-from scripted import unchanged_after_training
 
-sys.path.insert(0, str(Path(__file__).parent / "launch"))
-from tiny_tree_run import build_trainer  # noqa: E402
+from tests.launch.tiny_tree_run import build_trainer
+from tests.scripted import unchanged_after_training
 
 
 @pytest.mark.parametrize("packing", ["tree", "paths", "auto"])

@@ -4,8 +4,8 @@ import math
 
 import pytest
 import torch
-from scripted import CALL_1_PLUS_1, arithmetic_dataset, config, contains_answer, scripted_engine, tiny
 
+from tests.scripted import CALL_1_PLUS_1, arithmetic_dataset, config, contains_answer, scripted_engine, tiny
 from trl_tree import TreeOPSDConfig, TreeOPSDTrainer, TreePOConfig, TreePOTrainer
 from trl_tree.batch import TurnCredit
 from trl_tree.testing import calculator

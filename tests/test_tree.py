@@ -3,8 +3,8 @@
 import math
 
 import pytest
-from trees import PROMPT, A, B, C, D, hotpot_like_tree
 
+from tests.trees import PROMPT, A, B, C, D, hotpot_like_tree
 from trl_tree import RolloutTree, Turn
 
 

@@ -11,9 +11,9 @@ from html.parser import HTMLParser
 
 import pytest
 import torch
-from scripted import arithmetic_dataset, config, contains_answer, scripted_engine, tiny
-from test_trainer_scripted import REPLIES
 
+from tests.scripted import arithmetic_dataset, config, contains_answer, scripted_engine, tiny
+from tests.test_trainer_scripted import REPLIES
 from trl_tree import AT2POConfig, AT2POTrainer, RolloutTree, TreeOPSDConfig, TreeOPSDTrainer, Turn, cli, losses
 from trl_tree import credit as credit_lib
 from trl_tree import tree_view as tv

@@ -4,8 +4,8 @@ import math
 
 import pytest
 import torch
-from trees import deep_tree, flatten, grad, hotpot_like_tree, perturbed
 
+from tests.trees import deep_tree, flatten, grad, hotpot_like_tree, perturbed
 from trl_tree import RolloutTree, Turn, credit, losses
 
 

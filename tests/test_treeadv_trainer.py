@@ -8,8 +8,8 @@ import statistics
 
 import pytest
 import torch
-from scripted import CALL_1_PLUS_1, arithmetic_dataset, config, contains_answer, tiny, tool_call
 
+from tests.scripted import CALL_1_PLUS_1, arithmetic_dataset, config, contains_answer, tiny, tool_call
 from trl_tree import TreeAdvConfig, TreeAdvTrainer, TreeConfig, TreeTrainer, Turn
 from trl_tree.batch import TurnCredit
 from trl_tree.rollout.engine import ScriptedEngine

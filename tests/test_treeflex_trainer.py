@@ -11,11 +11,11 @@ import math
 
 import pytest
 import torch
-from remote_env import RemoteCounterEnv, SessionServer
-from scripted import CALL_1_PLUS_1, arithmetic_dataset, config, contains_answer, tiny, tool_call
-from test_trainer_scripted import CounterEnv  # the same stateful counter world
 from trl.trainer.utils import split_tensor_dict
 
+from tests.remote_env import RemoteCounterEnv, SessionServer
+from tests.scripted import CALL_1_PLUS_1, arithmetic_dataset, config, contains_answer, tiny, tool_call
+from tests.test_trainer_scripted import CounterEnv  # the same stateful counter world
 from trl_tree import TreeFlexConfig, TreeFlexTrainer, Turn, losses
 from trl_tree.batch import LossInputs, TurnCredit
 from trl_tree.losses import aggregation_weights

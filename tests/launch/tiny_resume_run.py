@@ -3,7 +3,8 @@
 Runs tests/test_resume.py's setting on every rank: the uninterrupted run, then a run resumed from checkpoint 1 (between
 the two optimizer blocks of the first generation batch).
 
-Usage: accelerate launch --multi_gpu --num_processes 2 tests/launch/tiny_resume_run.py OUT [treeopsd | treeflex]
+Usage, from the repository root (it imports tests/test_resume.py's helpers):
+    accelerate launch --multi_gpu --num_processes 2 -m tests.launch.tiny_resume_run OUT [treeopsd | treeflex]
 Writes OUT/resume-rank{r}.json per rank: the world size, whether this rank's resume-state file was saved, the steps
 at which each run generated, and whether the resumed run's parameters, rewards and losses equal the uninterrupted
 run's.
@@ -17,11 +18,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests folder: test_resume's helpers
-
-from test_resume import flex_trainer, logged, train, tree_trainer  # noqa: E402
-
-from trl_tree.trainer import resume  # noqa: E402
+from tests.test_resume import flex_trainer, logged, train, tree_trainer
+from trl_tree.trainer import resume
 
 
 def main():
