@@ -10,6 +10,8 @@ synthetic (M, N) trees of growing turn length, for:
 
     tree_flex     packing="tree", flex_attention with the BlockMask (the GPU path)
     tree_sdpa     packing="tree", sdpa with the dense [T, T] boolean mask (skipped past --dense_max_tokens)
+    tree_chains   packing="tree", attn_implementation="tree_sdpa": sdpa chain by chain, the visible pairs only (what
+                  the tree trainers use with an sdpa model; trl_tree.tree_attention)
     paths_sdpa    packing="paths", sdpa causal (no mask: flash / memory-efficient kernels)
 
 and reports seconds, tokens forwarded, leaf tokens trained per second (the trees' root-to-leaf tokens, the same
@@ -42,6 +44,7 @@ from common import environment, markdown_table, write_json
 
 from trl_tree.packing import forward_cost, pack_trees, packed_token_logps, token_weight
 from trl_tree.tree import RolloutTree, Turn
+from trl_tree.tree_attention import TREE_SDPA
 
 # Qwen3-0.6B's shape (config.json of Qwen/Qwen3-0.6B), written out so that nothing is downloaded
 QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
@@ -50,7 +53,8 @@ QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, n
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, tie_word_embeddings=True)
 SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "tiny": TINY}
-VARIANTS = {"tree_flex": ("tree", "flex_attention"), "tree_sdpa": ("tree", "sdpa"), "paths_sdpa": ("paths", "sdpa")}
+VARIANTS = {"tree_flex": ("tree", "flex_attention"), "tree_sdpa": ("tree", "sdpa"), "tree_chains": ("tree", TREE_SDPA),
+            "paths_sdpa": ("paths", "sdpa")}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -229,7 +233,7 @@ def main(argv=None):
         if "tree_sdpa" in by_variant and "paths_sdpa" in by_variant:
             faster = min(("tree_sdpa", "paths_sdpa"), key=lambda v: by_variant[v]["seconds"])
             auto_choice[observation_tokens]["measured_faster"] = faster.removesuffix("_sdpa")
-        for variant in ("tree_flex", "tree_sdpa"):
+        for variant in ("tree_flex", "tree_sdpa", "tree_chains"):
             if variant in by_variant and "paths_sdpa" in by_variant:
                 speedups[f"{observation_tokens}/{variant}"] = (
                     by_variant["paths_sdpa"]["seconds"] / by_variant[variant]["seconds"])

@@ -177,6 +177,12 @@ def test_packed_eager_additive_mask_equals_separate_paths(layout):
     assert_matches_paths(tiny_model("eager"), branching_tree(seed=3), layout)
 
 
+@pytest.mark.parametrize("layout", ["tree", "paths"])
+def test_packed_tree_sdpa_chains_equal_separate_paths(layout):
+    """tree_sdpa attends chain by chain (trl_tree.tree_attention): the same log-probs and gradients as the paths."""
+    assert_matches_paths(tiny_model("tree_sdpa"), branching_tree(seed=4), layout, chunk_size=7)
+
+
 def test_the_equivalence_check_has_power(sdpa_model):
     """Plain causal attention over the packed row (siblings see each other) is far from the path-wise result."""
     tree = branching_tree()
@@ -189,7 +195,9 @@ def test_the_equivalence_check_has_power(sdpa_model):
     assert (good - leaky).abs().max() > 1e-2
 
 
-def test_batch_of_trees_with_padding_equals_each_tree_alone(sdpa_model):
+@pytest.mark.parametrize("attention", ["sdpa", "tree_sdpa"])
+def test_batch_of_trees_with_padding_equals_each_tree_alone(attention):
+    sdpa_model = tiny_model(attention)
     trees = [branching_tree(seed=s, prompt_len=p) for s, p in [(0, 3), (1, 11), (2, 7)]]
     for layout in ("tree", "paths"):
         with torch.no_grad():
@@ -477,9 +485,11 @@ def test_auto_packing_picks_the_cheaper_layout_for_a_dense_mask(sdpa_model):
 
 def test_auto_packing_follows_the_attention_kernel(sdpa_model):
     tree = _disjoint_long_trajectories(600)  # paths are cheaper with a dense mask...
-    sdpa_model.config._attn_implementation = "flex_attention"
-    try:  # ...but flex_attention skips the masked blocks, so the tree row (unique tokens once) is kept
-        assert pack_cheapest([tree], PAD, sdpa_model.config).input_ids.shape[1] == 1
+    try:
+        for sparse in ("flex_attention", "tree_sdpa"):
+            sdpa_model.config._attn_implementation = sparse
+            # ...but flex_attention and tree_sdpa skip the masked pairs, so the tree row (unique tokens once) is kept
+            assert pack_cheapest([tree], PAD, sdpa_model.config).input_ids.shape[1] == 1
         sdpa_model.config._attn_implementation = "flash_attention_2"  # no custom masks at all: path rows
         assert pack_cheapest([_long_shared_prompt(400)], PAD, sdpa_model.config).input_ids.shape[1] == 6
     finally:

@@ -47,9 +47,12 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from .tree import RolloutTree
+from .tree_attention import TREE_SDPA, chain_attention_mask, tree_chains
 
 LAYOUTS = ("tree", "paths")
-MASKED_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention")
+MASKED_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", TREE_SDPA)
+# Kernels that compute only the visible pairs of a tree row, so that its unique tokens are never dearer than paths
+SPARSE_IMPLEMENTATIONS = ("flex_attention", TREE_SDPA)
 
 
 @dataclass
@@ -345,11 +348,23 @@ def attention_mask_for(attn_implementation: str | None, subtree_end: Tensor, val
         return additive_attention_mask(subtree_end, valid, dtype)
     if attn_implementation == "flex_attention":
         return block_mask(subtree_end, valid)
+    if attn_implementation == TREE_SDPA:
+        return chain_attention_mask(len(valid), subtree_end.device)
     raise ValueError(
         f"Attention implementation {attn_implementation!r} cannot take the tree (ancestor) attention mask. Load the "
-        f"model with attn_implementation in {MASKED_IMPLEMENTATIONS} (flex_attention is the fast GPU path), or pack "
-        'with layout="paths", which only needs causal attention (packing="paths" or "auto" in the tree configs).'
+        f"model with attn_implementation in {MASKED_IMPLEMENTATIONS} (flex_attention is the fast GPU path, tree_sdpa "
+        'the fast path elsewhere), or pack with layout="paths", which only needs causal attention (packing="paths" '
+        'or "auto" in the tree configs).'
     )
+
+
+def attention_inputs(attn_implementation: str | None, subtree_end: Tensor, valid: Tensor, dtype: torch.dtype) -> dict:
+    """The forward kwargs that make rows of ancestor-masked trees attend correctly: the mask, and for tree_sdpa the
+    rows' chains (`trl_tree.tree_attention`), which transformers hands down to every attention call."""
+    inputs = {"attention_mask": attention_mask_for(attn_implementation, subtree_end, valid, dtype)}
+    if attn_implementation == TREE_SDPA:
+        inputs["tree_chains"] = tree_chains(subtree_end, valid)
+    return inputs
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -393,14 +408,15 @@ def pack_cheapest(
 ) -> PackedTrees:
     """Pack `trees` in the layout whose forward costs less for a model with this `config` (`packing="auto"`).
 
-    flex_attention skips masked blocks, so the tree row (unique tokens once) is never dearer: "tree". A kernel that
+    flex_attention and tree_sdpa compute only the visible pairs, so the tree row (unique tokens once) is never
+    dearer: "tree". A kernel that
     takes no custom mask (flash-attention): "paths". A dense-mask kernel (sdpa, eager) pays every T² pair of a tree
     row, so a long tree row can cost more than its causal path rows although it forwards fewer tokens
     (benchmarks/README.md, section 2); both packings are built (cheap next to the forward) and the one with the
     smaller `forward_cost` is kept. Either layout gives the same log-probs and trains each token once.
     """
     attention = getattr(config, "_attn_implementation", None)
-    if attention == "flex_attention":
+    if attention in SPARSE_IMPLEMENTATIONS:
         return pack_trees(trees, pad_token_id, "tree", pad_to_multiple_of)
     if attention not in MASKED_IMPLEMENTATIONS:
         return pack_trees(trees, pad_token_id, "paths", pad_to_multiple_of)
@@ -465,7 +481,7 @@ def _score(head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float,
     return torch.cat(logps), torch.cat(entropies)
 
 
-def _forward_hidden(model: nn.Module, base: nn.Module, input_ids: Tensor, position_ids: Tensor, mask) -> Tensor:
+def _forward_hidden(model: nn.Module, base: nn.Module, input_ids: Tensor, position_ids: Tensor, **attention) -> Tensor:
     """Final hidden states [B, T, H] of the decoder, from a forward that goes through `model` (the wrapper).
 
     Only the last position's logits are computed by the model itself (logits_to_keep=1); the rest are projected by
@@ -478,7 +494,7 @@ def _forward_hidden(model: nn.Module, base: nn.Module, input_ids: Tensor, positi
 
     handle = base.get_decoder().register_forward_hook(keep_hidden)
     try:
-        model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False, logits_to_keep=1)
+        model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=1, **attention)
     finally:
         handle.remove()
     return captured["hidden"]
@@ -524,11 +540,13 @@ def packed_token_logps(
         # attention, which every kernel runs without a [T, T] mask (sdpa's is_causal, flash-attention). Positions are
         # then the row index; letting them run on over the padding keeps transformers from reading the padding as
         # further packed sequences (which would build a full mask again).
-        mask, positions = None, torch.arange(width, device=input_ids.device).expand(int(kept.sum()), width)
+        attention = {"attention_mask": None}
+        positions = torch.arange(width, device=input_ids.device).expand(int(kept.sum()), width)
     else:
-        mask = attention_mask_for(base.config._attn_implementation, subtree_end[kept, :width], valid[kept], base.dtype)
+        implementation = base.config._attn_implementation
+        attention = attention_inputs(implementation, subtree_end[kept, :width], valid[kept], base.dtype)
         positions = position_ids[kept, :width]
-    hidden = _forward_hidden(model, base, input_ids[kept, :width], positions, mask)
+    hidden = _forward_hidden(model, base, input_ids[kept, :width], positions, **attention)
 
     row, col = (turn_ids >= 0).nonzero(as_tuple=True)
     scoring = hidden[kept.long().cumsum(0)[row] - 1, score_index[row, col]]  # row index among the kept rows

@@ -34,6 +34,7 @@ from ..rollout.engine import HFEngine, rollout_session
 from ..rollout.env import EnvironmentPool, TreeEnvironment, environment_tools
 from ..rollout.samplers import SamplerSettings, TreeRoot, TurnLoop
 from ..tree import RolloutTree, render_tree
+from ..tree_attention import TREE_SDPA
 from . import components, model_card, resume
 from . import metrics as tree_metrics
 from .config import TreeConfig
@@ -69,6 +70,7 @@ class TreeTrainer(GRPOTrainer):
             )
         trl_internals.check_installed()  # a TRL release that renamed what we build on fails here, with the names
         super().__init__(model, reward_funcs, args=args, **kwargs)
+        self._attend_tree_rows_by_chains()
         # The dataloader yields prompts, one tree each: a micro-batch of per_device_train_batch_size trajectories of
         # budget is per_device_train_batch_size / G trees (GRPO's micro-batch holds the same prompts, G times each).
         trl_internals.set_train_batch_size(self, args.trees_per_micro_batch)
@@ -87,6 +89,14 @@ class TreeTrainer(GRPOTrainer):
             self.add_callback(self._tree_view)
 
     # ---------------------------------------------------------------- set-up
+
+    def _attend_tree_rows_by_chains(self):
+        """An sdpa policy computes only the visible pairs of a tree row (tree_sdpa: chain by chain, no [T, T] mask),
+        so the tree layout stays cheaper than path rows at any length. Every other forward (generation, causal rows)
+        is transformers' sdpa itself, and the setting is not saved with the model (`trl_tree.tree_attention`)."""
+        base = unwrap_model(self.model)
+        if self.args.packing != "paths" and getattr(base.config, "_attn_implementation", None) == "sdpa":
+            base.set_attn_implementation(TREE_SDPA)
 
     def _check_enough_prompts(self):
         """A dataset smaller than one generation batch would train 0 steps and exit as if it had succeeded."""

@@ -1,0 +1,144 @@
+"""Tree rows on sdpa without the [T, T] mask: each chain of a packed tree row attends to its ancestors and itself.
+
+Why: a tree row (`packing="tree"`) holds every unique token once, but sdpa with a dense ancestor mask computes all
+T² score pairs of the row, most of them masked (a branch never sees its siblings), so past a few thousand tokens per
+row the tree lost to its causal path rows on CPU (benchmarks/README.md, section 2). flex_attention skips the masked
+blocks on a GPU; this module is the same saving for any sdpa kernel (CPU, or a GPU without flex).
+
+A *chain* is a maximal run of consecutive row positions with the same `subtree_end` (docs/design.md §6): each of its
+tokens is the parent of the next, so the chain is a piece of one root-to-leaf path. Because the DFS intervals nest, a
+key k before the chain's start s is visible to every query of the chain iff it is visible to s (``subtree_end[k] >
+s``): the chain's ancestors. So the row's attention is, chain by chain, one ordinary sdpa call whose queries are the
+chain and whose keys are its ancestors' positions (all visible) followed by the chain itself (causal). The pairs
+computed are exactly the visible ones (plus the masked upper triangle of each chain's own block), every query is
+computed once, and no [T, T] tensor exists.
+
+Usage: load the model with ``attn_implementation="tree_sdpa"`` (registered with transformers when `trl_tree` is
+imported), or let the tree trainers switch an sdpa policy to it (`TreeConfig.packing`). Every other forward
+(generation, GRPO-style rows, a causal path row) is transformers' own sdpa, unchanged: only a forward that passes the
+chains (`packing.packed_token_logps` on a tree row) takes the chain route.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+TREE_SDPA = "tree_sdpa"
+
+
+@dataclass(frozen=True)
+class Chain:
+    """One chain of a row: queries `start:stop`, keys `keys` (ancestors, then the chain), and the boolean mask
+    [stop - start, len(keys)] (None when the chain has no ancestors: plain causal attention)."""
+
+    start: int
+    stop: int
+    keys: Tensor
+    mask: Tensor | None
+
+
+@dataclass(frozen=True)
+class TreeChains:
+    """The chains of every row of a packed forward ([B, T] rows), computed once and shared by all layers.
+
+    Positions past a row's valid length belong to no chain; their attention output is zero (they score nothing).
+    """
+
+    rows: list[list[Chain]]
+    length: int
+
+    @property
+    def num_pairs(self) -> int:
+        """Query-key pairs the chain route computes (each chain's full block, masked upper triangle included)."""
+        return sum((c.stop - c.start) * len(c.keys) for row in self.rows for c in row)
+
+
+def tree_chains(subtree_end: Tensor, valid: Tensor) -> TreeChains:
+    """Split packed rows ([B, T] `subtree_end`, [B] valid lengths) into chains (see the module docstring)."""
+    rows, masks = [], {}
+    for ends, length in zip(subtree_end, valid.tolist(), strict=True):
+        ends = ends[:length]
+        starts = torch.cat([ends.new_zeros(1), (ends[1:] != ends[:-1]).nonzero().flatten() + 1]).tolist()
+        chains = []
+        for start, stop in zip(starts, starts[1:] + [length], strict=True):
+            ancestors = (ends[:start] > start).nonzero().flatten()
+            own = torch.arange(start, stop, device=ends.device)
+            key = (stop - start, len(ancestors))
+            if key[1] and key not in masks:
+                causal = torch.ones(key[0], key[0], dtype=torch.bool, device=ends.device).tril()
+                masks[key] = torch.cat([causal.new_ones(key[0], key[1]), causal], dim=1)
+            chains.append(Chain(start, stop, torch.cat([ancestors, own]), masks.get(key) if key[1] else None))
+        rows.append(chains)
+    return TreeChains(rows, subtree_end.shape[-1])
+
+
+def chain_attention_mask(batch: int, device: torch.device | str) -> Tensor:
+    """The `attention_mask` to pass with `tree_chains`: an empty 4D tensor, which transformers hands to the attention
+    function as it is (no mask of its own is built) and which no other kernel could mistake for a real mask."""
+    return torch.empty(batch, 1, 0, 0, dtype=torch.bool, device=device)
+
+
+def tree_sdpa_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    tree_chains: TreeChains | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """transformers' attention-function signature: query [B, H, T, D], key / value [B, H_kv, T, D] → [B, T, H, D].
+
+    With `tree_chains` (passed as a forward kwarg, which transformers hands down to every attention call) the rows
+    are attended chain by chain; without it this is transformers' sdpa.
+    """
+    if tree_chains is None:
+        if attention_mask is not None and attention_mask.numel() == 0:
+            raise ValueError(
+                "This forward was given the tree-chain placeholder mask but no `tree_chains`: the model did not pass "
+                "its forward kwargs down to attention. Load it with attn_implementation='sdpa' and pack with "
+                "packing='paths' (or 'auto')."
+            )
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    for unsupported in ("sliding_window", "softcap"):
+        if kwargs.get(unsupported) is not None:
+            raise ValueError(
+                f"tree_sdpa does not implement {unsupported} attention. Use attn_implementation='flex_attention' or "
+                "'sdpa' with packing='paths'."
+            )
+    groups = getattr(module, "num_key_value_groups", 1)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    dropout = dropout if module.training else 0.0
+    heads, dim = query.shape[1], value.shape[-1]
+    rows = []
+    for b, chains in enumerate(tree_chains.rows):
+        pieces = []
+        for chain in chains:
+            k, v = key[b, :, chain.keys], value[b, :, chain.keys]
+            q = query[b, :, chain.start : chain.stop]
+            pieces.append(
+                torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, attn_mask=chain.mask, dropout_p=dropout, is_causal=chain.mask is None, scale=scaling
+                )
+            )
+        padding = tree_chains.length - (chains[-1].stop if chains else 0)
+        pieces.append(query.new_zeros(heads, padding, dim))
+        rows.append(torch.cat(pieces, dim=1))
+    return torch.stack(rows).transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Make ``attn_implementation="tree_sdpa"`` known to transformers (idempotent); its masks are sdpa's."""
+    AttentionInterface.register(TREE_SDPA, tree_sdpa_attention)
+    AttentionMaskInterface.register(TREE_SDPA, sdpa_mask)
+
+
+register()
