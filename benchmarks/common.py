@@ -413,6 +413,7 @@ class BatchRecord:
     step_cpu_seconds: float = 0.0  # CPU time of this process over the same span (less sensitive to other jobs)
     generation_seconds: float = 0.0  # inside `_generate_and_score_completions` (sampling, tools, rewards, π_old)
     sampling_seconds: float = 0.0  # inside the token sampler alone (model.generate calls)
+    sampling_cpu_seconds: float = 0.0  # CPU time of this process in the same calls (the figure to read on busy cores)
     training_seconds: float = 0.0  # step_seconds - generation_seconds: loss forwards, backwards, optimizer steps
     generated_tokens: int = 0  # tokens the policy sampled (actions; observations are not generated)
     leaf_action_tokens: int = 0  # action tokens summed over every leaf's own trajectory (shared turns once per leaf)
@@ -445,6 +446,7 @@ class BatchMeter(TrainerCallback):
         self.batches: list[BatchRecord] = []
         self._batch: BatchRecord | None = None
         self._start = (0.0, 0.0)
+        self._last_cpu_seconds = 0.0  # CPU seconds of the wrapped call that just returned
         # the generation phase: tree trainers grow, score and pack a whole generation batch in one call (split into
         # micro-batches before π_old is recomputed); GRPOTrainer in `_generate_and_score_completions`
         generation = next(name for name in ("_generate_micro_batches", "_generate_and_score_completions")
@@ -464,9 +466,10 @@ class BatchMeter(TrainerCallback):
         original = getattr(owner, name)
 
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             result = original(*args, **kwargs)
             if self._batch is not None:
+                self._last_cpu_seconds = time.process_time() - cpu
                 after(args, kwargs, result, time.perf_counter() - start)
             return result
 
@@ -500,11 +503,13 @@ class BatchMeter(TrainerCallback):
 
     def _after_tree_sampling(self, args, kwargs, continuations, seconds):
         self._batch.sampling_seconds += seconds
+        self._batch.sampling_cpu_seconds += self._last_cpu_seconds
         self._batch.generated_tokens += sum(len(c.ids) for c in continuations)
 
     def _after_grpo_sampling(self, args, kwargs, result, seconds):
         completion_ids, _ = result
         self._batch.sampling_seconds += seconds
+        self._batch.sampling_cpu_seconds += self._last_cpu_seconds
         self._batch.generated_tokens += sum(len(ids) for ids in completion_ids)
 
     def _after_tree_scoring(self, args, kwargs, rewards, seconds):
@@ -582,8 +587,8 @@ def summarize(batches: list[BatchRecord]) -> dict[str, float]:
     summary["generated_fraction"] = summary["generated_tokens"] / max(summary["leaf_action_tokens"], 1)
     summary["forward_tokens_per_unique_token"] = summary["forward_tokens"] / max(summary["unique_tokens"], 1)
     # what sampling costs per token the policy generated (a tree re-enters shared histories at every branch)
-    summary["sampling_seconds_per_1k_generated"] = 1000 * summary["sampling_seconds"] / max(
-        summary["generated_tokens"], 1)
+    for key in ("sampling_seconds", "sampling_cpu_seconds"):
+        summary[f"{key}_per_1k_generated"] = 1000 * summary[key] / max(summary["generated_tokens"], 1)
     summary["batches"] = len(rows)
     return summary
 

@@ -100,7 +100,7 @@ def test_bench_learning_smollm2_path_writes_each_run_at_once_and_skips_it_later(
 
 def test_bench_packing_gpu_cpu_smoke_writes_runs(tmp_path):
     result = run_benchmark("bench_packing_gpu.py", "--cpu-smoke", tmp_path=tmp_path)
-    assert {r["variant"] for r in result["runs"]} == {"tree_sdpa", "paths_sdpa"}
+    assert {r["variant"] for r in result["runs"]} == {"tree_sdpa", "tree_chains", "paths_sdpa"}
     for run in result["runs"]:
         assert {"seconds", "forward_tokens", "unique_tokens", "path_tokens", "max_abs_logp_diff_vs_paths"} <= set(run)
     assert result["speedup_paths_over_tree"]

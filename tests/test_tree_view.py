@@ -152,8 +152,8 @@ def test_at2po_page_marks_the_expansion_round_of_each_new_turn(tmp_path):
 
 
 def test_treeadv_page_shows_token_level_branch_points(tmp_path):
-    from test_treeadv_trainer import TAU, _math_script
-    from test_treeadv_trainer import _trainer as treeadv_trainer
+    from tests.test_treeadv_trainer import TAU, _math_script
+    from tests.test_treeadv_trainer import _trainer as treeadv_trainer
 
     trainer, trees = treeadv_trainer(tmp_path, _math_script(), num_initial_rollouts=2, entropy_threshold=TAU,
                                      max_branches_per_tree=2, min_segment_length=3, max_turns=1,
@@ -167,7 +167,7 @@ def test_treeadv_page_shows_token_level_branch_points(tmp_path):
 
 
 def test_treeflex_page_shows_searches_blocks_and_turn_credit(tmp_path):
-    from test_treeflex_trainer import _trainer as treeflex_trainer
+    from tests.test_treeflex_trainer import _trainer as treeflex_trainer
 
     trainer, groups = treeflex_trainer(tmp_path, log_completions=True)
     trainer.train()

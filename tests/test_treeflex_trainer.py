@@ -427,7 +427,7 @@ class NotesHarness:
 def test_a_user_harness_plugs_in_and_trains(tmp_path):
     model, tok = tiny()
     replies = {"": ["Notes: start.", "Notes: nothing.", "The answer is 2.", "I do not know."]}
-    from scripted import scripted_engine
+    from tests.scripted import scripted_engine
 
     args = config(TreeFlexConfig, tmp_path, num_searches=2, max_blocks=2, max_completion_length=64)
     trainer = TreeFlexTrainer(model=model, reward_funcs=contains_answer, args=args, harness=NotesHarness(),

@@ -13,8 +13,9 @@ chain and whose keys are its ancestors' positions (all visible) followed by the 
 computed are exactly the visible ones (plus the masked upper triangle of each chain's own block), every query is
 computed once, and no [T, T] tensor exists.
 
-Usage: load the model with ``attn_implementation="tree_sdpa"`` (registered with transformers when `trl_tree` is
-imported), or let the tree trainers switch an sdpa policy to it (`TreeConfig.packing`). Every other forward
+Usage: the tree trainers switch an sdpa policy to it (`TreeConfig.packing`); elsewhere, ``import
+trl_tree.tree_attention`` (which registers the name with transformers; `trl_tree.packing` imports it) and load the
+model with ``attn_implementation="tree_sdpa"`` or call ``model.set_attn_implementation("tree_sdpa")``. Every other forward
 (generation, GRPO-style rows, a causal path row) is transformers' own sdpa, unchanged: only a forward that passes the
 chains (`packing.packed_token_logps` on a tree row) takes the chain route.
 """
