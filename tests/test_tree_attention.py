@@ -43,6 +43,12 @@ def test_chain_pairs_are_fewer_than_the_dense_row_and_the_causal_path_rows():
     assert pairs < sum(n * n for n in path_lengths.tolist())
 
 
+def test_an_empty_row_has_no_chains():
+    subtree_end, valid = _packed_rows([branching_tree()])
+    chains = tree_chains(torch.cat([subtree_end, subtree_end]), torch.tensor([0, int(valid[0])]))
+    assert chains.rows[0] == [] and chains.rows[1]
+
+
 def test_a_path_row_is_one_chain_without_a_mask():
     gen = torch.Generator().manual_seed(0)
     ids = lambda n: torch.randint(1, 100, (n,), generator=gen).tolist()  # noqa: E731

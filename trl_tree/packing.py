@@ -409,11 +409,11 @@ def pack_cheapest(
     """Pack `trees` in the layout whose forward costs less for a model with this `config` (`packing="auto"`).
 
     flex_attention and tree_sdpa compute only the visible pairs, so the tree row (unique tokens once) is never
-    dearer: "tree". A kernel that
-    takes no custom mask (flash-attention): "paths". A dense-mask kernel (sdpa, eager) pays every T² pair of a tree
-    row, so a long tree row can cost more than its causal path rows although it forwards fewer tokens
-    (benchmarks/README.md, section 2); both packings are built (cheap next to the forward) and the one with the
-    smaller `forward_cost` is kept. Either layout gives the same log-probs and trains each token once.
+    dearer: "tree". A kernel that takes no custom mask (flash-attention): "paths". A dense-mask kernel (sdpa,
+    eager) pays every T² pair of a tree row, so a long tree row can cost more than its causal path rows although it
+    forwards fewer tokens (benchmarks/README.md, section 2); both packings are built (cheap next to the forward)
+    and the one with the smaller `forward_cost` is kept. Either layout gives the same log-probs and trains each
+    token once.
     """
     attention = getattr(config, "_attn_implementation", None)
     if attention in SPARSE_IMPLEMENTATIONS:

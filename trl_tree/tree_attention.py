@@ -15,9 +15,9 @@ computed once, and no [T, T] tensor exists.
 
 Usage: the tree trainers switch an sdpa policy to it (`TreeConfig.packing`); elsewhere, ``import
 trl_tree.tree_attention`` (which registers the name with transformers; `trl_tree.packing` imports it) and load the
-model with ``attn_implementation="tree_sdpa"`` or call ``model.set_attn_implementation("tree_sdpa")``. Every other forward
-(generation, GRPO-style rows, a causal path row) is transformers' own sdpa, unchanged: only a forward that passes the
-chains (`packing.packed_token_logps` on a tree row) takes the chain route.
+model with ``attn_implementation="tree_sdpa"`` or call ``model.set_attn_implementation("tree_sdpa")``. Every other
+forward (generation, GRPO-style rows, a causal path row) is transformers' own sdpa, unchanged: only a forward that
+passes the chains (`packing.packed_token_logps` on a tree row) takes the chain route.
 """
 
 from __future__ import annotations
@@ -64,9 +64,11 @@ def tree_chains(subtree_end: Tensor, valid: Tensor) -> TreeChains:
     """Split packed rows ([B, T] `subtree_end`, [B] valid lengths) into chains (see the module docstring)."""
     rows, masks = [], {}
     for ends, length in zip(subtree_end, valid.tolist(), strict=True):
-        ends = ends[:length]
+        ends, chains = ends[:length], []
+        if length == 0:
+            rows.append(chains)
+            continue
         starts = torch.cat([ends.new_zeros(1), (ends[1:] != ends[:-1]).nonzero().flatten() + 1]).tolist()
-        chains = []
         for start, stop in zip(starts, starts[1:] + [length], strict=True):
             ancestors = (ends[:start] > start).nonzero().flatten()
             own = torch.arange(start, stop, device=ends.device)

@@ -111,9 +111,9 @@ class TreeConfig(GRPOConfig):
             `"auto"` picks one of the two per micro-batch from the cost of the forward (`packing.pack_cheapest`):
             "tree" with flex_attention or tree_sdpa, "paths" with kernels that take no mask, and with a dense-mask
             kernel (eager) whichever costs fewer multiply-adds, since a dense mask pays all T² pairs of a long tree
-            row. Same log-probs either way. With "tree" or "auto" the trainer
-            switches an sdpa policy to `"tree_sdpa"` (`trl_tree.tree_attention`): tree rows are attended chain by
-            chain, computing only the visible pairs; every other forward is sdpa's own.
+            row. Same log-probs either way. With "tree" or "auto" the trainer switches an sdpa policy to
+            `"tree_sdpa"` (`trl_tree.tree_attention`): tree rows are attended chain by chain, computing only the
+            visible pairs; every other forward is sdpa's own.
         tool_timeout (`float`, defaults to `30.0`): seconds a tool call may run before it becomes an error observation.
             Enforced for async tools, and for synchronous tools only with `tool_execution="thread"` (see there).
         tool_execution (`str`, defaults to `"main"`): where synchronous tools run. `"main"`: in the trainer's thread,
