@@ -130,6 +130,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="smoke run: 1 seed, 1 generation batch of 2 prompts, 2 test questions, no warm start")
     p.add_argument("--plot", default=None, help="write the EM-vs-rollout-tokens plot here (PNG)")
     p.add_argument("--output", default=None, help="write the results as JSON here")
+    p.add_argument("--report_only", action="store_true",
+                   help="train nothing: rewrite the table, plot and summary of --output from the run files present "
+                        "for --methods and --seeds (an unfinished table, e.g. mid-way through the sittings)")
     model_name = p.parse_known_args(argv)[0].model
     p.set_defaults(**MODEL_DEFAULTS[model_name])
     args = p.parse_args(argv)
@@ -268,7 +271,7 @@ def run_file(output: str, method: str, seed: int) -> Path:
 
 # Arguments that do not change a run's numbers: which runs to make, where to write, threads, and gradient
 # checkpointing (recomputed activations are the same activations)
-NOT_RESULT_ARGUMENTS = {"methods", "seeds", "output", "plot", "threads", "gradient_checkpointing"}
+NOT_RESULT_ARGUMENTS = {"methods", "seeds", "output", "plot", "threads", "gradient_checkpointing", "report_only"}
 
 
 def checked_run(path: Path, args) -> dict:
@@ -373,6 +376,8 @@ def main(argv=None):
         base = smollm2_path()
     if args.warm_start_sweep:
         return warm_start_sweep(args, task, base)
+    if args.report_only:
+        return report_present_runs(args)
     model_path = warm_started_model(task, base, args.warm_start_steps, lr=args.warm_start_lr,
                                     batch_size=args.warm_start_batch_size, lora_rank=args.lora_rank)
     runs: dict[str, list[dict]] = {m: [] for m in args.methods}
@@ -391,6 +396,24 @@ def main(argv=None):
     report(runs, args, model_path)
 
 
+def report_present_runs(args) -> None:
+    """`--report_only`: the report of the finished runs of --methods x --seeds, saying which are still missing."""
+    if not args.output:
+        raise SystemExit("--report_only reads the run files of --output; pass --output.")
+    runs: dict[str, list[dict]] = {m: [] for m in args.methods}
+    for seed in args.seeds:
+        for method in args.methods:
+            path = run_file(args.output, method, seed)
+            if path.is_file():
+                runs[method].append(checked_run(path, args))
+            else:
+                print(f"[{method} seed {seed}] missing: {path}", flush=True)
+    runs = {m: r for m, r in runs.items() if r}
+    if not runs:
+        raise SystemExit(f"No finished runs for {args.methods} x seeds {args.seeds} next to {args.output}.")
+    report(runs, args, next(iter(runs.values()))[0]["config"]["model_path"])
+
+
 def report(runs: dict[str, list[dict]], args, model_path: str) -> None:
     """The table (stdout, and `.md` next to `--output`), the plot and the summary JSON of the runs."""
     summary = summarize(runs)
@@ -402,7 +425,8 @@ def report(runs: dict[str, list[dict]], args, model_path: str) -> None:
         columns = {"held-out reward before": "initial_reward", "held-out reward after": "final_reward",
                    "best held-out reward": "best_reward"}
         task_title = "calculator tool, reward = exact final answer"
-    rows = [{"method": m, **{label: _pm(s, key) for label, key in columns.items()},
+    rows = [{"method": m, "seeds": ",".join(str(r["seed"]) for r in runs[m]),
+             **{label: _pm(s, key) for label, key in columns.items()},
              "train reward": _pm(s, "train_reward"), "train reward, first third": _pm(s, "train_reward_first"),
              "train reward, last third": _pm(s, "train_reward_last"), "rollout tokens": _pm(s, "rollout_tokens", digits=0)}
             for m, s in summary.items()]

@@ -97,6 +97,15 @@ def test_bench_learning_smollm2_path_writes_each_run_at_once_and_skips_it_later(
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert other.returncode != 0 and "learning_rate: 0.0002 there, 0.001 now" in other.stderr
 
+    # --report_only trains nothing: the table of the runs present, the missing ones named
+    (runs / "treeopsd-seed0.json").unlink()
+    report = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_learning.py"), *args, "--report_only",
+                             "--output", str(tmp_path / "bench_learning.json")],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert "[treeopsd seed 0] missing" in report.stdout and not (runs / "treeopsd-seed0.json").exists()
+    assert set(json.loads((tmp_path / "bench_learning.json").read_text())["runs"]) == {"grpo"}
+
 
 def test_bench_packing_gpu_cpu_smoke_writes_runs(tmp_path):
     result = run_benchmark("bench_packing_gpu.py", "--cpu-smoke", tmp_path=tmp_path)
