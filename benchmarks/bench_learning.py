@@ -40,6 +40,7 @@ import json
 import random
 import statistics
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -351,11 +352,12 @@ def plot(runs: dict[str, list[dict]], path: str, title: str, metric: str = "exac
         tokens = [statistics.fmean(r["curve"][i]["rollout_tokens"] for r in seeds) for i in range(points)]
         stats = [mean_std([r["curve"][i][metric] for r in seeds]) for i in range(points)]
         mean = [m for m, _ in stats]
-        axes.plot(tokens, mean, marker="o", label=method)
+        label = f"{method} ({len(seeds)} seed{'s' if len(seeds) > 1 else ''})"
+        axes.plot(tokens, mean, marker="o", label=label)
         axes.fill_between(tokens, [m - s for m, s in stats], [m + s for m, s in stats], alpha=0.2)
     axes.set_xlabel("rollout tokens sampled")
     axes.set_ylabel({"exact_match": "held-out exact match (greedy)"}.get(metric, f"held-out {metric} (greedy)"))
-    axes.set_title(title, fontsize=9)
+    axes.set_title(textwrap.fill(title, 75), fontsize=9)
     axes.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
