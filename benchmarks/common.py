@@ -446,7 +446,6 @@ class BatchMeter(TrainerCallback):
         self.batches: list[BatchRecord] = []
         self._batch: BatchRecord | None = None
         self._start = (0.0, 0.0)
-        self._last_cpu_seconds = 0.0  # CPU seconds of the wrapped call that just returned
         # the generation phase: tree trainers grow, score and pack a whole generation batch in one call (split into
         # micro-batches before π_old is recomputed); GRPOTrainer in `_generate_and_score_completions`
         generation = next(name for name in ("_generate_micro_batches", "_generate_and_score_completions")
@@ -462,15 +461,15 @@ class BatchMeter(TrainerCallback):
         trainer.add_callback(self)
 
     def _wrap(self, owner, name: str, after: Callable):
-        """Replace `owner.name` by a timed call that hands (args, kwargs, result, seconds) to `after`."""
+        """Replace `owner.name` by a timed call that hands (args, kwargs, result, wall seconds, CPU seconds of this
+        process) to `after`."""
         original = getattr(owner, name)
 
         def timed(*args, **kwargs):
             start, cpu = time.perf_counter(), time.process_time()
             result = original(*args, **kwargs)
             if self._batch is not None:
-                self._last_cpu_seconds = time.process_time() - cpu
-                after(args, kwargs, result, time.perf_counter() - start)
+                after(args, kwargs, result, time.perf_counter() - start, time.process_time() - cpu)
             return result
 
         setattr(owner, name, timed)
@@ -501,23 +500,23 @@ class BatchMeter(TrainerCallback):
 
     # -- what each wrapped call tells -----------------------------------------------------------------------------------
 
-    def _after_tree_sampling(self, args, kwargs, continuations, seconds):
+    def _after_tree_sampling(self, args, kwargs, continuations, seconds, cpu_seconds):
         self._batch.sampling_seconds += seconds
-        self._batch.sampling_cpu_seconds += self._last_cpu_seconds
+        self._batch.sampling_cpu_seconds += cpu_seconds
         self._batch.generated_tokens += sum(len(c.ids) for c in continuations)
 
-    def _after_grpo_sampling(self, args, kwargs, result, seconds):
+    def _after_grpo_sampling(self, args, kwargs, result, seconds, cpu_seconds):
         completion_ids, _ = result
         self._batch.sampling_seconds += seconds
-        self._batch.sampling_cpu_seconds += self._last_cpu_seconds
+        self._batch.sampling_cpu_seconds += cpu_seconds
         self._batch.generated_tokens += sum(len(ids) for ids in completion_ids)
 
-    def _after_tree_scoring(self, args, kwargs, rewards, seconds):
+    def _after_tree_scoring(self, args, kwargs, rewards, seconds, cpu_seconds):
         branches_per_tree = args[2] if len(args) > 2 else kwargs["branches_per_tree"]
         self._batch.leaf_action_tokens += sum(
             len(turn.action_ids) for branches in branches_per_tree for branch in branches for turn in branch.turns)
 
-    def _after_generation(self, args, kwargs, batches, seconds):
+    def _after_generation(self, args, kwargs, batches, seconds, cpu_seconds):
         record = self._batch
         record.generation_seconds += seconds
         if self.is_tree:
@@ -542,7 +541,7 @@ class BatchMeter(TrainerCallback):
             record.unique_tokens += sum(distinct_prefixes(sequences[i : i + group])
                                         for i in range(0, len(sequences), group))
 
-    def _after_loss(self, args, kwargs, loss, seconds):
+    def _after_loss(self, args, kwargs, loss, seconds, cpu_seconds):
         inputs = args[1] if len(args) > 1 else kwargs["inputs"]
         record = self._batch
         if self.is_tree:

@@ -110,3 +110,5 @@ def test_tree_trainers_attend_an_sdpa_policy_by_chains_when_they_pack_trees(tmp_
     TreeOPSDTrainer(model=model, reward_funcs=contains_answer, args=args, train_dataset=arithmetic_dataset(4),
                     processing_class=tok, tools=[calculator])  # fmt: skip
     assert model.config._attn_implementation == expected
+    model.save_pretrained(tmp_path / "saved")  # the switch is the trainer's, not the checkpoint's
+    assert TREE_SDPA not in (tmp_path / "saved" / "config.json").read_text()

@@ -348,8 +348,6 @@ def attention_mask_for(attn_implementation: str | None, subtree_end: Tensor, val
         return additive_attention_mask(subtree_end, valid, dtype)
     if attn_implementation == "flex_attention":
         return block_mask(subtree_end, valid)
-    if attn_implementation == TREE_SDPA:
-        return chain_attention_mask(len(valid), subtree_end.device)
     raise ValueError(
         f"Attention implementation {attn_implementation!r} cannot take the tree (ancestor) attention mask. Load the "
         f"model with attn_implementation in {MASKED_IMPLEMENTATIONS} (flex_attention is the fast GPU path, tree_sdpa "
@@ -359,12 +357,13 @@ def attention_mask_for(attn_implementation: str | None, subtree_end: Tensor, val
 
 
 def attention_inputs(attn_implementation: str | None, subtree_end: Tensor, valid: Tensor, dtype: torch.dtype) -> dict:
-    """The forward kwargs that make rows of ancestor-masked trees attend correctly: the mask, and for tree_sdpa the
-    rows' chains (`trl_tree.tree_attention`), which transformers hands down to every attention call."""
-    inputs = {"attention_mask": attention_mask_for(attn_implementation, subtree_end, valid, dtype)}
+    """The forward kwargs that make rows of ancestor-masked trees attend correctly: for tree_sdpa the rows' chains
+    (`trl_tree.tree_attention`, which transformers hands down to every attention call) with its placeholder mask,
+    otherwise the mask the kernel understands (`attention_mask_for`)."""
     if attn_implementation == TREE_SDPA:
-        inputs["tree_chains"] = tree_chains(subtree_end, valid)
-    return inputs
+        return {"attention_mask": chain_attention_mask(len(valid), subtree_end.device),
+                "tree_chains": tree_chains(subtree_end, valid)}
+    return {"attention_mask": attention_mask_for(attn_implementation, subtree_end, valid, dtype)}
 
 
 # ----------------------------------------------------------------------------------------------------------------
