@@ -15,8 +15,10 @@ synthetic (M, N) trees of growing turn length, for:
     paths_sdpa    packing="paths", sdpa causal (no mask: flash / memory-efficient kernels)
 
 and reports seconds, tokens forwarded, leaf tokens trained per second (the trees' root-to-leaf tokens, the same
-work for every variant, over the seconds) and peak memory per variant, the paths/tree speed-up, and the largest
-log-prob difference from paths_sdpa (the two layouts compute the same log-probs; bf16 rounding differs).
+work for every variant, over the seconds), peak memory per variant (MiB above the weights: activations, gradients,
+kernel buffers; on CPU the peak resident memory of a forked child above its size at the fork), the paths/tree
+speed-up, and the largest log-prob difference from paths_sdpa (the two layouts compute the same log-probs; bf16
+rounding differs).
 
 The model is randomly initialised from a config (default: Qwen3-0.6B's shape; nothing is downloaded), so only its
 shape matters. On a machine without a GPU the script exits with a message; `--cpu` runs the sdpa variants on CPU in
@@ -35,10 +37,14 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import os
+import pickle
 import random
+import resource
 import sys
 import time
 
+import psutil
 import torch
 from common import environment, markdown_table, write_json
 
@@ -150,8 +156,20 @@ def measure(model, packed, attn_implementation: str, args) -> tuple[dict, torch.
     """Seconds of one forward + backward (mean over repeats; CPU seconds on CPU), peak memory, and the log-probs of
     the last pass.
 
-    On CPU flex_attention runs the forward only: it checks that the BlockMask path runs and agrees.
+    On CPU each variant runs in a forked child (`_in_forked_child`), so that its peak memory is its own: the kernel
+    keeps a per-process peak RSS that cannot be reset, and memory an earlier variant freed to the allocator would
+    hide the next one's. flex_attention runs the forward only on CPU: it checks that the BlockMask path runs and
+    agrees.
     """
+    if args.cpu:
+        (stats, logps), peak_bytes = _in_forked_child(lambda: _passes(model, packed, attn_implementation, args))
+        return {**stats, "peak_memory_mib": peak_bytes / 2**20}, logps
+    torch.cuda.reset_peak_memory_stats()
+    stats, logps = _passes(model, packed, attn_implementation, args)
+    return {**stats, "peak_memory_mib": (torch.cuda.max_memory_allocated() - model_bytes(model)) / 2**20}, logps
+
+
+def _passes(model, packed, attn_implementation: str, args) -> tuple[dict, torch.Tensor]:
     model.set_attn_implementation(attn_implementation)
     cuda = not args.cpu
     backward = cuda or attn_implementation != "flex_attention"  # flex_attention has no backward on CPU
@@ -162,7 +180,6 @@ def measure(model, packed, attn_implementation: str, args) -> tuple[dict, torch.
         model.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
         start = clock()
         with torch.set_grad_enabled(backward):
             logps, _ = packed_token_logps(model, packed)
@@ -172,10 +189,37 @@ def measure(model, packed, attn_implementation: str, args) -> tuple[dict, torch.
             torch.cuda.synchronize()
         if i >= args.warmup:
             seconds.append(clock() - start)
-    stats = {"seconds": sum(seconds) / len(seconds)}
-    if cuda:
-        stats["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    return stats, logps.detach().float()
+    return {"seconds": sum(seconds) / len(seconds)}, logps.detach().float()
+
+
+def model_bytes(model) -> int:
+    """The weights' bytes: what every variant holds before its first pass (GPU peaks are reported above it)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _in_forked_child(work):
+    """`work()` in a forked child: its result, and the child's peak resident memory above its memory at the fork
+    (bytes; `ru_maxrss` of a fresh process starts at its own size, unlike a long-lived one's lifetime maximum).
+    Errors in the child are raised here."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        try:
+            start = psutil.Process().memory_info().rss
+            result = work()
+            payload = (result, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - start)
+        except BaseException as error:  # noqa: BLE001 - handed to the parent, which raises it
+            payload = error
+        with os.fdopen(write, "wb") as pipe:
+            pickle.dump(payload, pipe)
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        payload = pickle.load(pipe)
+    os.waitpid(pid, 0)
+    if isinstance(payload, BaseException):
+        raise payload
+    return payload
 
 
 def main(argv=None):
@@ -238,7 +282,7 @@ def main(argv=None):
                 speedups[f"{observation_tokens}/{variant}"] = (
                     by_variant["paths_sdpa"]["seconds"] / by_variant[variant]["seconds"])
     columns = ["observation_tokens", "variant", "unique_tokens", "path_tokens", "forward_tokens", "seconds",
-               "leaf_tokens_per_second", "peak_memory_gib", "max_abs_logp_diff_vs_paths"]
+               "leaf_tokens_per_second", "peak_memory_mib", "max_abs_logp_diff_vs_paths"]
     print(f"\nOne forward + backward per variant ({device}, {model.config.num_hidden_layers} layers, hidden "
           f"{model.config.hidden_size}; M = {args.num_initial_rollouts}, N = {args.num_branches}, {args.turns} turns "
           f"of {args.action_tokens} action tokens + the observation, prompt {args.prompt_tokens})\n")

@@ -53,6 +53,7 @@ class TreeChains:
 
     rows: list[list[Chain]]
     length: int
+    key_index: list[Tensor]  # per row, its chains' `keys` concatenated: one gather serves the whole row
 
     @property
     def num_pairs(self) -> int:
@@ -78,7 +79,8 @@ def tree_chains(subtree_end: Tensor, valid: Tensor) -> TreeChains:
                 masks[key] = torch.cat([causal.new_ones(key[0], key[1]), causal], dim=1)
             chains.append(Chain(start, stop, torch.cat([ancestors, own]), masks.get(key) if key[1] else None))
         rows.append(chains)
-    return TreeChains(rows, subtree_end.shape[-1])
+    key_index = [torch.cat([c.keys for c in chains]) if chains else subtree_end.new_zeros(0) for chains in rows]
+    return TreeChains(rows, subtree_end.shape[-1], key_index)
 
 
 def chain_attention_mask(batch: int, device: torch.device | str) -> Tensor:
@@ -118,24 +120,34 @@ def tree_sdpa_attention(
                 "'sdpa' with packing='paths'."
             )
     groups = getattr(module, "num_key_value_groups", 1)
-    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     dropout = dropout if module.training else 0.0
-    heads, dim = query.shape[1], value.shape[-1]
+    heads, length, dim = query.shape[1], tree_chains.length, value.shape[-1]
+    # One gather and one split per row rather than an index per chain: the backward of an indexing op allocates a
+    # gradient of its whole input's size, so per-chain indexing allocated (and summed) a row-sized buffer per chain.
     rows = []
-    for b, chains in enumerate(tree_chains.rows):
-        pieces = []
-        for chain in chains:
-            k, v = key[b, :, chain.keys], value[b, :, chain.keys]
-            q = query[b, :, chain.start : chain.stop]
-            pieces.append(
-                torch.nn.functional.scaled_dot_product_attention(
-                    q, k, v, attn_mask=chain.mask, dropout_p=dropout, is_causal=chain.mask is None, scale=scaling
-                )
+    for chains, queries, keys, values, index in zip(
+        tree_chains.rows, query.unbind(0), key.unbind(0), value.unbind(0), tree_chains.key_index, strict=True
+    ):
+        stop = chains[-1].stop if chains else 0
+        *query_pieces, _padding = queries.split([c.stop - c.start for c in chains] + [length - stop], dim=1)
+        sizes = [len(c.keys) for c in chains]
+        # gathered on the KV heads, then repeated for their query heads: the keys of a row are gathered once
+        key_pieces = _repeat_heads(keys.index_select(1, index), groups).split(sizes, dim=1)
+        value_pieces = _repeat_heads(values.index_select(1, index), groups).split(sizes, dim=1)
+        pieces = [
+            torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=c.mask, dropout_p=dropout, is_causal=c.mask is None, scale=scaling
             )
-        padding = tree_chains.length - (chains[-1].stop if chains else 0)
-        pieces.append(query.new_zeros(heads, padding, dim))
+            for c, q, k, v in zip(chains, query_pieces, key_pieces, value_pieces, strict=True)
+        ]
+        pieces.append(query.new_zeros(heads, length - stop, dim))  # padding positions score nothing
         rows.append(torch.cat(pieces, dim=1))
     return torch.stack(rows).transpose(1, 2).contiguous(), None
+
+
+def _repeat_heads(states: Tensor, groups: int) -> Tensor:
+    """[H_kv, K, D] → [H_kv * groups, K, D], each KV head repeated for its query heads (transformers' repeat_kv)."""
+    return repeat_kv(states.unsqueeze(0), groups).squeeze(0)
 
 
 def register() -> None:
