@@ -12,6 +12,8 @@ from trl_tree.rollout.engine import ScriptedEngine
 from trl_tree.testing import tiny_model_and_tokenizer
 
 CALL_1_PLUS_1 = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+1"}}\n</tool_call>'
+# what a history ends with when the model speaks again after a tool result (the key of a reply script)
+AFTER_TOOL = "</tool_response><|im_end|>\n<|im_start|>assistant\n"
 
 
 def tool_call(name: str, **arguments) -> str:

@@ -12,7 +12,15 @@ from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import nanstd
 
-from tests.scripted import CALL_1_PLUS_1, arithmetic_dataset, config, contains_answer, scripted_engine, tiny
+from tests.scripted import (
+    AFTER_TOOL,
+    CALL_1_PLUS_1,
+    arithmetic_dataset,
+    config,
+    contains_answer,
+    scripted_engine,
+    tiny,
+)
 from trl_tree import (
     AT2POConfig,
     TreeAdvConfig,
@@ -206,7 +214,7 @@ def test_max_tool_calling_iterations_caps_tool_rounds_per_trajectory_as_trls_loo
     trainer = TreeOPSDTrainer(model=model, reward_funcs=contains_answer, args=args,
                               train_dataset=arithmetic_dataset(1), processing_class=tok, tools=[calculator])
     always_call = {"<|im_start|>assistant\n": [CALL_1_PLUS_1] * 20,
-                   "</tool_response><|im_end|>\n<|im_start|>assistant\n": [CALL_1_PLUS_1] * 20}
+                   AFTER_TOOL: [CALL_1_PLUS_1] * 20}
     trainer.generation_engine = scripted_engine(tok, always_call)
     _, roots = trainer._prepare_roots([trainer.train_dataset[0]])
     leaves = [b for branches in trainer.sampler.sample(roots) for b in branches]

@@ -13,7 +13,15 @@ from datasets import Dataset
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
-from tests.scripted import CALL_1_PLUS_1, arithmetic_dataset, config, contains_answer, scripted_engine, tiny
+from tests.scripted import (
+    AFTER_TOOL,
+    CALL_1_PLUS_1,
+    arithmetic_dataset,
+    config,
+    contains_answer,
+    scripted_engine,
+    tiny,
+)
 from tests.test_trainer_scripted import REPLIES
 from tests.test_treeflex_trainer import TwoRoleScript
 from tests.trees import deep_tree, flatten, hotpot_like_tree, perturbed
@@ -249,7 +257,7 @@ def test_a_plain_text_prompt_with_tools_hands_rewards_the_completion_without_the
 
     dataset = Dataset.from_dict({"prompt": ["What is 1+1?"]})
     replies = {"": [CALL_1_PLUS_1, "I do not know.", CALL_1_PLUS_1],
-               "</tool_response><|im_end|>\n<|im_start|>assistant\n": ["The answer is 2."] * 3}
+               AFTER_TOOL: ["The answer is 2."] * 3}
     trainer = _tree_trainer(tmp_path, reward_funcs=[reward], dataset=dataset, replies=replies)
     trainer.generate_batch([dataset[0]])
     assert len(seen) == 4 and all(isinstance(c, str) for _, c in seen)

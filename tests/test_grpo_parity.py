@@ -38,7 +38,7 @@ from transformers import (
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from trl import GRPOConfig, GRPOTrainer
 
-from tests.scripted import tool_call
+from tests.scripted import AFTER_TOOL, tool_call
 from trl_tree import TreeOPSDConfig, TreeOPSDTrainer
 from trl_tree.testing import tiny_model_path
 
@@ -185,7 +185,6 @@ def tool_call_turn(name: str, **arguments) -> str:
     return tool_call(name, **arguments) + "<|im_end|>"
 
 
-AFTER_TOOL = "</tool_response><|im_end|>\n<|im_start|>assistant\n"
 
 
 class ScriptedGenerate:

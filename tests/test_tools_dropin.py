@@ -16,14 +16,22 @@ import pytest
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import shutdown_event_loop_in_daemon, start_event_loop_in_daemon
 
-from tests.scripted import CALL_1_PLUS_1, PrefixScript, arithmetic_dataset, config, scripted_engine, tiny, tool_call
+from tests.scripted import (
+    AFTER_TOOL,
+    CALL_1_PLUS_1,
+    PrefixScript,
+    arithmetic_dataset,
+    config,
+    scripted_engine,
+    tiny,
+    tool_call,
+)
 from trl_tree import TreeOPSDConfig, TreeOPSDTrainer
 from trl_tree.rollout.engine import ScriptedEngine
 from trl_tree.rollout.env import TRUNCATION_MARKER, run_tool_call
 from trl_tree.rollout.samplers import Branch, SamplerSettings, TurnLoop
 from trl_tree.testing import calculator
 
-AFTER_TOOL = "</tool_response><|im_end|>\n<|im_start|>assistant\n"
 FIRST_TURN = "<|im_start|>assistant\n"
 
 
@@ -370,9 +378,9 @@ def test_tool_metrics_count_every_leaf_history_as_grpo_counts_completions(tmp_pa
     # failed call and answers 3; τ2's branch (from the prompt) calls 1+1 and answers. Its four leaves, as four GRPO
     # completions: calls 1, 0, 1, 1 and failures 1, 0, 1, 0.
     divide_by_zero = tool_call("calculator", expression="1/0")
-    tree_replies = {
+    tree_replies = {  # τ2's branch starts when τ2 ends, so it answers before τ1's branch
         FIRST_TURN: [divide_by_zero, "I do not know.", CALL_1_PLUS_1],
-        AFTER_TOOL: ["The answer is 2.", "The answer is 3.", "The answer is 2."],
+        AFTER_TOOL: ["The answer is 2.", "The answer is 2.", "The answer is 3."],
     }
     grpo_replies = {
         FIRST_TURN: [divide_by_zero, "I do not know.", divide_by_zero, CALL_1_PLUS_1],

@@ -5,17 +5,26 @@ import math
 import pytest
 import torch
 
-from tests.scripted import CALL_1_PLUS_1, arithmetic_dataset, config, contains_answer, scripted_engine, tiny
+from tests.scripted import (
+    AFTER_TOOL,
+    CALL_1_PLUS_1,
+    arithmetic_dataset,
+    config,
+    contains_answer,
+    scripted_engine,
+    tiny,
+)
 from trl_tree import TreeOPSDConfig, TreeOPSDTrainer, TreePOConfig, TreePOTrainer
 from trl_tree.batch import TurnCredit
 from trl_tree.testing import calculator
 
 # Initial trajectories (M = 2): τ1 calls the calculator then answers 2 (R=1); τ2 gives up (R=0, T=1).
 # Branches (N = 1): τ1 → anchor 1, answers 3 (R=0); τ2 → anchor 0 (T=1): calls, then answers 2 (R=1, same
-# history as τ1: a merged leaf of multiplicity 2).
+# history as τ1: a merged leaf of multiplicity 2). τ2's continuation starts as soon as τ2 ends, so the engine sees
+# τ1's answer, then (one call later) τ2's continuation's answer before τ1's continuation's: the replies' order.
 REPLIES = {
     "<|im_start|>assistant\n": [CALL_1_PLUS_1, "I do not know.", CALL_1_PLUS_1],
-    "</tool_response><|im_end|>\n<|im_start|>assistant\n": ["The answer is 2.", "The answer is 3.", "The answer is 2."],
+    AFTER_TOOL: ["The answer is 2.", "The answer is 2.", "The answer is 3."],
 }
 
 
@@ -103,6 +112,22 @@ def test_scripted_tree_rewards_credit_teacher_and_loss(tmp_path):
 
 def _params(model):
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_a_trajectory_is_expanded_as_soon_as_it_ends_alongside_those_still_running(tmp_path):
+    """τ2 ends after one turn, τ1 after two: τ2's continuation is sampled in the same engine call as τ1's second
+    turn, so the tree takes 3 calls of 2 rows, where expanding after all M trajectories took 4 (2, 1, 2, 1 rows)."""
+    trainer = _trainer(TreeOPSDTrainer, TreeOPSDConfig, tmp_path)
+    rows = []
+    generate = trainer.generation_engine.generate
+    trainer.generation_engine.generate = lambda prefixes, budgets: rows.append(len(prefixes)) or generate(
+        prefixes, budgets)
+    captured = {}
+    original = trainer.turn_credit
+    trainer.turn_credit = lambda tree: captured.setdefault("tree", tree) and original(tree)
+    trainer.generate_batch([trainer.train_dataset[0]])
+    assert rows == [2, 2, 2]
+    assert captured["tree"].rewards == [1.0, 0.0, 0.0, 1.0]  # the tree of the hand-computed test above
 
 
 @pytest.mark.parametrize("blocks", [2])
@@ -204,7 +229,7 @@ def boom(x: str) -> str:
 def test_failing_and_malformed_tool_calls_become_observations_and_are_counted(tmp_path):
     replies = {
         "<|im_start|>assistant\n": ['<tool_call>\n{"name": "boom", "arguments": {"x": "1"}}\n</tool_call>'] * 2,
-        "</tool_response><|im_end|>\n<|im_start|>assistant\n": ["<tool_call>{oops</tool_call>"] * 2
+        AFTER_TOOL: ["<tool_call>{oops</tool_call>"] * 2
         + ["The answer is 2."] * 2,
     }
     model, tok = tiny()
@@ -224,7 +249,7 @@ def test_malformed_tool_call_ends_the_trajectory_with_end_policy(tmp_path):
     """`malformed_tool_calls="end"` is TRL's loop: the unparseable call is the final turn, still scored and counted."""
     replies = {
         "<|im_start|>assistant\n": ["<tool_call>{oops</tool_call>"] * 2,
-        "</tool_response><|im_end|>\n<|im_start|>assistant\n": ["The answer is 2."] * 2,
+        AFTER_TOOL: ["The answer is 2."] * 2,
     }
     model, tok = tiny()
     args = config(TreeOPSDConfig, tmp_path, num_initial_rollouts=2, num_branches=0, max_turns=4,
@@ -296,7 +321,7 @@ def test_a_budget_cut_trajectory_is_scored_and_its_truncated_turn_can_be_masked(
     long_answer = "The answer is 2. " + "blah " * 200
     replies = {
         "<|im_start|>assistant\n": [CALL_1_PLUS_1, "I do not know.", CALL_1_PLUS_1],
-        "</tool_response><|im_end|>\n<|im_start|>assistant\n": [long_answer, "The answer is 3.", long_answer],
+        AFTER_TOOL: [long_answer, "The answer is 3.", long_answer],
     }
     trainer = _trainer(TreeOPSDTrainer, TreeOPSDConfig, tmp_path, replies=replies, max_completion_length=80,
                        mask_truncated_completions=True)
@@ -332,7 +357,7 @@ def test_max_turn_tokens_caps_each_sampled_turn_and_the_cut_turn_ends_the_trajec
     long_answer = "The answer is 2. " + "blah " * 200
     replies = {
         "<|im_start|>assistant\n": [CALL_1_PLUS_1] * 4,
-        "</tool_response><|im_end|>\n<|im_start|>assistant\n": [long_answer, "The answer is 3."] * 2,
+        AFTER_TOOL: [long_answer, "The answer is 3."] * 2,
     }
     trainer = _trainer(TreeOPSDTrainer, TreeOPSDConfig, tmp_path, replies=replies, max_completion_length=1000,
                        max_turn_tokens=24, mask_truncated_completions=True)

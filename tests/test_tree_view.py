@@ -12,7 +12,7 @@ from html.parser import HTMLParser
 import pytest
 import torch
 
-from tests.scripted import arithmetic_dataset, config, contains_answer, scripted_engine, tiny
+from tests.scripted import AFTER_TOOL, arithmetic_dataset, config, contains_answer, scripted_engine, tiny
 from tests.test_trainer_scripted import REPLIES
 from trl_tree import AT2POConfig, AT2POTrainer, RolloutTree, TreeOPSDConfig, TreeOPSDTrainer, Turn, cli, losses
 from trl_tree import credit as credit_lib
@@ -138,8 +138,10 @@ def test_treeopsd_page_shows_each_unique_turn_once_with_its_credit_rewards_and_p
 
 
 def test_at2po_page_marks_the_expansion_round_of_each_new_turn(tmp_path):
-    trainer, trees = _tree_trainer(AT2POTrainer, AT2POConfig, tmp_path, num_initial_rollouts=2, expansion_rounds=1,
-                                   branches_per_round=1)
+    # AT2PO expands after all M trajectories end, so the re-sampled turn answers last: "3", a new history
+    replies = {**REPLIES, AFTER_TOOL: ["The answer is 2.", "The answer is 3.", "The answer is 2."]}
+    trainer, trees = _tree_trainer(AT2POTrainer, AT2POConfig, tmp_path, replies=replies, num_initial_rollouts=2,
+                                   expansion_rounds=1, branches_per_round=1)
     trainer.train()
     _, data, page = _only_page(tmp_path)
     _assert_turns_once_with_credit(page, data, _credit_per_unit(trainer))

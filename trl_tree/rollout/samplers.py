@@ -210,10 +210,20 @@ class TurnLoop:
         s = self.settings
         return run_tool_call(call, tools, s.tool_timeout, s.max_observation_chars, s.tool_execution, self.event_loop)
 
-    def run(self, branches: list[Branch]) -> None:
-        """Grow every branch to a terminal turn (in place)."""
+    def run(self, branches: list[Branch], on_finish: Callable[[Branch], list[Branch]] | None = None) -> None:
+        """Grow every branch to a terminal turn (in place).
+
+        `on_finish(branch)` may return new branches as soon as `branch` is done: they are appended to `branches` and
+        join the next engine call alongside the branches still running, instead of waiting for a call of their own.
+        """
+        reported = {id(b) for b in branches if b.done}
         while self.any_active(any(not b.done for b in branches)):
             self.step([b for b in branches if not b.done])
+            if on_finish is None:
+                continue
+            for branch in [b for b in branches if b.done and id(b) not in reported]:
+                reported.add(id(branch))
+                branches.extend(on_finish(branch))
 
     def step(self, active: list[Branch]) -> None:
         budgets = [self._turn_budget(b) for b in active]
@@ -363,22 +373,31 @@ class InitExpandSampler:
         self.rng = random.Random(seed)
 
     def sample(self, roots: list[TreeRoot]) -> list[list[Branch]]:
-        """Returns, per tree, its K finished branches: the M initial ones first, then their continuations."""
+        """Returns, per tree, its K finished branches: the M initial ones first, then their continuations.
+
+        A trajectory's anchors depend on its own length only, so its continuations start as soon as it finishes,
+        sampled in the same engine calls as the trajectories still running: the tree is distributed exactly as if
+        the expansion waited for all M, with fewer, fuller generate calls.
+        """
         initial = [
             _start(i, root, first=m == 0, snapshots=self.num_branches > 0)
             for i, root in enumerate(roots)
             for m in range(self.num_initial)
         ]
-        self.loop.run(initial)
-        expansions = [
-            branch.restart_at(t)
-            for branch in initial
-            for t in uniform_anchors(len(branch.turns), self.num_branches, self.rng)
-        ]
-        for branch in expansions:
-            branch.take_snapshots = False  # continuations are leaves: nothing restarts from them
-            branch.round = 1
-        self.loop.run(expansions)
+        continuations: dict[int, list[Branch]] = {}
+
+        def expand(branch: Branch) -> list[Branch]:
+            if branch.round:  # continuations are leaves: nothing restarts from them
+                return []
+            new = [branch.restart_at(t) for t in uniform_anchors(len(branch.turns), self.num_branches, self.rng)]
+            for continuation in new:
+                continuation.take_snapshots = False
+                continuation.round = 1
+            continuations[id(branch)] = new
+            return new
+
+        self.loop.run(list(initial), on_finish=expand if self.num_branches else None)
+        expansions = [c for branch in initial for c in continuations.get(id(branch), [])]
         per_tree: list[list[Branch]] = [[] for _ in roots]
         for branch in initial + expansions:
             per_tree[branch.tree].append(branch)
