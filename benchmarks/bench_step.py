@@ -212,14 +212,16 @@ def main(argv=None):
                "generated_tokens", "leaves", "generated_tokens_per_leaf", "generated_fraction", "unique_tokens",
                "flat_tokens",
                "forward_tokens", "padded_forward_tokens", "forward_tokens_per_unique_token",
-               "sampling_seconds_per_1k_generated", "sampling_cpu_seconds_per_1k_generated", "peak_memory_mib"]
+               "sampling_seconds_per_1k_generated", "sampling_cpu_seconds_per_1k_generated", "generate_calls",
+               "decode_steps", "decode_steps_per_1k_generated", "peak_memory_mib"]
     headers = {"step_seconds": "step s", "step_cpu_seconds": "step CPU s", "generation_seconds": "gen s",
                "training_seconds": "train s", "generated_tokens": "generated tok", "generated_tokens_per_leaf":
                "gen tok/leaf", "generated_fraction": "gen/leaf tok", "unique_tokens": "unique tok", "flat_tokens": "flat tok", "forward_tokens":
                "loss fwd tok", "padded_forward_tokens": "padded fwd tok", "forward_tokens_per_unique_token":
                "fwd/unique", "sampling_seconds_per_1k_generated": "sampling s / 1k gen tok",
                "sampling_cpu_seconds_per_1k_generated": "sampling CPU s / 1k gen tok",
-               "peak_memory_mib": "peak MiB"}
+               "generate_calls": "sampling calls", "decode_steps": "decode steps",
+               "decode_steps_per_1k_generated": "decode steps / 1k gen tok", "peak_memory_mib": "peak MiB"}
     print(f"\nPer generation batch ({args.prompts} prompts, E = {args.blocks}; mean of {args.repeats} x {args.batches} "
           f"after {args.warmup} warm-up), task={args.task}, device={'cuda' if torch.cuda.is_available() else 'cpu'}, "
           f"tree sampling: {'vLLM' if args.use_vllm else 'HF generate, generation_cache=' + args.generation_cache}\n")

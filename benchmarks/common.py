@@ -416,6 +416,8 @@ class BatchRecord:
     sampling_cpu_seconds: float = 0.0  # CPU time of this process in the same calls (the figure to read on busy cores)
     training_seconds: float = 0.0  # step_seconds - generation_seconds: loss forwards, backwards, optimizer steps
     generated_tokens: int = 0  # tokens the policy sampled (actions; observations are not generated)
+    generate_calls: int = 0  # sampling calls with at least one row (one per turn of the rows still running)
+    decode_steps: int = 0  # sum over those calls of their longest row's new tokens: the steps they ran
     leaf_action_tokens: int = 0  # action tokens summed over every leaf's own trajectory (shared turns once per leaf)
     leaves: int = 0  # finished trajectories: G per prompt for GRPO, K = M(N + 1) per tree
     unique_tokens: int = 0  # trees: prompt + every unique turn once; GRPO: distinct prefixes of the group (a trie)
@@ -501,15 +503,21 @@ class BatchMeter(TrainerCallback):
     # -- what each wrapped call tells -----------------------------------------------------------------------------------
 
     def _after_tree_sampling(self, args, kwargs, continuations, seconds, cpu_seconds):
-        self._batch.sampling_seconds += seconds
-        self._batch.sampling_cpu_seconds += cpu_seconds
-        self._batch.generated_tokens += sum(len(c.ids) for c in continuations)
+        self._record_sampling([c.ids for c in continuations], seconds, cpu_seconds)
 
     def _after_grpo_sampling(self, args, kwargs, result, seconds, cpu_seconds):
         completion_ids, _ = result
-        self._batch.sampling_seconds += seconds
-        self._batch.sampling_cpu_seconds += cpu_seconds
-        self._batch.generated_tokens += sum(len(ids) for ids in completion_ids)
+        self._record_sampling(completion_ids, seconds, cpu_seconds)
+
+    def _record_sampling(self, rows: list, seconds: float, cpu_seconds: float):
+        """One sampling call: its time and the tokens of each row it generated."""
+        record = self._batch
+        record.sampling_seconds += seconds
+        record.sampling_cpu_seconds += cpu_seconds
+        record.generated_tokens += sum(len(ids) for ids in rows)
+        if rows:
+            record.generate_calls += 1
+            record.decode_steps += max(len(ids) for ids in rows)
 
     def _after_tree_scoring(self, args, kwargs, rewards, seconds, cpu_seconds):
         branches_per_tree = args[2] if len(args) > 2 else kwargs["branches_per_tree"]
@@ -586,7 +594,7 @@ def summarize(batches: list[BatchRecord]) -> dict[str, float]:
     summary["generated_fraction"] = summary["generated_tokens"] / max(summary["leaf_action_tokens"], 1)
     summary["forward_tokens_per_unique_token"] = summary["forward_tokens"] / max(summary["unique_tokens"], 1)
     # what sampling costs per token the policy generated (a tree re-enters shared histories at every branch)
-    for key in ("sampling_seconds", "sampling_cpu_seconds"):
+    for key in ("sampling_seconds", "sampling_cpu_seconds", "decode_steps"):
         summary[f"{key}_per_1k_generated"] = 1000 * summary[key] / max(summary["generated_tokens"], 1)
     summary["batches"] = len(rows)
     return summary
