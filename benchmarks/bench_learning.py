@@ -289,6 +289,54 @@ def checked_run(path: Path, args) -> dict:
     return result
 
 
+def warm_start_identity(model_path: str) -> dict:
+    """What identifies a warm start across sittings: its cache folder's name (a hash of what built it) and a hash
+    of its weights. The same inputs can still give other weights on another machine (other CPU kernels, another
+    version of an unpinned dependency), and runs from other weights must not share a table."""
+    digest = hashlib.sha256()
+    for weights in sorted(Path(model_path).glob("*.safetensors")):
+        with weights.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                digest.update(block)
+    return {"warm_start": Path(model_path).name, "warm_start_sha256": digest.hexdigest()[:16]}
+
+
+def check_one_warm_start(runs: list[tuple[Path, dict]], current: dict | None = None) -> None:
+    """Every run of a table (and, with `current`, the warm start this sitting would train from) starts from the
+    same model; otherwise an error that names the runs and what to do, before any training time is spent.
+
+    Run files written before the weights hash was recorded are compared by the warm start's folder name only."""
+    def identity(result: dict) -> dict:
+        config = result.get("config", {})
+        return {"warm_start": Path(config.get("model_path", "")).name,
+                "warm_start_sha256": config.get("warm_start_sha256")}
+
+    def same(a: dict, b: dict) -> bool:
+        hashes = a["warm_start_sha256"], b["warm_start_sha256"]
+        return a["warm_start"] == b["warm_start"] and (None in hashes or hashes[0] == hashes[1])
+
+    reference = current or (identity(runs[0][1]) if runs else None)
+    others = [(path, identity(result), result) for path, result in runs if not same(identity(result), reference)]
+    if not others:
+        return
+    listed = "; ".join(f"{path.name}: {who['warm_start']} (sha256 {who['warm_start_sha256'] or 'not recorded'}, "
+                       f"held-out before {result.get('heldout_before')})" for path, who, result in others)
+    here = "this sitting's warm start" if current else "the table's first run"
+    raise SystemExit(
+        f"Runs trained from another warm start than {here} ({reference['warm_start']}, sha256 "
+        f"{reference['warm_start_sha256'] or 'not recorded'}): {listed}. A table compares methods from one starting "
+        "model. Put that warm start's folder back under $TRL_TREE_CACHE/benchmarks (default "
+        "~/.cache/trl_tree/benchmarks) to complete the table, or use another --output to start a new one.")
+
+
+def present_runs(args) -> list[tuple[Path, dict]]:
+    """The run files already next to --output (any method and seed)."""
+    folder = run_file(args.output, "x", 0).parent if args.output else None
+    if folder is None or not folder.is_dir():
+        return []
+    return [(path, json.loads(path.read_text())) for path in sorted(folder.glob("*-seed*.json"))]
+
+
 def warm_start_sweep(args, task, base: str | None) -> None:
     """The held-out success of warm starts of several lengths (greedy, the benchmark's agent settings): the table
     that picks a warm start leaving room for RL."""
@@ -382,6 +430,8 @@ def main(argv=None):
         return report_present_runs(args)
     model_path = warm_started_model(task, base, args.warm_start_steps, lr=args.warm_start_lr,
                                     batch_size=args.warm_start_batch_size, lora_rank=args.lora_rank)
+    warm_start = warm_start_identity(model_path)
+    check_one_warm_start(present_runs(args), warm_start)
     runs: dict[str, list[dict]] = {m: [] for m in args.methods}
     for seed in args.seeds:  # seeds outermost: a slow machine still gets every method at every seed it ran
         for method in args.methods:
@@ -393,7 +443,8 @@ def main(argv=None):
             print(f"[{method} seed {seed}]", flush=True)
             result = run(method, seed, model_path, task, args)
             if path is not None:  # written at once, so an interrupted sitting keeps every finished run
-                write_json(path, {**result, "config": {**vars(args), "model_path": model_path}})
+                write_json(path, {**result, "config": {**vars(args), "model_path": model_path,
+                                                        "warm_start_sha256": warm_start["warm_start_sha256"]}})
             runs[method].append(result)
     report(runs, args, model_path)
 
@@ -413,6 +464,7 @@ def report_present_runs(args) -> None:
     runs = {m: r for m, r in runs.items() if r}
     if not runs:
         raise SystemExit(f"No finished runs for {args.methods} x seeds {args.seeds} next to {args.output}.")
+    check_one_warm_start([(run_file(args.output, r["method"], r["seed"]), r) for rs in runs.values() for r in rs])
     report(runs, args, next(iter(runs.values()))[0]["config"]["model_path"])
 
 

@@ -106,6 +106,25 @@ def test_bench_learning_smollm2_path_writes_each_run_at_once_and_skips_it_later(
     assert "[treeopsd seed 0] missing" in report.stdout and not (runs / "treeopsd-seed0.json").exists()
     assert set(json.loads((tmp_path / "bench_learning.json").read_text())["runs"]) == {"grpo"}
 
+    # a table never mixes warm starts: a run trained from other weights (the same cache folder rebuilt on another
+    # machine) is refused before any training, with what to do; a run file older than the recorded hash is
+    # compared by the warm start's folder only
+    saved = json.loads((runs / "grpo-seed0.json").read_text())
+    assert len(saved["config"]["warm_start_sha256"]) == 16
+    (runs / "grpo-seed0.json").write_text(json.dumps({**saved, "config": {**saved["config"],
+                                                                          "warm_start_sha256": "0" * 16}}))
+    refused = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_learning.py"), *args,
+                              "--output", str(tmp_path / "bench_learning.json")],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert refused.returncode != 0 and "grpo-seed0.json" in refused.stderr and "another --output" in refused.stderr
+    assert not (runs / "treeopsd-seed0.json").exists()  # refused before training the missing run
+    legacy = {k: v for k, v in saved["config"].items() if k != "warm_start_sha256"}
+    (runs / "grpo-seed0.json").write_text(json.dumps({**saved, "config": legacy}))
+    report = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_learning.py"), *args, "--report_only",
+                             "--output", str(tmp_path / "bench_learning.json")],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert report.returncode == 0, report.stderr[-3000:]
+
 
 def test_bench_packing_gpu_cpu_smoke_writes_runs(tmp_path):
     result = run_benchmark("bench_packing_gpu.py", "--cpu-smoke", tmp_path=tmp_path)
