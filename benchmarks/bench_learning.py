@@ -443,8 +443,11 @@ def main(argv=None):
             print(f"[{method} seed {seed}]", flush=True)
             result = run(method, seed, model_path, task, args)
             if path is not None:  # written at once, so an interrupted sitting keeps every finished run
+                # what the warm start's cache key hashed, too: if another machine builds another warm start, these
+                # say whether the base model or the warm-start data differed
                 write_json(path, {**result, "config": {**vars(args), "model_path": model_path,
-                                                        "warm_start_sha256": warm_start["warm_start_sha256"]}})
+                                                        "warm_start_sha256": warm_start["warm_start_sha256"],
+                                                        "base_model": base, "task_fingerprint": task.fingerprint()}})
             runs[method].append(result)
     report(runs, args, model_path)
 
