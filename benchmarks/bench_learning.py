@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import random
 import statistics
 import tempfile
@@ -253,7 +254,7 @@ def run(method: str, seed: int, model_path: str, task, args) -> dict:
                                        every_steps=args.eval_every * args.blocks,
                                        token_budget=args.rollout_token_budget, start_path=model_path)
         trainer.add_callback(evaluation)
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.process_time()
         trainer.train()
         meter.memory.close()
     rewards = [e["reward"] for e in trainer.state.log_history if "reward" in e]
@@ -261,6 +262,9 @@ def run(method: str, seed: int, model_path: str, task, args) -> dict:
     return {"method": method, "seed": seed, "heldout_metric": metric, "heldout_before": curve[0][metric],
             "heldout_after": curve[-1][metric], "rollout_tokens": curve[-1]["rollout_tokens"], "curve": curve,
             "train_reward": rewards, "train_seconds": time.perf_counter() - started,
+            # the process's CPU seconds (all its threads): with one torch thread, about what the run takes on an idle
+            # core, whatever else shares the machine's cores
+            "train_cpu_seconds": time.process_time() - started_cpu,
             "batches": [vars(b) for b in meter.batches]}
 
 
@@ -379,6 +383,8 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
         for name, part in (("first", lambda x: x[: max(1, len(x) // 3)]), ("last", lambda x: x[-max(1, len(x) // 3):])):
             row[f"train_reward_{name}_mean"], row[f"train_reward_{name}_std"] = mean_std(
                 [statistics.fmean(part(r["train_reward"])) if r["train_reward"] else 0.0 for r in seeds])
+        cpu = [r["train_cpu_seconds"] / 60 for r in seeds if "train_cpu_seconds" in r]  # older run files lack it
+        row["run_cpu_minutes_mean"], row["run_cpu_minutes_std"] = mean_std(cpu) if cpu else (float("nan"),) * 2
         summary[method] = row
     return summary
 
@@ -485,7 +491,8 @@ def report(runs: dict[str, list[dict]], args, model_path: str) -> None:
     rows = [{"method": m, "seeds": ",".join(str(r["seed"]) for r in runs[m]),
              **{label: _pm(s, key) for label, key in columns.items()},
              "train reward": _pm(s, "train_reward"), "train reward, first third": _pm(s, "train_reward_first"),
-             "train reward, last third": _pm(s, "train_reward_last"), "rollout tokens": _pm(s, "rollout_tokens", digits=0)}
+             "train reward, last third": _pm(s, "train_reward_last"), "rollout tokens": _pm(s, "rollout_tokens", digits=0),
+             "run CPU minutes": _pm(s, "run_cpu_minutes", digits=0)}
             for m, s in summary.items()]
     seeds = ",".join(str(s) for s in args.seeds)
     caption = (f"Held-out greedy answers to {args.num_test} questions ({args.task}, {args.model}), seeds {seeds}, "
@@ -508,6 +515,8 @@ def report(runs: dict[str, list[dict]], args, model_path: str) -> None:
 
 
 def _pm(summary: dict, name: str, digits: int = 3) -> str:
+    if math.isnan(summary[name + "_mean"]):
+        return "not recorded"
     return f"{summary[name + '_mean']:.{digits}f} ± {summary[name + '_std']:.{digits}f}"
 
 

@@ -193,6 +193,11 @@ def lora_config(rank: int = 16):
     return LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
 
 
+# part of a cached warm start's key: bumped when the same inputs start to give other weights (2: LoRA initialised
+# after seeding, not from whatever state the process's generator was in)
+WARM_START_VERSION = 2
+
+
 def warm_started_model(task: Task, model_name_or_path: str | None, steps: int, seed: int = 0, lr: float = 3e-3,
                        batch_size: int = 8, lora_rank: int | None = None) -> str:
     """Folder of `model_name_or_path` (default: the tiny Qwen3) after `steps` SFT steps on the task's scripted
@@ -205,16 +210,19 @@ def warm_started_model(task: Task, model_name_or_path: str | None, steps: int, s
     base = model_name_or_path or tiny_model_path()
     if steps <= 0:
         return base
-    key = hashlib.sha256(json.dumps([base, task.fingerprint(), steps, seed, lr, batch_size, lora_rank]).encode())
+    key = hashlib.sha256(json.dumps([WARM_START_VERSION, base, task.fingerprint(), steps, seed, lr, batch_size,
+                                     lora_rank]).encode())
     path = cache_root() / f"warm-{task.name}-{steps}steps-{key.hexdigest()[:12]}"
     if path.is_dir():
         return str(path)
     model, tokenizer = load_model(base)
+    # seeded before the LoRA adapters are initialised (from torch's global generator): otherwise their initial
+    # values depend on what the process drew before, e.g. whether smollm2_path() had to build the model first
+    torch.manual_seed(seed)
     if lora_rank:
         from peft import get_peft_model
 
         model = get_peft_model(model, lora_config(lora_rank))
-    torch.manual_seed(seed)
     started = time.perf_counter()
     losses = warm_start(model, tokenizer, task.warm_start_conversations, tools=task.tools, steps=steps, lr=lr,
                         batch_size=batch_size, seed=seed)

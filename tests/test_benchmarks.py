@@ -126,6 +126,42 @@ def test_bench_learning_smollm2_path_writes_each_run_at_once_and_skips_it_later(
     assert report.returncode == 0, report.stderr[-3000:]
 
 
+def load_benchmarks_common():
+    """`benchmarks/common.py` as a module (the benchmarks are scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("benchmarks_common", ROOT / "benchmarks" / "common.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_lora_warm_start_is_the_same_model_whatever_the_process_drew_before(tmp_path, monkeypatch):
+    """Every method-seed run of a learning table starts from one cached warm start, and a table is completed over
+    several sittings on fresh machines: rebuilt from the same inputs, the warm start must be the same weights, also
+    when the process drew random numbers first (on a fresh machine `smollm2_path()` builds a model before it)."""
+    from safetensors.torch import load_file
+
+    from trl_tree.testing import tiny_model_path
+
+    common = load_benchmarks_common()
+    task = common.make_task("calculator", num_train=8, num_test=2)
+    base = tiny_model_path()
+
+    def weights(cache: str, draw_first: bool) -> dict:
+        monkeypatch.setenv("TRL_TREE_CACHE", str(tmp_path / cache))
+        if draw_first:
+            torch.rand(1000)
+        folder = common.warm_started_model(task, base, steps=2, lr=1e-3, batch_size=2, lora_rank=4)
+        return load_file(next(Path(folder).glob("*.safetensors")))
+
+    first, second = weights("a", draw_first=False), weights("b", draw_first=True)
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    assert not all(torch.equal(first[k], load_file(next(Path(base).glob("*.safetensors")))[k]) for k in first)
+
+
 def test_bench_packing_gpu_cpu_smoke_writes_runs(tmp_path):
     result = run_benchmark("bench_packing_gpu.py", "--cpu-smoke", tmp_path=tmp_path)
     assert {r["variant"] for r in result["runs"]} == {"tree_sdpa", "tree_chains", "paths_sdpa"}
