@@ -126,13 +126,13 @@ def test_bench_learning_smollm2_path_writes_each_run_at_once_and_skips_it_later(
     assert report.returncode == 0, report.stderr[-3000:]
 
 
-def load_benchmarks_common():
-    """`benchmarks/common.py` as a module (the benchmarks are scripts, not a package)."""
+def load_benchmarks_common(monkeypatch):
+    """`benchmarks/common.py` as a module (the benchmarks are scripts, not a package), registered for the test only."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("benchmarks_common", ROOT / "benchmarks" / "common.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -145,7 +145,7 @@ def test_a_lora_warm_start_is_the_same_model_whatever_the_process_drew_before(tm
 
     from trl_tree.testing import tiny_model_path
 
-    common = load_benchmarks_common()
+    common = load_benchmarks_common(monkeypatch)
     task = common.make_task("calculator", num_train=8, num_test=2)
     base = tiny_model_path()
 
