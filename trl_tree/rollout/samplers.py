@@ -88,13 +88,15 @@ class Branch:
     def restart_at(self, t: int) -> Branch:
         """A new branch that keeps turns [0, t) and will regenerate turn t (t = 0: resample from the prompt)."""
         env = self._environment_before(t)
+        # t = len(turns): the branch itself is about to sample turn t (an anchor reached while it runs)
         end = self.turn_starts[t] if t < len(self.turn_starts) else len(self.prefix_ids)
+        messages_end = self.message_starts[t] if t < len(self.message_starts) else len(self.messages)
         return Branch(
             tree=self.tree,
             prefix_ids=self.prefix_ids[:end],
             prompt_len=self.prompt_len,
             turns=list(self.turns[:t]),
-            messages=list(self.messages[: self.message_starts[t]]),
+            messages=list(self.messages[:messages_end]),
             env=env,
             tools=_bind_tools(self.tools, env),
             snapshots=list(self.snapshots[:t]),
@@ -111,7 +113,10 @@ class Branch:
         """The environment as it was before turn t, for a branch restarted there (see `TreeEnvironment`)."""
         if self.env is None:
             return None
-        snapshot = self.snapshots[t] if t < len(self.snapshots) else None
+        if t == len(self.turns) and not self.done and self.pending is None:
+            snapshot = self.env  # right before turn t, the branch's own world is that state: copy it as it is now
+        else:
+            snapshot = self.snapshots[t] if t < len(self.snapshots) else None
         if self.environment is not None:
             return self.environment.at(snapshot, [c for c in self.env_calls if c.turn < t])
         if snapshot is None:
@@ -210,20 +215,26 @@ class TurnLoop:
         s = self.settings
         return run_tool_call(call, tools, s.tool_timeout, s.max_observation_chars, s.tool_execution, self.event_loop)
 
-    def run(self, branches: list[Branch], on_finish: Callable[[Branch], list[Branch]] | None = None) -> None:
+    def run(
+        self,
+        branches: list[Branch],
+        on_finish: Callable[[Branch], list[Branch]] | None = None,
+        on_turn: Callable[[Branch], list[Branch]] | None = None,
+    ) -> None:
         """Grow every branch to a terminal turn (in place).
 
-        `on_finish(branch)` may return new branches as soon as `branch` is done: they are appended to `branches` and
-        join the next engine call alongside the branches still running, instead of waiting for a call of their own.
+        After each engine call, `on_turn(branch)` is asked about every branch that completed a turn and goes on (it is
+        about to sample turn `len(branch.turns)`), and `on_finish(branch)` about every branch that is now done. The new
+        branches they return are appended to `branches` and join the next engine call alongside the branches still
+        running, instead of waiting for a call of their own.
         """
-        reported = {id(b) for b in branches if b.done}
         while self.any_active(any(not b.done for b in branches)):
-            self.step([b for b in branches if not b.done])
-            if on_finish is None:
-                continue
-            for branch in [b for b in branches if b.done and id(b) not in reported]:
-                reported.add(id(branch))
-                branches.extend(on_finish(branch))
+            active = [b for b in branches if not b.done]
+            self.step(active)
+            for branch in active:
+                hook = on_finish if branch.done else on_turn
+                if hook is not None:
+                    branches.extend(hook(branch))
 
     def step(self, active: list[Branch]) -> None:
         budgets = [self._turn_budget(b) for b in active]
@@ -357,9 +368,29 @@ def uniform_anchors(num_turns: int, n: int, rng: random.Random) -> list[int]:
     return [rng.randint(1, num_turns - 1) for _ in range(n)]
 
 
+def early_anchors(max_turns: int, n: int, rng: random.Random) -> list[int]:
+    """N anchor candidates drawn before a trajectory starts, uniformly from {1..max_turns − 1} (none when
+    max_turns = 1). See `InitExpandSampler` for why they leave the anchors uniform over {1..T−1}."""
+    return [rng.randint(1, max_turns - 1) for _ in range(n)] if max_turns > 1 else []
+
+
 class InitExpandSampler:
     """TreeOPSD / TreePO's initialise-then-expand trees: M full trajectories, then N continuations of each from
     uniformly drawn turn prefixes. K = M(N + 1) leaves per tree; expected cost ≈ M(1 + N/2) trajectories.
+
+    When continuations start. An anchor t regenerates turn t from the trajectory's first t turns, so its continuation
+    can start as soon as the trajectory is about to sample turn t, alongside it, rather than after it ends (which
+    would add up to T − 1 rounds of generate calls after the longest trajectory's T). But the anchor must be uniform
+    over {1..T−1}, and T is known only at the end. So each of the N anchors is first drawn, before the trajectory
+    starts, uniformly from {1..T_max − 1} (T_max = max_turns ≥ T): a candidate a that the trajectory reaches (it is
+    about to sample turn a, so T ≥ a + 1) starts at once; one it never reaches (a ≥ T) is drawn again uniformly from
+    {1..T−1} when the trajectory ends. Given T, the candidate is independent of the trajectory, so
+
+        P(anchor = t | T) = 1/(T_max − 1) + (T_max − T)/(T_max − 1) · 1/(T − 1) = 1/(T − 1),   t ∈ {1..T−1}:
+
+    exactly the uniform anchors (T = 1: every candidate is redrawn, as 0). Trajectories that use all T_max turns,
+    the longest, never wait; a shorter one's redrawn continuations start when it ends. The continuations are
+    distributed as if they had waited; only the order of the random draws (hence the tokens of a seeded run) differs.
     """
 
     def __init__(self, loop: TurnLoop, num_initial: int, num_branches: int, seed: int = 0):
@@ -373,31 +404,42 @@ class InitExpandSampler:
         self.rng = random.Random(seed)
 
     def sample(self, roots: list[TreeRoot]) -> list[list[Branch]]:
-        """Returns, per tree, its K finished branches: the M initial ones first, then their continuations.
-
-        A trajectory's anchors depend on its own length only, so its continuations start as soon as it finishes,
-        sampled in the same engine calls as the trajectories still running: the tree is distributed exactly as if
-        the expansion waited for all M, with fewer, fuller generate calls.
-        """
+        """Returns, per tree, its K finished branches: the M initial ones first, then their continuations (each
+        trajectory's in the order they started)."""
         initial = [
             _start(i, root, first=m == 0, snapshots=self.num_branches > 0)
             for i, root in enumerate(roots)
             for m in range(self.num_initial)
         ]
-        continuations: dict[int, list[Branch]] = {}
+        max_turns = self.loop.settings.max_turns
+        candidates = {id(b): early_anchors(max_turns, self.num_branches, self.rng) for b in initial}
+        continuations: dict[int, list[Branch]] = {id(b): [] for b in initial}
 
-        def expand(branch: Branch) -> list[Branch]:
-            if branch.round:  # continuations are leaves: nothing restarts from them
-                return []
-            new = [branch.restart_at(t) for t in uniform_anchors(len(branch.turns), self.num_branches, self.rng)]
-            for continuation in new:
+        def branch_from(trajectory: Branch, anchors: list[int]) -> list[Branch]:
+            new = [trajectory.restart_at(t) for t in anchors]
+            for continuation in new:  # continuations are leaves: nothing restarts from them
                 continuation.take_snapshots = False
                 continuation.round = 1
-            continuations[id(branch)] = new
+            continuations[id(trajectory)] += new
             return new
 
-        self.loop.run(list(initial), on_finish=expand if self.num_branches else None)
-        expansions = [c for branch in initial for c in continuations.get(id(branch), [])]
+        def reached(branch: Branch) -> list[Branch]:
+            if branch.round:
+                return []
+            t, waiting = len(branch.turns), candidates[id(branch)]
+            candidates[id(branch)] = [a for a in waiting if a != t]
+            return branch_from(branch, [a for a in waiting if a == t])
+
+        def finished(branch: Branch) -> list[Branch]:
+            if branch.round:
+                return []
+            candidates.pop(id(branch))  # those it never reached (each ≥ T) are drawn again from {1..T−1}
+            missing = self.num_branches - len(continuations[id(branch)])
+            return branch_from(branch, uniform_anchors(len(branch.turns), missing, self.rng))
+
+        branching = self.num_branches > 0
+        self.loop.run(list(initial), on_finish=finished if branching else None, on_turn=reached if branching else None)
+        expansions = [c for branch in initial for c in continuations[id(branch)]]
         per_tree: list[list[Branch]] = [[] for _ in roots]
         for branch in initial + expansions:
             per_tree[branch.tree].append(branch)
