@@ -101,3 +101,13 @@ def test_a_continuation_started_alongside_its_trajectory_has_its_own_copy_of_the
             len(turn.action_ids) + len(turn.observation_ids) for turn in continuation.turns[anchor:])
         assert continuation.prefix_ids[:start] == trajectory.prefix_ids[:start]
         assert len(continuation.messages) == 2 * len(continuation.turns) - 1  # its own turns and observations only
+
+
+def test_a_restart_at_the_turn_being_sampled_keeps_none_of_it():
+    """restart_at(len(turns)) of a running branch keeps its history before that turn, without the head of the turn
+    it may already hold (a branch resumed inside a turn)."""
+    from trl_tree.tree import Turn
+
+    running = Branch(tree=0, prefix_ids=[1, 7, 7], prompt_len=1, pending=Turn([7, 7], [0.0, 0.0], []))
+    restarted = running.restart_at(0)
+    assert restarted.prefix_ids == [1] and restarted.pending is None and restarted.turns == []

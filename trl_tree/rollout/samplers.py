@@ -89,7 +89,8 @@ class Branch:
         """A new branch that keeps turns [0, t) and will regenerate turn t (t = 0: resample from the prompt)."""
         env = self._environment_before(t)
         # t = len(turns): the branch itself is about to sample turn t (an anchor reached while it runs)
-        end = self.turn_starts[t] if t < len(self.turn_starts) else len(self.prefix_ids)
+        head = len(self.pending.action_ids) if self.pending is not None else 0
+        end = self.turn_starts[t] if t < len(self.turn_starts) else len(self.prefix_ids) - head
         messages_end = self.message_starts[t] if t < len(self.message_starts) else len(self.messages)
         return Branch(
             tree=self.tree,
@@ -113,8 +114,8 @@ class Branch:
         """The environment as it was before turn t, for a branch restarted there (see `TreeEnvironment`)."""
         if self.env is None:
             return None
-        if t == len(self.turns) and not self.done and self.pending is None:
-            snapshot = self.env  # right before turn t, the branch's own world is that state: copy it as it is now
+        if t == len(self.turns) and not self.done:
+            snapshot = self.env  # before turn t (no tool runs inside a turn) the world is the branch's own: copy it
         else:
             snapshot = self.snapshots[t] if t < len(self.snapshots) else None
         if self.environment is not None:
