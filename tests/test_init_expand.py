@@ -9,6 +9,7 @@ import pytest
 
 from trl_tree.rollout.engine import ScriptedEngine
 from trl_tree.rollout.samplers import Branch, InitExpandSampler, SamplerSettings, TreeRoot, TurnLoop
+from trl_tree.tree import Turn
 
 CALL, ANSWER, OBSERVATION, EOS = 5, 6, 9, 2
 
@@ -106,8 +107,6 @@ def test_a_continuation_started_alongside_its_trajectory_has_its_own_copy_of_the
 def test_a_restart_at_the_turn_being_sampled_keeps_none_of_it():
     """restart_at(len(turns)) of a running branch keeps its history before that turn, without the head of the turn
     it may already hold (a branch resumed inside a turn)."""
-    from trl_tree.tree import Turn
-
     running = Branch(tree=0, prefix_ids=[1, 7, 7], prompt_len=1, pending=Turn([7, 7], [0.0, 0.0], []))
     restarted = running.restart_at(0)
     assert restarted.prefix_ids == [1] and restarted.pending is None and restarted.turns == []
