@@ -23,16 +23,39 @@ def look() -> str:
     return "ok"
 
 
-def _parse(ids, prefix):
-    if ids and ids[0] == CALL:
-        return {"role": "assistant", "content": "",
-                "tool_calls": [{"type": "function", "function": {"name": "look", "arguments": {}}}]}
-    return {"role": "assistant", "content": "done"}
+class CounterEnv:
+    """A stateful environment (copyable): a branch must continue from the count its trajectory had at the anchor."""
+
+    def __init__(self):
+        self.n = 0
+
+    def reset(self, **kwargs):
+        self.n = 0
+
+    def increment(self) -> str:
+        """Adds one to the counter.
+
+        Returns:
+            The counter's new value.
+        """
+        self.n += 1
+        return str(self.n)
 
 
-def _sampler(script, max_turns: int, m: int, n: int, seed: int = 0) -> tuple[InitExpandSampler, ScriptedEngine]:
+def _parser(tool: str):
+    def parse(ids, prefix):
+        if ids and ids[0] == CALL:
+            return {"role": "assistant", "content": "",
+                    "tool_calls": [{"type": "function", "function": {"name": tool, "arguments": {}}}]}
+        return {"role": "assistant", "content": "done"}
+
+    return parse
+
+
+def _sampler(script, max_turns: int, m: int, n: int, seed: int = 0, tool: str = "look"
+             ) -> tuple[InitExpandSampler, ScriptedEngine]:
     engine = ScriptedEngine(script, eos_ids=[EOS])
-    loop = TurnLoop(engine, parse=_parse, observation_ids=lambda messages: [OBSERVATION] * len(messages),
+    loop = TurnLoop(engine, parse=_parser(tool), observation_ids=lambda messages: [OBSERVATION] * len(messages),
                     settings=SamplerSettings(max_turns=max_turns, max_completion_length=10_000))
     return InitExpandSampler(loop, m, n, seed=seed), engine
 
@@ -102,6 +125,20 @@ def test_a_continuation_started_alongside_its_trajectory_has_its_own_copy_of_the
             len(turn.action_ids) + len(turn.observation_ids) for turn in continuation.turns[anchor:])
         assert continuation.prefix_ids[:start] == trajectory.prefix_ids[:start]
         assert len(continuation.messages) == 2 * len(continuation.turns) - 1  # its own turns and observations only
+
+
+def test_a_continuation_started_alongside_its_trajectory_has_its_own_copy_of_the_environment():
+    """Full-length trajectories, so every continuation starts while its trajectory runs (max_turns calls): each gets
+    a copy of the trajectory's world as it is at the anchor. Every leaf counts 1, 2, 3 on its own counter, and the
+    trajectory's counter is not advanced by its continuations' calls."""
+    root_env = CounterEnv()
+    sampler, engine = _sampler(lambda prefix: [CALL, EOS], max_turns=4, m=2, n=3, tool="increment")
+    [tree] = sampler.sample([TreeRoot([1], env=root_env, tools={"increment": root_env.increment})])
+    assert engine.calls == 4 and len(tree) == 2 * (3 + 1)
+    assert len({id(b.env) for b in tree}) == len(tree)
+    for branch in tree:
+        assert [m["content"] for m in branch.messages if m["role"] == "tool"] == ["1", "2", "3"]
+        assert branch.env.n == 3
 
 
 def test_a_restart_at_the_turn_being_sampled_keeps_none_of_it():
