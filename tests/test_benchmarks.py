@@ -52,6 +52,27 @@ def test_bench_step_quick_writes_the_keys_of_the_issue(tmp_path):
     assert all(len(result[v]["per_batch"]) == 1 for v in ("grpo", "treeopsd_tree", "treeopsd_paths", "flat_grpo"))
 
 
+def test_bench_step_chunked_variants_sample_in_chunks(tmp_path):
+    result = run_benchmark("bench_step.py", "--quick", "--variants", "treeopsd_chunked,flat_chunked",
+                           "--generation_chunk_tokens", "4", tmp_path=tmp_path)
+    for variant in ("treeopsd_chunked", "flat_chunked"):
+        assert isinstance(result[variant]["sampling_cpu_seconds_per_1k_generated"], float)
+    # a turn longer than 4 tokens needs several calls; whole turns would take at most max_turns per batch
+    assert result["treeopsd_chunked"]["generate_calls"] > result["config"]["max_turns"]
+    key = "treeopsd_chunked.sampling_cpu_seconds_per_1k_generated / flat_chunked.sampling_cpu_seconds_per_1k_generated"
+    assert key in result["ratios"]
+
+
+def test_bench_generation_quick_compares_whole_turns_with_chunks(tmp_path):
+    result = run_benchmark("bench_generation.py", "--quick", tmp_path=tmp_path)
+    variants = {row["variant"]: row for row in result["variants"]}
+    assert set(variants) == {"whole turns", "chunks of 4"}
+    for row in variants.values():
+        for key in ("cpu_seconds", "cpu_vs_whole_turns", "row_steps_per_generated", "same_answers"):
+            assert isinstance(row[key], float), key
+    assert variants["chunks of 4"]["calls"] > variants["whole turns"]["calls"]
+
+
 @pytest.mark.parametrize("task", ["search", "calculator"])
 def test_bench_learning_quick_writes_curves_and_a_summary_per_method(tmp_path, task):
     result = run_benchmark("bench_learning.py", "--quick", "--task", task, "--plot", str(tmp_path / "plot.png"),

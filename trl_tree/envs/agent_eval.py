@@ -116,6 +116,11 @@ class GreedyEngine:
         self.batch_size = batch_size
         self.store = PrefixKVStore() if reuse_prefixes and supports_reuse(model) else None
 
+    @property
+    def resumes_turns(self) -> bool:
+        """Chunked evaluation (`AgentSettings.chunk_tokens`) needs the prefix store to resume a cut turn cheaply."""
+        return self.store is not None
+
     @contextlib.contextmanager
     def rollout(self):
         """One batch of questions answered to the end (`rollout_session`): its reused keys and values are dropped
@@ -177,6 +182,7 @@ class AgentSettings:
     tool_execution: str = "main"  # or "thread": see TreeConfig.tool_execution
     batch_size: int = 64
     reuse_prefixes: bool = True  # encode each history once (GreedyEngine); False: re-encode it every turn
+    chunk_tokens: int | None = None  # tokens per generate call (TreeConfig.generation_chunk_tokens)
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -207,6 +213,7 @@ def run_agent(
             max_observation_chars=settings.max_observation_chars,
             tool_execution=settings.tool_execution,
             max_turn_tokens=settings.max_turn_tokens,
+            chunk_tokens=settings.chunk_tokens,
         ),
     )
     tool_map = {tool.__name__: tool for tool in tools}

@@ -35,6 +35,13 @@ class Continuation:
 
 
 class GenerationEngine(Protocol):
+    """`generate` continues each prefix by at most its budget of tokens, stopping at the end of the turn.
+
+    An engine may also say, with a `resumes_turns` attribute (False when absent), that a turn cut after a few tokens
+    costs nothing to resume: the next call prefills one token, not the whole history. Only then does the turn loop
+    sample in chunks (`SamplerSettings.chunk_tokens`).
+    """
+
     def generate(self, prefixes: list[list[int]], max_new_tokens: list[int]) -> list[Continuation]: ...
 
 
@@ -87,6 +94,13 @@ class HFEngine:
             yield self
         finally:
             self.prefix_store.clear()
+
+    @property
+    def resumes_turns(self) -> bool:
+        """A cut turn resumes by prefilling one token only when the prefix store is used (`generation_cache="prefix"`
+        on a model whose cache can be spliced, on one process or without ZeRO-3 / FSDP); otherwise each chunk would
+        prefill the whole history again, so the turn loop samples whole turns."""
+        return self._reuses_prefixes(self.trainer.model) and not _synced_generation(self.trainer.model_wrapped)
 
     def _reuses_prefixes(self, model) -> bool:
         if self.cache != "prefix" or _synced_generation(model):
@@ -241,6 +255,8 @@ class ScriptedEngine:
     For tests and demos, the way TRL tests its tool loop with patched generation: the tree that comes out is known
     in advance. Log-probs are uniform placeholders (the trainer recomputes π_old with the training model anyway).
     """
+
+    resumes_turns = False  # a script answers a whole turn from a history; it cannot resume one cut short
 
     def __init__(self, script, eos_ids):
         self.script = script

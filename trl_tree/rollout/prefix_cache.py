@@ -117,8 +117,10 @@ class PrefixKVStore:
         """The cache of each prefix's longest stored prefix, and the ids left to prefill, for one `generate` call.
 
         Heads that several prefixes of the call share beyond what is stored (a system prompt on the first turn, the
-        prompt of a tree's M trajectories) are encoded first, once each (`_encode_shared_heads`)."""
+        prompt of a tree's M trajectories) are encoded first, once each (`_encode_shared_heads`); so are long tails
+        in a call where most rows have almost nothing to prefill (`_encode_uneven_tails`)."""
         self._encode_shared_heads(prefixes, pad_id, model)
+        self._encode_uneven_tails(prefixes, pad_id, model)
         plan = self._plan(prefixes, pad_id, model.config)
         if plan.cache is None:  # an empty cache of our own: `generate` fills it in place, whatever it returns
             from transformers import DynamicCache
@@ -141,9 +143,21 @@ class PrefixKVStore:
             n = min(shared[i], len(prefix) - 1)
             if n >= self.min_reuse and self._best(arrays[i])[1] < n:
                 heads.setdefault(tuple(prefix[:n]), None)
-        if not heads:
-            return
-        heads = [list(h) for h in heads]
+        if heads:
+            self._encode([list(h) for h in heads], pad_id, model)
+
+    def _encode_uneven_tails(self, prefixes: list[list[int]], pad_id: int, model) -> None:
+        """`generate` prefills every row as wide as the longest tail, so a call that mixes rows resuming a turn (one
+        token to prefill: chunked generation, `TurnLoop.step`) with rows starting one after an observation (hundreds)
+        would pay the long tail for every row. When the rows with more than `min_reuse` tokens to prefill are at most
+        half of the call, their prefixes (but their last token) are encoded first, in a forward of their own."""
+        tails = [len(p) - self._best(np.asarray(p, dtype=np.int64))[1] for p in prefixes]
+        long = [p[:-1] for p, tail in zip(prefixes, tails) if tail > self.min_reuse]
+        if long and 2 * len(long) <= len(prefixes):
+            self._encode(long, pad_id, model)
+
+    def _encode(self, heads: list[list[int]], pad_id: int, model) -> None:
+        """Store the KV of `heads` (each reusing what is stored): one forward, batch = heads."""
         from transformers import DynamicCache
 
         plan = self._plan(heads, pad_id, model.config)

@@ -175,9 +175,19 @@ class SamplerSettings:
     malformed_tool_calls: str = "observe"  # or "end" (TreeConfig.malformed_tool_calls)
     tool_execution: str = "main"  # or "thread" (TreeConfig.tool_execution)
     max_turn_tokens: int | None = None  # cap on one sampled assistant turn (TreeConfig.max_turn_tokens)
+    chunk_tokens: int | None = None  # tokens a branch samples per engine call (TreeConfig.generation_chunk_tokens)
 
     def __post_init__(self):
         check_tool_execution(self.tool_execution)
+        check_chunk_tokens(self.chunk_tokens)
+
+
+def check_chunk_tokens(chunk_tokens: int | None) -> None:
+    if chunk_tokens is not None and chunk_tokens < 1:
+        raise ValueError(
+            f"generation_chunk_tokens must be a positive number of tokens per generate call, or None (a whole turn per "
+            f"call); got {chunk_tokens}."
+        )
 
 
 class TurnLoop:
@@ -231,17 +241,40 @@ class TurnLoop:
         """
         while self.any_active(any(not b.done for b in branches)):
             active = [b for b in branches if not b.done]
-            self.step(active)
-            for branch in active:
+            for branch in self.step(active):
                 hook = on_finish if branch.done else on_turn
                 if hook is not None:
                     branches.extend(hook(branch))
 
-    def step(self, active: list[Branch]) -> None:
+    def step(self, active: list[Branch]) -> list[Branch]:
+        """One engine call that continues every active branch; returns those that completed a turn.
+
+        With `settings.chunk_tokens` = c and an engine that resumes a cut turn cheaply (`resumes_turns`), a call
+        samples at most c tokens per branch (continuous batching at chunk granularity): a branch whose turn is still
+        going after c tokens keeps them as its pending head and goes on in the next call, while the branches that
+        ended their turn run their tools and rejoin, and new branches join, at once, instead of every branch of the
+        batch waiting for the longest turn. Each token is still drawn from the same distribution, given the same
+        history; only the batches (hence a seeded run's random draws) differ.
+        """
         budgets = [self._turn_budget(b) for b in active]
-        outputs = self.engine.generate([b.prefix_ids for b in active], budgets)
-        for branch, out in zip(active, outputs):
-            self._append_turn(branch, out)
+        chunk = self.settings.chunk_tokens if getattr(self.engine, "resumes_turns", False) else None
+        asked = budgets if chunk is None else [min(budget, chunk) for budget in budgets]
+        outputs = self.engine.generate([b.prefix_ids for b in active], asked)
+        completed = []
+        for branch, out, budget, n in zip(active, outputs, budgets, asked):
+            if n < budget and not out.finished and len(out.ids) == n:  # cut by the chunk, not a budget: goes on
+                self._extend_pending(branch, out)
+            else:
+                self._append_turn(branch, out)
+                completed.append(branch)
+        return completed
+
+    @staticmethod
+    def _extend_pending(branch: Branch, out) -> None:
+        """Keep a chunk of a turn that is still going as the branch's pending head (in `prefix_ids`, not a turn)."""
+        ids, logps, entropies = _join_head(branch.pending, out)
+        branch.pending = Turn(ids, logps, entropies=entropies)
+        branch.prefix_ids = branch.prefix_ids + list(out.ids)
 
     def _turn_budget(self, branch: Branch) -> int:
         """New tokens the branch's next turn may sample: what is left of the trajectory's budget, capped per turn.

@@ -69,6 +69,10 @@ class VLLMEngine:
     1 without top-k/top-p.
     """
 
+    # vLLM schedules its rows continuously inside a call; resuming a cut turn through TRL's generate would pay a
+    # call's overhead per chunk, so the turn loop gives it whole turns (`TreeConfig.generation_chunk_tokens`)
+    resumes_turns = False
+
     def __init__(self, trainer, with_scores: bool = False, entropy_top_k: int = 20):
         self.trainer = trainer
         self.vllm_generation = trainer.vllm_generation

@@ -206,6 +206,7 @@ class TreeTrainer(GRPOTrainer):
             malformed_tool_calls=self.args.malformed_tool_calls,
             tool_execution=self.args.tool_execution,
             max_turn_tokens=self.args.max_turn_tokens,
+            chunk_tokens=self.args.generation_chunk_tokens,
         )
         return TurnLoop(
             engine=_EngineProxy(self),
@@ -643,6 +644,10 @@ class _EngineProxy:
 
     def generate(self, prefixes, max_new_tokens):
         return self.trainer.generation_engine.generate(prefixes, max_new_tokens)
+
+    @property
+    def resumes_turns(self) -> bool:
+        return getattr(self.trainer.generation_engine, "resumes_turns", False)
 
 
 def _as_text(messages: list[dict]) -> str:

@@ -29,6 +29,7 @@ from trl import GRPOConfig
 
 from .. import losses, methods
 from ..rollout.env import ENVIRONMENT_BRANCHING, MAX_OBSERVATION_CHARS, check_tool_execution
+from ..rollout.samplers import check_chunk_tokens
 
 _GRPO_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
 # GRPO options without an effect on any tree trainer, and what to use instead (`TreeConfig.unused_grpo_options`)
@@ -158,6 +159,16 @@ class TreeConfig(GRPOConfig):
             cannot be spliced per row (sliding-window, linear-attention, custom) or preallocated, and ZeRO-3 / FSDP
             runs on several processes (synchronised generation), use the dynamic cache; GRPOConfig's
             `cache_implementation`, when set, is passed through.
+        generation_chunk_tokens (`int` or `None`, defaults to `None`): tokens a branch samples per generate call
+            (`None`: a whole turn). A call otherwise lasts as long as its longest turn, with every branch that has
+            ended its turn waiting for it, and the tree's continuations waiting for the next call. With c, a call
+            stops after c tokens: a turn still going resumes in the next call (its KV reused, so it prefills one
+            token), and the branches that ended a turn run their tools and rejoin, with new continuations, at once:
+            continuous batching at chunk granularity. Each token is drawn from the same distribution; a seeded run's
+            draws differ. Applies to `model.generate` with `generation_cache="prefix"` (one process, or without
+            ZeRO-3 / FSDP): without the prefix store each chunk would prefill its whole history again, so the other
+            caches sample whole turns, and so does vLLM, which schedules its rows continuously inside a call.
+            GRPOConfig has no such option.
 
     GRPO fields, as a GRPO user reads them:
         num_generations (`int`, *optional*): G, GRPO's per-prompt rollout budget, read as the paper's matched budget in
@@ -235,6 +246,10 @@ class TreeConfig(GRPOConfig):
         default="prefix",
         metadata={"help": "prefix (reuse earlier turns' KV within a rollout) | static (one preallocated KV cache per "
                   "generate call) | dynamic"},
+    )
+    generation_chunk_tokens: int | None = field(
+        default=None, metadata={"help": "Tokens a branch samples per generate call before the batch is re-formed "
+                                "(None: a whole turn)."}
     )
     num_generations: int | None = field(
         default=None, metadata={"help": "G: rollout budget per prompt in complete trajectories (default: from M, N)."}
@@ -487,6 +502,7 @@ class TreeConfig(GRPOConfig):
                 f"max_turn_tokens must be a positive number of tokens per assistant turn, or None; got "
                 f"{self.max_turn_tokens}."
             )
+        check_chunk_tokens(self.generation_chunk_tokens)
         if self.generation_cache not in GENERATION_CACHES:
             raise ValueError(
                 f"generation_cache must be one of {GENERATION_CACHES}; got {self.generation_cache!r}: 'prefix' reuses "
