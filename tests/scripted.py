@@ -39,6 +39,25 @@ class PrefixScript:
         return self.tokenizer.encode(reply, add_special_tokens=False) + [self.eos]
 
 
+class CounterEnv:
+    """A stateful environment: a branch must continue from the count its trajectory had at the anchor."""
+
+    def __init__(self):
+        self.n = 0
+
+    def reset(self, **kwargs):
+        self.n = 0
+
+    def increment(self) -> str:
+        """Adds one to the counter.
+
+        Returns:
+            The counter's new value.
+        """
+        self.n += 1
+        return str(self.n)
+
+
 def scripted_engine(tokenizer, replies) -> ScriptedEngine:
     script = PrefixScript(tokenizer, replies)
     return ScriptedEngine(script, eos_ids=[script.eos])

@@ -7,6 +7,7 @@ from collections import Counter
 
 import pytest
 
+from tests.scripted import CounterEnv
 from trl_tree.rollout.engine import ScriptedEngine
 from trl_tree.rollout.samplers import Branch, InitExpandSampler, SamplerSettings, TreeRoot, TurnLoop
 from trl_tree.tree import Turn
@@ -21,25 +22,6 @@ def look() -> str:
         What it sees.
     """
     return "ok"
-
-
-class CounterEnv:
-    """A stateful environment (copyable): a branch must continue from the count its trajectory had at the anchor."""
-
-    def __init__(self):
-        self.n = 0
-
-    def reset(self, **kwargs):
-        self.n = 0
-
-    def increment(self) -> str:
-        """Adds one to the counter.
-
-        Returns:
-            The counter's new value.
-        """
-        self.n += 1
-        return str(self.n)
 
 
 def _parser(tool: str):

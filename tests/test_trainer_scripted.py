@@ -8,6 +8,7 @@ import torch
 from tests.scripted import (
     AFTER_TOOL,
     CALL_1_PLUS_1,
+    CounterEnv,
     arithmetic_dataset,
     config,
     contains_answer,
@@ -165,25 +166,6 @@ class _Snapshot:
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         self.out.append(_params(model))
-
-
-class CounterEnv:
-    """A stateful environment: every branch must see the counter as it was at its anchor."""
-
-    def __init__(self):
-        self.n = 0
-
-    def reset(self, **kwargs):
-        self.n = 0
-
-    def increment(self) -> str:
-        """Adds one to the counter.
-
-        Returns:
-            The counter's new value.
-        """
-        self.n += 1
-        return str(self.n)
 
 
 def test_stateful_environment_branches_see_the_state_at_their_anchor(tmp_path):
