@@ -49,6 +49,8 @@ def test_bench_step_quick_writes_the_keys_of_the_issue(tmp_path):
                 "treeopsd_tree.sampling_seconds_per_1k_generated", "flat_grpo.sampling_seconds_per_1k_generated"):
         assert isinstance(dotted(result, key), (int, float)), key
     assert "treeopsd_tree.forward_tokens / treeopsd_tree.unique_tokens" in result["ratios"]
+    for value in result["ratios"].values():  # one repeat: its ratio is the run's
+        assert value["per_repeat"] == [pytest.approx(value["value"])]
     assert all(len(result[v]["per_batch"]) == 1 for v in ("grpo", "treeopsd_tree", "treeopsd_paths", "flat_grpo"))
 
 

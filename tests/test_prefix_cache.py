@@ -7,6 +7,7 @@ import logging
 import numpy as np
 import pytest
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from tests.scripted import arithmetic_dataset, config, contains_answer, hf_engine, tiny
 from trl_tree import TreeOPSDConfig, TreeOPSDTrainer
@@ -107,6 +108,61 @@ def test_each_prefix_reuses_its_longest_stored_prefix_and_prefills_at_least_one_
         assert plan.input_ids[row][mask.bool()].tolist() == query
 
 
+def test_a_growing_layer_holds_what_concatenation_holds():
+    """Within its room, past it (the buffers move) and after a batch selection that replaces its tensors, a
+    `GrowingLayer` returns the keys and values `DynamicLayer`'s concatenation returns; within the room it writes in
+    place."""
+    g = torch.Generator().manual_seed(0)
+
+    def kv(n):
+        return torch.randn(3, 2, n, 4, generator=g), torch.randn(3, 2, n, 4, generator=g)
+
+    reused = kv(5)
+    for start_with_reused in (False, True):
+        reference = DynamicLayer()
+        if start_with_reused:
+            reference.update(*reused)
+            buffers = tuple(torch.zeros(3, 2, 5 + 6 + 4, 4) for _ in range(2))
+            for buffer, t in zip(buffers, reused):
+                buffer[..., :5, :] = t
+            layer = prefix_cache.GrowingLayer(4, buffers, length=5)
+        else:
+            layer = prefix_cache.GrowingLayer(4)
+        pointers = []
+        for n in [6] + [1] * 10:  # a prefill of 6 columns, then decode steps
+            new = kv(n)
+            expected, got = reference.update(*new), layer.update(*new)
+            for a, b in zip(got, expected):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+            pointers.append(layer.keys.data_ptr())
+            assert layer.get_seq_length() == reference.get_seq_length()
+        assert len(set(pointers[:5])) == 1  # the prefill and 4 steps fit the room: written in place
+        assert len(set(pointers)) == 2  # the 5th step moved to buffers with twice the room, enough for the rest
+        for cache in (reference, layer):
+            cache.batch_select_indices(torch.tensor([0, 2]))
+        new = tuple(t[:2] for t in kv(1))
+        for a, b in zip(layer.update(*new), reference.update(*new)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_call_within_its_token_budget_never_copies_its_history(trainer, monkeypatch):
+    """The engine gives the store its call's budget, so the cache has room for every token the call samples: its
+    buffers are set up once (reused columns, or the prefill's when nothing is reused) and never move."""
+    copied = []
+    move = prefix_cache.GrowingLayer._move
+
+    def counting_move(self, keys, values, capacity):
+        copied.append(keys.shape[-2])
+        move(self, keys, values, capacity)
+
+    monkeypatch.setattr(prefix_cache.GrowingLayer, "_move", counting_move)
+    engine = hf_engine(trainer, monkeypatch, "prefix")
+    with engine.rollout():
+        _rollout(engine, trainer.model.config.vocab_size)
+        assert engine.prefix_store.reused_tokens > 0
+    assert copied and set(copied) == {0}  # reservations only
+
+
 def test_a_row_that_another_extends_is_dropped(trainer):
     store = PrefixKVStore(min_reuse=1)
     entry = lambda tokens: prefix_cache._Entry(np.asarray(tokens), [], [])  # noqa: E731
@@ -115,15 +171,57 @@ def test_a_row_that_another_extends_is_dropped(trainer):
     assert sorted(e.tokens.tolist() for e in store.entries) == [[1, 2, 3, 6], [1, 2, 7], [4, 5]]
 
 
+def test_sorted_lookups_agree_with_comparing_every_stored_row():
+    """The store looks a prefix up by binary search over its rows in lexicographic order; it must find what a scan
+    of every row finds: the longest common prefix, the earliest stored row among those sharing it, and keep exactly
+    the rows no other row extends (the earliest of identical rows). Random trees of short sequences over a small
+    alphabet make shared prefixes, extensions and duplicates common."""
+    rng = np.random.default_rng(0)
+
+    def common(a, b):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    for trial in range(200):
+        store = PrefixKVStore(min_reuse=int(rng.integers(1, 3)))
+        pool: list[list[int]] = []  # every row ever added, to grow new rows from
+        reference: list[list[int]] = []
+        for _ in range(int(rng.integers(1, 5))):
+            fresh = []
+            for _ in range(int(rng.integers(1, 6))):
+                base = pool[int(rng.integers(len(pool)))][: int(rng.integers(0, 6))] if pool and rng.random() < 0.8 \
+                    else []
+                fresh.append(base + rng.integers(0, 3, int(rng.integers(0, 4))).tolist())
+            pool += fresh
+            store._add([prefix_cache._Entry(np.asarray(t, dtype=np.int64), [], []) for t in fresh])
+            candidates = reference + fresh
+            reference = [t for i, t in enumerate(candidates)
+                         if not any(j != i and common(u, t) == len(t) and (len(u) > len(t) or j < i)
+                                    for j, u in enumerate(candidates))]
+            assert [e.tokens.tolist() for e in store.entries] == reference, trial
+        for _ in range(10):
+            query = rng.integers(0, 3, int(rng.integers(1, 9))).tolist()
+            longest = max((common(t, query) for t in reference), default=0)
+            expected_row = next((t for t in reference if common(t, query) == longest), None)
+            reuse = min(longest, len(query) - 1)
+            entry, k = store._best(query)
+            if reuse >= store.min_reuse and longest:
+                assert entry is not None and entry.tokens.tolist() == expected_row and k == reuse, (trial, query)
+            else:
+                assert (entry, k) == (None, 0), (trial, query)
+
+
 def test_the_trainer_reuses_within_a_rollout_and_starts_each_rollout_empty(trainer, monkeypatch):
     engine = hf_engine(trainer, monkeypatch, "prefix")
     monkeypatch.setattr(trainer, "generation_engine", engine)
     seen = []
     original = engine.prefix_store.plan
 
-    def plan(prefixes, pad_id, model):
+    def plan(*args, **kwargs):
         seen.append(len(engine.prefix_store.entries))
-        return original(prefixes, pad_id, model)
+        return original(*args, **kwargs)
 
     monkeypatch.setattr(engine.prefix_store, "plan", plan)
     for _ in range(2):

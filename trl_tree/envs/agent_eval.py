@@ -143,13 +143,14 @@ class GreedyEngine:
         return results
 
     def _generate_batch(self, prefixes: list[list[int]], max_new_tokens: list[int]) -> list[Continuation]:
-        plan = (self.store.plan(prefixes, self.pad_id, self.model) if self.store is not None
+        budget = max(1, max(max_new_tokens))
+        plan = (self.store.plan(prefixes, self.pad_id, self.model, budget) if self.store is not None
                 else left_padded(prefixes, self.pad_id))
         device = self.model.device
         out = self.model.generate(
             input_ids=plan.input_ids.to(device),
             attention_mask=plan.attention_mask.to(device),
-            max_new_tokens=max(1, max(max_new_tokens)),
+            max_new_tokens=budget,
             do_sample=False,
             temperature=None,
             top_p=None,

@@ -183,7 +183,7 @@ class HFEngine:
             trl_internals.distributed(trainer).summon_full_params(trainer.model_wrapped, recurse=False),
         ):
             store = self.prefix_store if self._reuses_prefixes(unwrapped) and not dummy else None
-            plan = store.plan(prefixes, self.pad_id, unwrapped) if store else left_padded(prefixes, self.pad_id)
+            plan = store.plan(prefixes, self.pad_id, unwrapped, budget) if store else left_padded(prefixes, self.pad_id)
             width = plan.input_ids.shape[1]
             cache = plan.cache if store is not None else self._static_cache(unwrapped, width + budget)
             generation_config = self._generation_config(budget)
