@@ -171,6 +171,23 @@ def test_a_row_that_another_extends_is_dropped(trainer):
     assert sorted(e.tokens.tolist() for e in store.entries) == [[1, 2, 3, 6], [1, 2, 7], [4, 5]]
 
 
+def test_a_call_that_generate_did_not_run_empties_the_store_and_its_index(trainer):
+    """A patched `generate` (TRL's tests script it) leaves the plan's cache unfilled: the store then drops every row,
+    and its lookups, which go through a sorted index of the rows, must not find any."""
+    model = trainer.model
+    store = PrefixKVStore(min_reuse=4)
+    stored = [list(range(3, 40)), list(range(5, 30))]
+    with torch.no_grad():
+        plan = store.plan(stored, 0, model)
+        out = model.generate(input_ids=plan.input_ids, attention_mask=plan.attention_mask, max_new_tokens=2,
+                             do_sample=False, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
+    store.store(out.cache, plan.attention_mask, stored, out.sequences[:, plan.input_ids.shape[1]:].tolist())
+    assert store._best(stored[0] + [7])[1] > 0
+    unfilled = store.plan([stored[0] + [9] * 20], 0, model)
+    store.store(unfilled.cache, unfilled.attention_mask, [stored[0] + [9] * 20], [[]])
+    assert store.entries == [] and store._best(stored[0] + [7]) == (None, 0)
+
+
 def test_sorted_lookups_agree_with_comparing_every_stored_row():
     """The store looks a prefix up by binary search over its rows in lexicographic order; it must find what a scan
     of every row finds: the longest common prefix, the earliest stored row among those sharing it, and keep exactly

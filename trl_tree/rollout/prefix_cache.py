@@ -40,6 +40,10 @@ from transformers.cache_utils import DynamicLayer
 
 # Reusing fewer tokens than this is not worth a row of padding in the cache (a pad column costs attention, not MLP).
 MIN_REUSE = 8
+# Spare columns a call's cache starts with, at most (its token budget when smaller): a budget of thousands of tokens
+# reserved for every row would hold far more memory than turns of tens or hundreds of tokens use; a turn that runs
+# past the room doubles it (`GrowingLayer`), a copy of the history each time.
+MAX_INITIAL_ROOM = 256
 
 
 @dataclass
@@ -174,7 +178,7 @@ class PrefixKVStore:
         self.prefilled_tokens = 0
 
     def clear(self) -> None:
-        self.entries, self._sorted = [], []
+        self._keep([])
         self.reused_tokens = self.prefilled_tokens = 0
 
     def _best(self, prefix) -> tuple[_Entry | None, int]:
@@ -203,7 +207,7 @@ class PrefixKVStore:
 
     def plan(self, prefixes: list[list[int]], pad_id: int, model, max_new_tokens: int = 0) -> ReusePlan:
         """The cache of each prefix's longest stored prefix, and the ids left to prefill, for one `generate` call
-        that samples at most `max_new_tokens` per row (the cache keeps room for them).
+        that samples at most `max_new_tokens` per row (the cache keeps room for them, up to `MAX_INITIAL_ROOM`).
 
         Heads that several prefixes of the call share beyond what is stored (a system prompt on the first turn, the
         prompt of a tree's M trajectories) are encoded first, once each (`_encode_shared_heads`); so are long tails
@@ -211,7 +215,7 @@ class PrefixKVStore:
         arrays = [np.asarray(p, dtype=np.int64) for p in prefixes]  # once: converting long lists is not free
         self._encode_shared_heads(prefixes, arrays, pad_id, model)
         self._encode_uneven_tails(prefixes, arrays, pad_id, model)
-        return self._plan(prefixes, pad_id, model.config, arrays, room=max_new_tokens)
+        return self._plan(prefixes, pad_id, model.config, arrays, room=min(max_new_tokens, MAX_INITIAL_ROOM))
 
     def _encode_shared_heads(self, prefixes: list[list[int]], arrays: list[np.ndarray], pad_id: int, model) -> None:
         """Store the KV of every longest head that two prefixes of the call share and no stored row covers: one
@@ -298,7 +302,7 @@ class PrefixKVStore:
         generated token never went through the model, so its KV is not there."""
         width = attention_mask.shape[1]
         if cache.get_seq_length() < width:  # `generate` did not run on this cache (patched, e.g. scripted in tests)
-            self.entries = []
+            self._keep([])
             return
         generated_columns = cache.get_seq_length() - width
         fresh = []
@@ -326,5 +330,9 @@ class PrefixKVStore:
         dropped = {i for i, j in zip(order, order[1:]) if _common_prefix(pool[i].tokens, pool[j].tokens) ==
                    len(pool[i].tokens)}
         kept = [i for i in range(len(pool)) if i not in dropped]
-        self.entries = [pool[i] for i in kept]
-        self._sorted = sorted((entry.key, i) for i, entry in enumerate(self.entries))
+        self._keep([pool[i] for i in kept])
+
+    def _keep(self, entries: list[_Entry]) -> None:
+        """The stored rows become `entries`, with their sorted index (every change of the rows goes through here)."""
+        self.entries = entries
+        self._sorted = sorted((entry.key, i) for i, entry in enumerate(entries))
