@@ -163,6 +163,24 @@ def test_a_call_within_its_token_budget_never_copies_its_history(trainer, monkey
     assert copied and set(copied) == {0}  # reservations only
 
 
+def test_a_large_budget_reserves_at_most_the_initial_room(trainer):
+    """A call's cache keeps room for its token budget, but a budget of thousands reserves only `MAX_INITIAL_ROOM`
+    spare columns per row (a longer turn doubles the room as it goes)."""
+    model = trainer.model
+    store = PrefixKVStore(min_reuse=4)
+    stored = [list(range(3, 40))]
+    with torch.no_grad():
+        plan = store.plan(stored, 0, model)
+        out = model.generate(input_ids=plan.input_ids, attention_mask=plan.attention_mask, max_new_tokens=2,
+                             do_sample=False, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
+    store.store(out.cache, plan.attention_mask, stored, out.sequences[:, plan.input_ids.shape[1]:].tolist())
+    query = stored[0] + [7, 8, 9]
+    for budget, room in ((10, 10), (10_000, prefix_cache.MAX_INITIAL_ROOM)):
+        plan = store.plan([query], 0, model, max_new_tokens=budget)
+        columns = plan.input_ids.shape[1]  # reused columns + the prefill
+        assert all(layer._buffers[0].shape[-2] == columns + room for layer in plan.cache.layers)
+
+
 def test_a_row_that_another_extends_is_dropped(trainer):
     store = PrefixKVStore(min_reuse=1)
     entry = lambda tokens: prefix_cache._Entry(np.asarray(tokens), [], [])  # noqa: E731

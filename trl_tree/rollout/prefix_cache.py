@@ -247,14 +247,13 @@ class PrefixKVStore:
     def _encode(self, heads: list[list[int]], pad_id: int, model) -> None:
         """Store the KV of `heads` (each reusing what is stored): one forward, batch = heads."""
         plan = self._plan(heads, pad_id, model.config)
-        cache = plan.cache
         mask = plan.attention_mask.to(model.device)
         cached = max(plan.reused)  # unlike `generate`, a forward does not skip the cache's columns
         with torch.no_grad():
             model(input_ids=plan.input_ids[:, cached:].to(model.device), attention_mask=mask,
                   position_ids=(mask.cumsum(-1) - 1).clamp(min=0)[:, cached:], use_cache=True, logits_to_keep=1,
-                  cache=cache)
-        self.store(cache, plan.attention_mask, heads, [[] for _ in heads])
+                  cache=plan.cache)
+        self.store(plan.cache, plan.attention_mask, heads, [[] for _ in heads])
 
     def _plan(self, prefixes: list[list[int]], pad_id: int, config, arrays: list[np.ndarray] | None = None,
               room: int = 0) -> ReusePlan:
@@ -327,8 +326,7 @@ class PrefixKVStore:
         between a sequence and its extensions starts with it), so one pass over the sorted rows finds them."""
         pool = self.entries + fresh
         order = sorted(range(len(pool)), key=lambda i: (pool[i].key, -i))  # identical rows: the earliest last
-        dropped = {i for i, j in zip(order, order[1:]) if _common_prefix(pool[i].tokens, pool[j].tokens) ==
-                   len(pool[i].tokens)}
+        dropped = {i for i, j in zip(order, order[1:]) if pool[j].key.startswith(pool[i].key)}
         kept = [i for i in range(len(pool)) if i not in dropped]
         self._keep([pool[i] for i in kept])
 
