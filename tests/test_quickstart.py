@@ -1,0 +1,54 @@
+"""The README's Quickstart is what CI runs: `.ci/run` reads the two command lines from the README (never a copy of
+them) and runs them in a fresh virtual environment, so a package that only the machine has cannot hide a missing
+install step, and the README and CI cannot drift apart."""
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CI_RUN = (ROOT / ".ci" / "run").read_text()
+
+_spec = importlib.util.spec_from_file_location("quickstart", ROOT / "scripts" / "quickstart.py")
+quickstart = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(quickstart)
+
+
+def test_the_quickstart_is_two_lines_the_main_job_then_the_tests():
+    main_job, tests = quickstart.quickstart_lines((ROOT / "README.md").read_text())
+    assert main_job.endswith("accelerate launch examples/train_hotpot.py")
+    assert re.search(r"\bpython -m pytest\b", tests)
+    assert main_job.startswith("pip install") and tests.startswith("pip install")  # each installs what it needs
+
+
+def test_ci_runs_the_lines_read_from_the_readme_in_a_fresh_venv():
+    assert "python scripts/quickstart.py" in CI_RUN
+    assert 'bash -euo pipefail -c "$line"' in CI_RUN
+    venv = re.search(r"^python3 -m venv (.+)$", CI_RUN, flags=re.M)
+    assert venv is not None and "--system-site-packages" not in venv.group(1)
+    assert CI_RUN.index("python3 -m venv") < CI_RUN.index("python scripts/quickstart.py") < CI_RUN.index("\ndeactivate")
+
+
+def test_ci_installs_nothing_for_the_main_environment_beyond_the_readme():
+    before_deactivate = CI_RUN[: CI_RUN.index("\ndeactivate")]
+    installs = re.findall(r"pip install[^\n]*", before_deactivate)
+    assert installs == ["pip install -q --upgrade pip"]  # the README's own lines install everything else
+
+
+@pytest.mark.parametrize(
+    "readme, error",
+    [
+        ("# trl-tree\n\nno quickstart here\n", "no '## Quickstart' heading"),
+        ("## Quickstart\n\nJust read the docs.\n\n## Next\n\n```bash\nls\n```\n", "no fenced code block"),
+    ],
+)
+def test_a_readme_without_a_quickstart_block_is_a_clear_error(readme, error):
+    with pytest.raises(ValueError, match=error):
+        quickstart.quickstart_lines(readme)
+
+
+def test_comments_and_blank_lines_in_the_block_are_not_commands():
+    readme = "## Quickstart\n\n```bash\n# install and train\nfirst\n\nsecond\n```\n"
+    assert quickstart.quickstart_lines(readme) == ["first", "second"]
