@@ -222,3 +222,362 @@ def test_a_reset_that_differs_from_the_roots_is_warned_about():
     assert tree.reset_observation == "puzzle 1"
     with pytest.warns(ReplayDivergenceWarning, match="reset returned a different observation for the same row"):
         tree.start()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# No default shares state between branches: auto copies only what is plain data or says it may be copied; a
+# replayed branch whose world disagrees with its history is not trained; a failing fork() is no crash
+# ---------------------------------------------------------------------------------------------------------------
+
+ROW = {"prompt": [{"role": "user", "content": "What is 1+1?"}], "answer": "2"}
+_SESSIONS: dict[str, int] = {}  # a stand-in server's sessions: state the clients point at but do not own
+
+
+def _open_session() -> str:
+    sid = f"session-{len(_SESSIONS)}"
+    _SESSIONS[sid] = 0
+    return sid
+
+
+class _ServerCounter:
+    """A client whose counter lives on the server, under a key: a deep copy copies the key, not the session."""
+
+    def _key(self) -> str:
+        raise NotImplementedError
+
+    def add(self, amount: int) -> str:
+        """Adds an amount to the counter.
+
+        Args:
+            amount: how much to add.
+
+        Returns:
+            The counter's new value.
+        """
+        _SESSIONS[self._key()] += amount
+        return str(_SESSIONS[self._key()])
+
+    @property
+    def n(self) -> int:
+        return _SESSIONS[self._key()]
+
+
+class RestSessionEnv(_ServerCounter):
+    """A REST client: a base URL and the session id the server handed out (plain strings, remote state)."""
+
+    def __init__(self):
+        self.base_url, self.session_id = "http://counter.invalid", None
+
+    def reset(self, **kwargs):
+        self.session_id = _open_session()
+
+    def _key(self):
+        return self.session_id
+
+
+class _Handle:
+    """A handle on a server-side session, of a class nothing knows about."""
+
+    def __init__(self, key):
+        self.key = key
+
+
+class HandleSessionEnv(_ServerCounter):
+    def __init__(self):
+        self.link = None
+
+    def reset(self, **kwargs):
+        self.link = _Handle(_open_session())
+
+    def _key(self):
+        return self.link.key
+
+
+class RequestsSessionEnv(_ServerCounter):
+    """An HTTP client: a `requests.Session` (deep-copyable) and a token naming the server-side session."""
+
+    def __init__(self):
+        import requests
+
+        self.http, self.token = requests.Session(), None
+
+    def reset(self, **kwargs):
+        self.token = _open_session()
+
+    def _key(self):
+        return self.token
+
+
+def _outputs_match_own_calls(branch) -> bool:
+    """Every `add` output of the branch is the running sum of the branch's own amounts."""
+    history = _tool_history(branch.messages)
+    amounts = list(itertools.accumulate(arguments["amount"] for _, arguments, _ in history))
+    return [output for *_, output in history] == [str(a) for a in amounts]
+
+
+@pytest.mark.parametrize("client", ["rest", "handle", "requests", "socket"])
+def test_auto_does_not_copy_clients_of_remote_state_every_leaf_sees_its_own_calls(tmp_path, client):
+    if client == "requests":
+        pytest.importorskip("requests")
+    finals = []
+
+    def final_counter(completions, environments, **kwargs):
+        finals.extend(e.n for e in environments)
+        return [float(e.n) for e in environments]
+
+    with SessionServer() as server:
+        factory = {"rest": RestSessionEnv, "handle": HandleSessionEnv, "requests": RequestsSessionEnv,
+                   "socket": server.factory(RemoteCounterEnv)}[client]
+        trainer = _trainer(tmp_path, factory, reward=final_counter)
+        branches = _capture_branches(trainer)
+        trainer.generate_batch([ROW])
+    assert len(branches) == 6
+    assert [b for b in branches if not _outputs_match_own_calls(b)] == []
+    assert finals == [int(_tool_history(b.messages)[-1][2]) for b in branches]  # each leaf's world is its own
+
+
+def test_a_plain_local_environment_is_still_copied_under_auto(tmp_path):
+    """Plain data (scalars, containers, a dataclass, random.Random, arrays, tensors) copies cheaply: no replay."""
+    import dataclasses
+    import random
+
+    import numpy as np
+    import torch
+
+    @dataclasses.dataclass
+    class Meta:
+        name: str = "counter"
+        tags: list = dataclasses.field(default_factory=list)
+
+    resets = []
+
+    class LocalCounterEnv:
+        def __init__(self):
+            self.n, self.history, self.meta = 0, [], Meta()
+            self.rng, self.board, self.weights = random.Random(0), np.zeros(3), torch.zeros(2)
+
+        def reset(self, **kwargs):
+            resets.append(kwargs)
+            self.n, self.history = 0, []
+
+        def add(self, amount: int) -> str:
+            """Adds an amount to the counter.
+
+            Args:
+                amount: how much to add.
+
+            Returns:
+                The counter's new value.
+            """
+            self.n += amount
+            self.history.append(amount)
+            return str(self.n)
+
+    trainer = _trainer(tmp_path, LocalCounterEnv)
+    branches = _capture_branches(trainer)
+    resets_before = len(resets)
+    trainer.generate_batch([ROW])
+    assert len(resets) - resets_before == 2  # one per trajectory from the prompt; no branch was replayed
+    assert all(s is not None for b in branches[:2] for s in b.snapshots[1:])  # copies were kept
+    assert all(_outputs_match_own_calls(b) for b in branches)
+
+
+def test_an_environment_can_declare_itself_copyable_or_not():
+    from trl_tree.rollout.env import copy_blocker
+
+    class Declared(RestSessionEnv):
+        __trl_tree_copyable__ = True
+
+    class Refused:
+        __trl_tree_copyable__ = False
+
+        def __init__(self):
+            self.n = 0
+
+    class OwnDeepcopy(HandleSessionEnv):
+        def __deepcopy__(self, memo):
+            other = HandleSessionEnv()
+            return other
+
+    assert copy_blocker(Declared()) is None and copy_blocker(OwnDeepcopy()) is None
+    assert "__trl_tree_copyable__ = False" in copy_blocker(Refused())
+    handle = HandleSessionEnv()
+    handle.reset()
+    assert "link" in copy_blocker(handle) and "_Handle" in copy_blocker(handle)
+    rest = RestSessionEnv()
+    rest.reset()
+    rest.base_url = None  # unset handles are no handles; the session id alone is one
+    assert "RestSessionEnv.session_id is named like a handle on remote state" in copy_blocker(rest)
+
+
+class RandomWorldEnv:
+    """A local world whose reset and tools draw from Python's, NumPy's and torch's global generators (the Wordle
+    example draws its secret word so): the observation does not show the secret, the tool outputs depend on it."""
+
+    def reset(self, **kwargs):
+        import random
+
+        import numpy as np
+        import torch
+
+        self.n = random.randrange(1000) + int(np.random.randint(1000)) + int(torch.randint(1000, ()))
+        return "Find the counter."
+
+    def add(self, amount: int) -> str:
+        """Adds an amount (and some noise) to the counter.
+
+        Args:
+            amount: how much to add.
+
+        Returns:
+            The counter's new value.
+        """
+        import random
+
+        import numpy as np
+        import torch
+
+        self.n += amount + random.randrange(10) + int(np.random.randint(10)) + int(torch.randint(10, ()))
+        return str(self.n)
+
+
+def test_replay_reproduces_what_reset_and_tools_draw_from_the_global_generators(tmp_path):
+    import warnings
+
+    finals = []
+
+    def final_counter(completions, environments, **kwargs):
+        finals.extend(e.n for e in environments)
+        return [float(e.n) for e in environments]
+
+    trainer = _trainer(tmp_path, RandomWorldEnv, reward=final_counter, environment_branching="replay")
+    branches = _capture_branches(trainer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReplayDivergenceWarning)
+        trainer.generate_batch([ROW])
+    assert len(branches) == len(finals) == 6 and all(b.diverged_at is None for b in branches)
+    assert finals == [int(_tool_history(b.messages)[-1][2]) for b in branches]  # world and history agree
+
+
+def test_replay_leaves_the_callers_random_state_as_it_was():
+    import random
+
+    import numpy as np
+    import torch
+
+    from trl_tree.rollout.env import capture_random_state
+
+    def run_call(call, tools):
+        return run_tool_call(call, tools, timeout=5, max_chars=None)
+
+    pool = EnvironmentPool({None: RandomWorldEnv}, branching="replay")
+    tree = TreeEnvironment(pool, None, {}, run_call)
+    root = tree.start()
+    call = {"type": "function", "function": {"name": "add", "arguments": {"amount": 1}}}
+    drawn_with = capture_random_state()
+    recorded = [RecordedCall(0, call, run_call(call, {"add": root.add}).content, False, drawn_with)]
+
+    def state():
+        return random.getstate(), np.random.get_state()[1].tolist(), torch.get_rng_state().tolist()
+
+    before = state()
+    replayed = tree.at(None, recorded)
+    assert state() == before  # the sampler's own randomness is not disturbed by replays
+    assert replayed.n == root.n and tree.diverged(replayed) is False
+
+
+class UrandomEnv:
+    """Divergence no process state can prevent: every call draws from the OS."""
+
+    def reset(self, **kwargs):
+        self.n = 0
+
+    def add(self, amount: int) -> str:
+        """Adds an amount (and some noise) to the counter.
+
+        Args:
+            amount: how much to add.
+
+        Returns:
+            The counter's new value.
+        """
+        import os
+
+        self.n += amount + int.from_bytes(os.urandom(4), "little")
+        return str(self.n)
+
+
+def test_a_diverged_replay_is_dropped_from_the_tree_and_counted(tmp_path):
+    from trl_tree import trl_internals
+
+    scored = []
+
+    def count(completions, **kwargs):
+        scored.extend(completions)
+        return [float(len(c)) for c in completions]
+
+    trainer = _trainer(tmp_path, UrandomEnv, reward=count, environment_branching="replay")
+    branches = _capture_branches(trainer)
+    with pytest.warns(ReplayDivergenceWarning, match="Replaying tool 'add'"):
+        trainer.generate_batch([ROW])
+    diverged = [b for b in branches if b.diverged_at is not None]
+    assert len(branches) == 6 and len(diverged) == 4  # every continuation replays calls that cannot repeat
+    metrics = trl_internals.metrics(trainer, "train" if trainer.model.training else "eval")
+    assert metrics["tree/diverged_branches"] == [4.0]
+    assert metrics["tree/leaves_per_tree"] == [2.0]  # the diverged continuations are no leaves
+    assert len(scored) == 2  # and are not scored
+
+
+def test_a_diverged_replay_raises_when_asked_to(tmp_path):
+    from trl_tree.rollout.env import ReplayDivergenceError
+
+    trainer = _trainer(tmp_path, UrandomEnv, environment_branching="replay", replay_divergence="raise")
+    with pytest.raises(ReplayDivergenceError, match=r"UrandomEnv: replaying tool 'add' \(call of turn \d\) gave"):
+        trainer.generate_batch([ROW])
+
+
+def test_replay_divergence_is_validated(tmp_path):
+    with pytest.raises(ValueError, match="replay_divergence must be one of"):
+        config(TreeOPSDConfig, tmp_path, replay_divergence="ignore")
+
+
+class BrokenForkEnv:
+    """A plain counter whose fork() fails (e.g. the server cannot snapshot a session)."""
+
+    def __init__(self):
+        self.n = 0
+
+    def reset(self, **kwargs):
+        self.n = 0
+
+    def add(self, amount: int) -> str:
+        """Adds an amount to the counter.
+
+        Args:
+            amount: how much to add.
+
+        Returns:
+            The counter's new value.
+        """
+        self.n += amount
+        return str(self.n)
+
+    def fork(self):
+        raise RuntimeError("the server cannot snapshot this session")
+
+
+def test_a_failing_fork_falls_back_to_replay_under_auto(tmp_path, caplog):
+    trainer = _trainer(tmp_path, BrokenForkEnv)
+    branches = _capture_branches(trainer)
+    with caplog.at_level("WARNING", logger="trl_tree.rollout.env"):
+        trainer.generate_batch([ROW])
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("BrokenForkEnv.fork() raised RuntimeError: the server cannot snapshot" in m for m in messages)
+    assert len(branches) == 6 and all(_outputs_match_own_calls(b) for b in branches)
+
+
+def test_a_failing_fork_under_fork_says_what_to_do(tmp_path):
+    trainer = _trainer(tmp_path, BrokenForkEnv, environment_branching="fork")
+    with pytest.raises(RuntimeError, match=r"environment_branching='fork', but BrokenForkEnv\.fork\(\) raised "
+                                           r"RuntimeError.*environment_branching='auto' or 'replay'"):
+        trainer.generate_batch([ROW])

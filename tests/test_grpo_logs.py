@@ -322,6 +322,27 @@ def test_none_means_not_applicable_and_an_unscored_leaf_warns_and_gets_no_advant
     assert trainer._metrics[mode]["reward"][-1] == pytest.approx(scored_mean)
 
 
+def _nan_when_giving_up(completions, **kwargs):
+    return [math.nan if "know" in c[-1]["content"] else float("2" in c[-1]["content"]) for c in completions]
+
+
+async def _async_nan_when_giving_up(completions, **kwargs):
+    return _nan_when_giving_up(completions)
+
+
+@pytest.mark.parametrize("reward", [_nan_when_giving_up, _async_nan_when_giving_up], ids=["sync", "async"])
+def test_nan_from_a_sync_or_async_reward_function_means_not_applicable_as_in_grpo(tmp_path, reward):
+    """One rule for both kinds of function, GRPO's: a NaN reward is a None (GRPOTrainer's reward tensor cannot tell
+    them apart), warned about once. The leaf that no function scores takes its tree's scored mean: advantage 0."""
+    trainer = _tree_trainer(tmp_path, reward_funcs=[reward])
+    with pytest.warns(UserWarning, match="returned nan for sample 1"):
+        per_func, rewards = _score_one_tree(trainer)
+    unscored = 1  # leaves: call→2 (1), give up (NaN), call→3 (0), call→2 (1)
+    assert torch.isnan(per_func[unscored]).all() and per_func[[0, 2, 3], 0].tolist() == [1.0, 0.0, 1.0]
+    assert rewards.tolist() == pytest.approx([1.0, 2 / 3, 0.0, 1.0])
+    assert credit.standardize(rewards)[unscored].item() == pytest.approx(0.0, abs=1e-6)
+
+
 @pytest.mark.parametrize(
     ("output", "error", "message"),
     [

@@ -4,6 +4,7 @@ import copy
 import http.server
 import inspect
 import json
+import logging
 import socket
 import sys
 import threading
@@ -31,6 +32,7 @@ from trl_tree.envs.hotpot import (
     search_env_factory,
 )
 from trl_tree.envs.synthetic import make_synthetic_hotpot
+from trl_tree.rollout.env import ToolFatalError, run_tool_call
 
 
 @pytest.fixture(scope="module")
@@ -299,6 +301,114 @@ def test_remote_retriever_times_out_on_a_server_that_never_answers():
         with pytest.raises(ConnectionError):
             retriever.search(["q"], topk=3)
         assert time.monotonic() - start < 3
+
+
+def _serve(handler):
+    """A retrieval server on 127.0.0.1 (a free port), in a daemon thread; `_stop` closes its port."""
+    server = http.server.HTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def _stop(server):
+    server.shutdown()
+    server.server_close()
+
+
+def _search(tools, query="Zorblax"):
+    """One search as the trainer's turn loop runs it: through the tool-call guard, with a deadline."""
+    call = {"type": "function", "function": {"name": "search", "arguments": {"query": query}}}
+    return run_tool_call(call, tools, timeout=5, max_chars=None)
+
+
+def _retriever_warnings(caplog):
+    return [r for r in caplog.records if r.name == "trl_tree.envs.hotpot" and r.levelno == logging.WARNING]
+
+
+def test_a_retrieval_server_that_dies_warns_then_stops_the_run_past_the_failure_rate(caplog):
+    """At most `max_failure_rate` of the recent searches failed: each failure is an error observation (the model reads
+    it, the run goes on) and the log warns once. Past it, the search raises ToolFatalError, which the tool-call guard
+    lets through, so training stops with the server's URL instead of finishing on searches that all failed."""
+    caplog.set_level(logging.WARNING, logger="trl_tree.envs.hotpot")
+    server, url = _serve(_RetrievalHandler)
+    retriever = RemoteRetriever(url, timeout=1, max_retries=0, max_failure_rate=0.5, min_calls=4, window=10)
+    tools = {"search": make_search_tool(retriever)}
+    try:
+        assert [_search(tools).failed for _ in range(2)] == [False, False]
+    finally:
+        _stop(server)  # the port now refuses connections
+    start = time.monotonic()
+    observations = [_search(tools) for _ in range(2)]  # 1 of 3 failed, 2 of 4: not past 0.5
+    assert all(r.failed and url in r.content for r in observations)
+    warnings = _retriever_warnings(caplog)
+    assert len(warnings) == 1 and url in warnings[0].getMessage()  # one warning for the episode, not one per call
+    with pytest.raises(ToolFatalError) as error:
+        _search(tools)  # 3 of 5 failed
+    message = str(error.value)
+    assert url in message and "3 of the last 5" in message and "max_failure_rate" in message
+    assert time.monotonic() - start < 5
+
+
+def _flaky_handler(failing: set[int]):
+    """`_RetrievalHandler` that answers HTTP 500 to the requests numbered in `failing` (1-based)."""
+
+    class Flaky(_RetrievalHandler):
+        count = 0
+
+        def do_POST(self):
+            type(self).count += 1
+            if type(self).count not in failing:
+                return super().do_POST()
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(500)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    return Flaky
+
+
+def test_sporadic_search_failures_do_not_stop_the_run_and_each_episode_warns_once(caplog):
+    """A failure that the window forgets (all of the recent calls succeeded since) ends its episode: the next failure
+    warns again. Below the threshold, nothing stops."""
+    caplog.set_level(logging.WARNING, logger="trl_tree.envs.hotpot")
+    server, url = _serve(_flaky_handler({3, 4, 10}))
+    retriever = RemoteRetriever(url, timeout=1, max_retries=0, max_failure_rate=0.5, min_calls=2, window=4)
+    try:
+        failed = [_search({"search": make_search_tool(retriever)}).failed for _ in range(12)]
+    finally:
+        _stop(server)
+    assert [i + 1 for i, f in enumerate(failed) if f] == [3, 4, 10]
+    assert len(_retriever_warnings(caplog)) == 2  # requests 3-4 are one episode, request 10 another
+
+
+def test_with_nothing_listening_searches_stop_after_min_calls():
+    retriever = RemoteRetriever(f"http://127.0.0.1:{_closed_port()}", timeout=1, max_retries=0, min_calls=3)
+    tools = {"search": make_search_tool(retriever)}
+    start = time.monotonic()
+    assert [_search(tools).failed for _ in range(2)] == [True, True]
+    with pytest.raises(ToolFatalError, match="3 of the last 3"):
+        _search(tools)
+    assert time.monotonic() - start < 5
+
+
+def test_the_hotpot_scripts_check_the_retrieval_server_before_training():
+    """One search at start-up: a server that does not answer fails the script at once, naming the URL and how to
+    start one, instead of after a model has been loaded (or, before, never)."""
+    from trl_tree.scripts.hotpot import HotpotDataArguments, build_retriever
+
+    url = f"http://127.0.0.1:{_closed_port()}"
+    start = time.monotonic()
+    with pytest.raises(ConnectionError) as error:
+        build_retriever(HotpotDataArguments(retriever="remote", retriever_url=url), [])
+    message = str(error.value)
+    assert url in message and "retrieval_server.py" in message and "--retriever bm25" in message
+    assert time.monotonic() - start < 5
+    server, url = _serve(_RetrievalHandler)
+    try:
+        retriever = build_retriever(HotpotDataArguments(retriever="remote", retriever_url=url), [])
+        assert isinstance(retriever, RemoteRetriever) and retriever.search(["q"], topk=1)[0][0]["title"] == "Title 0"
+    finally:
+        _stop(server)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ sampler's generator state. All runs are on CPU in float32 with one thread: the s
 bitwise-equal results, so the comparisons are exact (`torch.equal`).
 """
 
+import functools
 import json
 import logging
 import os
@@ -24,9 +25,10 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
+from transformers import TrainerCallback
 
 from tests.scripted import CALL_1_PLUS_1, config, contains_answer, tiny
-from trl_tree import TreeFlexConfig, TreeFlexTrainer, TreeOPSDConfig, TreeOPSDTrainer
+from trl_tree import TreeFlexConfig, TreeFlexTrainer, TreeOPSDConfig, TreeOPSDTrainer, TreePOConfig, TreePOTrainer
 from trl_tree.rollout.engine import ScriptedEngine
 from trl_tree.rollout.flex_harness import REFLECTION_PROMPT
 from trl_tree.testing import calculator
@@ -87,13 +89,14 @@ def questions(n: int) -> Dataset:
     })
 
 
-def tree_trainer(output_dir):
+def tree_trainer(output_dir, trees=2, config_class=TreeOPSDConfig, trainer_class=TreeOPSDTrainer, **changes):
+    """The TreeOPSD run (`trees` per micro-batch); `changes` are config fields set otherwise than in it."""
     model, tok = tiny()
-    fields = dict(num_initial_rollouts=2, num_branches=2)
-    args = config(TreeOPSDConfig, output_dir, **fields, max_turns=4, max_completion_length=160,
-                  per_device_train_batch_size=2 * TreeOPSDConfig.num_generations_for(**fields), **RUN)
-    trainer = TreeOPSDTrainer(model=model, reward_funcs=contains_answer, args=args, train_dataset=questions(8),
-                              processing_class=tok, tools=[calculator])
+    fields = {"num_initial_rollouts": 2, "num_branches": 2, **changes}
+    args = config(config_class, output_dir, **fields, max_turns=4, max_completion_length=160,
+                  per_device_train_batch_size=trees * config_class.num_generations_for(**fields), **RUN)
+    trainer = trainer_class(model=model, reward_funcs=contains_answer, args=args, train_dataset=questions(8),
+                            processing_class=tok, tools=[calculator])
     trainer.generation_engine = sampled_engine(tok, agent_turn)
     trainer.sampler.rng = RecordingRandom(trainer.sampler.rng)
     return trainer
@@ -203,7 +206,7 @@ def saved_on_two_processes(checkpoint_dir):
 @pytest.mark.parametrize("checkpoint, alter, reason, generations", [
     (1, without_state, "it has no trl_tree_state_0.pth", [1, 2]),
     (2, without_state, "it has no trl_tree_state_0.pth", [2]),
-    (1, saved_on_two_processes, "it was saved with {'num_processes': 2", [1, 2]),
+    (1, saved_on_two_processes, "num_processes: 2 → 1", [1, 2]),
 ])
 def test_checkpoint_without_fitting_state_resumes_at_next_generation_batch(uninterrupted, tmp_path, caplog, checkpoint,
                                                                             alter, reason, generations):
@@ -221,6 +224,100 @@ def test_checkpoint_without_fitting_state_resumes_at_next_generation_batch(unint
     assert ("remaining 1 optimizer block" in warning) == (checkpoint == 1)
     assert generated_at == generations
     assert max(logged(trainer, "loss")) == trainer.args.max_steps
+
+
+def resume_warnings(caplog) -> str:
+    return " ".join(r.getMessage() for r in caplog.records if r.name == "trl_tree.trainer.resume")
+
+
+@pytest.mark.parametrize("changes, changed", [
+    (dict(target_radius=0.1), "target_radius: 0.25 → 0.1"),
+    (dict(num_branches=1), "num_branches: 2 → 1"),
+    (dict(trees=1), "per_device_train_batch_size: 8 → 4"),
+])
+def test_changed_batch_config_generates_the_interrupted_batch_anew(uninterrupted, tmp_path, caplog, changes, changed):
+    """Resumed between the two blocks of a generation batch with a field that shapes that batch or its credit (the
+    teacher's ρ, the trees' branches, the trees per micro-batch) set otherwise, the run does not train the saved batch
+    (built and credited under the checkpoint's config) but generates anew at once (micro-step 1), and the warning
+    names the field with its old and new value."""
+    out, _, _ = uninterrupted
+    with caplog.at_level(logging.WARNING, logger="trl_tree.trainer.resume"):
+        trainer, _, generated_at = train(functools.partial(tree_trainer, **changes), tmp_path, out / "checkpoint-1")
+    warning = resume_warnings(caplog)
+    assert "cannot be resumed exactly" in warning and changed in warning
+    assert generated_at == [1, 2]
+    assert max(logged(trainer, "loss")) == trainer.args.max_steps
+
+
+def test_checkpoint_of_another_method_names_both_and_is_not_trained(uninterrupted, tmp_path, caplog):
+    """TreeOPSD's checkpoint resumed by TreePOTrainer: the saved batch carries TreeOPSD's credit, so it is generated
+    anew, and the warning names both trainers."""
+    out, _, _ = uninterrupted
+    make = functools.partial(tree_trainer, config_class=TreePOConfig, trainer_class=TreePOTrainer)
+    with caplog.at_level(logging.WARNING, logger="trl_tree.trainer.resume"):
+        _, _, generated_at = train(make, tmp_path, out / "checkpoint-1")
+    warning = resume_warnings(caplog)
+    assert "TreeOPSDTrainer" in warning and "TreePOTrainer" in warning
+    assert generated_at == [1, 2]
+
+
+class StepsTrained(TrainerCallback):
+    def __init__(self):
+        self.steps = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps.append(state.global_step)
+
+
+def copy_checkpoints(out, run_dir, steps):
+    for k in steps:
+        shutil.copytree(out / f"checkpoint-{k}", run_dir / f"checkpoint-{k}")
+
+
+def test_resume_true_takes_the_newest_complete_checkpoint(uninterrupted, tmp_path, caplog):
+    """Saves interrupted at steps 3 and 4 (the trainer state never written; the weights gone): resume_from_checkpoint
+    =True resumes from checkpoint 2, so exactly steps 3 and 4 are trained, and the log names the skipped folders and
+    what each lacks."""
+    out, _, _ = uninterrupted
+    copy_checkpoints(out, tmp_path, [1, 2, 3, 4])
+    (tmp_path / "checkpoint-4" / "trainer_state.json").unlink()
+    (tmp_path / "checkpoint-3" / "model.safetensors").unlink()
+    trainer = tree_trainer(tmp_path)
+    generations, steps = count_generations(trainer), StepsTrained()
+    trainer.add_callback(steps)
+    with caplog.at_level(logging.WARNING, logger="trl_tree.trainer.resume"):
+        trainer.train(resume_from_checkpoint=True)
+    assert steps.steps == [3, 4] and generations == [2]
+    warning = resume_warnings(caplog)
+    assert "checkpoint-2" in warning
+    assert "checkpoint-4" in warning and "trainer_state.json" in warning
+    assert "checkpoint-3" in warning and "model weights" in warning
+
+
+def test_resume_true_without_a_complete_checkpoint_says_what_each_lacks(uninterrupted, tmp_path):
+    out, _, _ = uninterrupted
+    copy_checkpoints(out, tmp_path, [1, 2])
+    (tmp_path / "checkpoint-1" / "trainer_state.json").unlink()
+    state = Path(resume.state_file(str(tmp_path / "checkpoint-2"), 0))
+    state.write_bytes(state.read_bytes()[:100])  # cut short by the crash
+    with pytest.raises(ValueError) as error:
+        tree_trainer(tmp_path).train(resume_from_checkpoint=True)
+    message = str(error.value)
+    assert "no complete checkpoint" in message
+    assert "checkpoint-1" in message and "trainer_state.json" in message
+    assert "checkpoint-2" in message and "trl_tree_state_0.pth" in message
+
+
+def test_state_file_without_its_keys_is_a_clear_error(uninterrupted, tmp_path):
+    """A state file that loads but lacks keys names them and says how to resume anyway (as an unreadable one does)."""
+    out, _, _ = uninterrupted
+    copy_checkpoints(out, tmp_path, [1])
+    path = resume.state_file(str(tmp_path / "checkpoint-1"), 0)
+    state = torch.load(path, weights_only=True)
+    del state["sampler"], state["step"]
+    torch.save(state, path)
+    with pytest.raises(ValueError, match=r"lacks .*'sampler'.*'step'.*Delete the file"):
+        train(tree_trainer, tmp_path / "run", tmp_path / "checkpoint-1")
 
 
 def test_treeflex_resumes_between_blocks(tmp_path):

@@ -1,6 +1,13 @@
-"""Properties of the QA rewards: SQuAD normalisation, EM, token F1 and its threshold, answer extraction, format."""
+"""Properties of the QA rewards: SQuAD normalisation, EM, token F1 and its threshold, answer extraction, format; and
+of the guard the trainers put around every reward function."""
+
+import asyncio
+import inspect
+import math
+import warnings
 
 import pytest
+from trl.trainer.utils import is_async_callable
 
 from trl_tree.rewards import (
     exact_match_reward,
@@ -9,6 +16,7 @@ from trl_tree.rewards import (
     f1_reward,
     f1_score,
     format_reward,
+    guard_reward_func,
     normalize_answer,
     thresholded_f1_reward,
 )
@@ -107,3 +115,71 @@ def test_format_reward_requires_one_answer_span_and_parsed_tool_calls():
     completions = [good, two_spans, empty_span, unclosed, unparsed, bad_arguments + good[1:], pending]
     assert format_reward([None] * len(completions), completions) == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     assert format_reward([None, None], ["<answer> Lyon </answer>", "Lyon"]) == [1.0, 0.0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The reward-function guard: one rule for sync and async functions
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _scores(value):
+    """Rewards of completions "2", "I do not know", "3": `value` for the second, 1.0 for the others."""
+
+    def partial_reward(completions, **kwargs):
+        return [value if "know" in c else 1.0 for c in completions]
+
+    async def async_partial_reward(completions, **kwargs):
+        await asyncio.sleep(0)
+        return partial_reward(completions)
+
+    return partial_reward, async_partial_reward
+
+
+def _guarded(func):
+    guarded = guard_reward_func(func, "partial_reward")
+    assert is_async_callable(guarded) == is_async_callable(func)  # TRL must still await an async function
+    return guarded
+
+
+def _call_guarded(guarded):
+    """A guarded function called as TRL calls it (an async one awaited, as on GRPOTrainer's event loop)."""
+    out = guarded(prompts=[None] * 3, completions=["2", "I do not know", "3"])
+    return asyncio.run(out) if inspect.isawaitable(out) else out
+
+
+def _run_guarded(func):
+    return _call_guarded(_guarded(func))
+
+
+@pytest.mark.parametrize("kind", [0, 1], ids=["sync", "async"])
+def test_nan_from_a_sync_or_async_reward_function_is_none_and_warns_once(kind):
+    """GRPOTrainer cannot tell a NaN from a None (it turns None into NaN and skips NaN in nansum / nanmean): either
+    means "does not apply to this sample". The guard says so for both kinds, warning once per function, because a NaN
+    is often a bug that a None would not be."""
+    guarded = _guarded(_scores(math.nan)[kind])
+    with pytest.warns(UserWarning, match=r"'partial_reward' returned nan for sample 1 .*None"):
+        assert _call_guarded(guarded) == [1.0, None, 1.0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once: a function that returns NaN does so every batch
+        assert _call_guarded(guarded) == [1.0, None, 1.0]
+
+
+@pytest.mark.parametrize("kind", [0, 1], ids=["sync", "async"])
+def test_none_passes_the_guard_silently_for_sync_and_async_reward_functions(kind):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _run_guarded(_scores(None)[kind]) == [1.0, None, 1.0]
+
+
+@pytest.mark.parametrize("kind", [0, 1], ids=["sync", "async"])
+def test_an_infinite_reward_is_an_error_for_sync_and_async_reward_functions(kind):
+    """±inf has no GRPO meaning: it would make every advantage of the group inf or NaN, and a tree's backed-up values
+    with it."""
+    with pytest.raises(ValueError, match=r"'partial_reward' returned inf for sample 1 .*finite"):
+        _run_guarded(_scores(math.inf)[kind])
+
+
+@pytest.mark.parametrize("kind", [0, 1], ids=["sync", "async"])
+def test_a_reward_of_the_wrong_kind_is_named_for_sync_and_async_reward_functions(kind):
+    with pytest.raises(TypeError, match=r"'partial_reward' returned 'high' \(str\) for sample 1"):
+        _run_guarded(_scores("high")[kind])

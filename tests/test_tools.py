@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from trl_tree.rollout.env import TRUNCATION_MARKER, fork_environment, run_tool_call
+from trl_tree.rollout.env import TRUNCATION_MARKER, ToolFatalError, fork_environment, run_tool_call
 
 
 def add(a: int, b: int) -> str:
@@ -133,3 +133,30 @@ def test_fork_prefers_the_environments_own_fork_then_deepcopy():
 def test_an_environment_that_cannot_be_forked_says_what_to_do():
     with pytest.raises(TypeError, match="add a `fork\\(self\\)` method"):
         fork_environment(Unforkable())
+
+
+def dependency_gone(x: str) -> str:
+    """Fails because what it needs is gone.
+
+    Args:
+        x: anything
+    """
+    raise ToolFatalError("the retrieval server at http://127.0.0.1:1 is gone")
+
+
+async def async_dependency_gone(x: str) -> str:
+    """Fails, asynchronously, because what it needs is gone.
+
+    Args:
+        x: anything
+    """
+    raise ToolFatalError("the retrieval server at http://127.0.0.1:1 is gone")
+
+
+@pytest.mark.parametrize("execution", ["main", "thread"])
+@pytest.mark.parametrize("tool", [dependency_gone, async_dependency_gone])
+def test_a_tool_fatal_error_escapes_the_guard_and_stops_the_run(tool, execution):
+    """Any other exception is the model's observation; ToolFatalError says the run cannot go on (every later call
+    would fail the same way), so it reaches the trainer in every execution mode, sync or async."""
+    with pytest.raises(ToolFatalError, match="retrieval server"):
+        run_tool_call(call(tool.__name__, x="1"), {tool.__name__: tool}, timeout=5, max_chars=100, execution=execution)

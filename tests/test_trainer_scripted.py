@@ -252,11 +252,11 @@ def test_malformed_tool_call_ends_the_trajectory_with_end_policy(tmp_path):
     [
         (lambda completions, **kw: [1 / ("3" not in c[-1]["content"]) for c in completions], RuntimeError,
          r"Reward function '<lambda>' raised ZeroDivisionError: .* on sample 2"),
-        (lambda completions, **kw: [float("nan") if "3" in c[-1]["content"] else 1.0 for c in completions],
-         ValueError, r"Reward function '<lambda>' returned nan for sample 2"),
+        (lambda completions, **kw: [float("inf") if "3" in c[-1]["content"] else 1.0 for c in completions],
+         ValueError, r"Reward function '<lambda>' returned inf for sample 2"),
     ],
 )
-def test_a_reward_function_that_raises_or_returns_nan_is_named_with_the_sample(tmp_path, reward, error, message):
+def test_a_reward_function_that_raises_or_returns_inf_is_named_with_the_sample(tmp_path, reward, error, message):
     model, tok = tiny()
     trainer = TreeOPSDTrainer(model=model, reward_funcs=reward, args=config(TreeOPSDConfig, tmp_path),
                               train_dataset=arithmetic_dataset(1), processing_class=tok, tools=[calculator])

@@ -253,6 +253,95 @@ def test_model_and_tool_text_cannot_run_code_in_the_page():
     assert _Page(tv.render_page(tv.page_data([record], step=1, method="m"))).scripts == [tv._JS]
 
 
+PAYLOAD = '<img src=x onerror=alert(1)><script>alert(2)</script>"><b onclick=alert(3)>'
+
+
+class _Tags(HTMLParser):
+    """Every start tag of a page, as a browser would parse it."""
+
+    def __init__(self, text: str):
+        super().__init__(convert_charrefs=True)
+        self.tags = []
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append(tag)
+
+
+def _saved_step(tmp_path, edit):
+    """A step file as a run saves it (texts from every kind of node), then `edit(data)` as an attacker would."""
+    texts = ["a", "b", "c"]
+    tree, credit = _tree_with_text(texts)
+    record = tv.tree_record(tree, credit, _decode_with(texts), "q", reward_columns={"r": [1.0, None]},
+                            leaf_advantages=[0.5, -0.5], leaf_rounds=[0, 1], with_entropy=True)
+    block = dict(record["nodes"][1], kind="block", label="block", context="ctx", context_tokens=3)
+    record["nodes"].insert(1, {**block, "id": 99, "parent": 0})
+    data = tv.page_data([record], step=7, method="m", credit="likelihood", after_note="note")
+    edit(data)
+    path = tmp_path / "tree_view" / "step_000007.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_a_tampered_step_file_cannot_run_code_in_the_page(tmp_path):
+    def every_text(data):
+        data.update(method=PAYLOAD, mode=PAYLOAD, credit=PAYLOAD, after_note=PAYLOAD)
+        record = data["prompts"][0]
+        record.update(kind=PAYLOAD, prompt=PAYLOAD, num_leaves="2", num_turns="3")  # numbers as text: coerced
+        record["per_tree"][PAYLOAD] = 1.0
+        for node in record["nodes"]:
+            node.update(label=PAYLOAD, action=PAYLOAD, observation=PAYLOAD, context=PAYLOAD)
+            node["credit"][PAYLOAD] = 0.5
+            node["reward_columns"] = {PAYLOAD: [1.0]}
+        record["nodes"][-1]["kind"] = PAYLOAD
+
+    path = _saved_step(tmp_path, every_text)
+    assert cli.main(["view", str(path)]) == 0
+    page_text = path.with_suffix(".html").read_text()
+    assert "<img" not in page_text and "<b " not in page_text and page_text.count("<script") == 1
+    assert _Page(page_text).scripts == [tv._JS] and "img" not in _Tags(page_text).tags
+    assert PAYLOAD in "".join(_Page(page_text).text)  # shown as text
+    for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write"):  # the script builds no HTML
+        assert sink not in tv._JS
+
+
+@pytest.mark.parametrize("where", [
+    "num_leaves", "num_turns", "prompt_tokens", "rewards.0", "per_tree.tau", "nodes.0.tokens", "nodes.0.id",
+    "nodes.0.multiplicity", "nodes.0.entropy", "nodes.0.penalty", "nodes.0.round", "nodes.0.credit.A",
+    "nodes.0.turn_offset", "nodes.0.observation_tokens", "nodes.1.context_tokens", "nodes.0.rewards.0",
+    "nodes.0.leaf_advantages.0", "nodes.0.reward_columns.r.0", "step",
+])
+def test_a_number_of_a_tampered_step_file_that_is_no_number_is_rejected_by_name(tmp_path, where):
+    def edit(data):
+        keys = where.split(".")
+        holder = data if keys[0] == "step" else data["prompts"][0]
+        for key in keys[:-1]:
+            holder = holder[int(key)] if isinstance(holder, list) else holder[key]
+        holder[int(keys[-1]) if isinstance(holder, list) else keys[-1]] = "<img src=x onerror=alert(1)>"
+
+    path = _saved_step(tmp_path, edit)
+    with pytest.raises(SystemExit, match=rf"{path.name}.*{where.split('.')[-1] if where[-1] != '0' else ''}.*number"):
+        cli.main(["view", str(path)])
+    assert not path.with_suffix(".html").exists()
+
+
+INVISIBLE = "\u061c\u200b\u200c\u200d\u2060\ufeff\U000e0001\U000e0041\U000e007f"
+
+
+def test_invisible_characters_are_shown_as_visible_markers():
+    text = f"pay{INVISIBLE}here"
+    cleaned = tv.clean_text(text)
+    assert not any(ch in cleaned for ch in INVISIBLE)
+    for marker in ("\\u061c", "\\u200b", "\\u200c", "\\u200d", "\\u2060", "\\ufeff", "\\U000e0001", "\\U000e0041",
+                   "\\U000e007f"):
+        assert marker in cleaned
+    tree, credit = _tree_with_text([text, text])
+    page = tv.render_page(tv.page_data([tv.tree_record(tree, credit, _decode_with([text, text]), text)], step=0,
+                                       method="m"))
+    assert not any(ch in page for ch in INVISIBLE) and "\\U000e0041" in page
+
+
 def test_a_huge_tree_is_cut_with_a_note_and_shown_nodes_keep_their_ancestors():
     texts = [f"turn {i} " + "x" * 50 for i in range(400)]
     chains = [[Turn([0], [0.0])] + [Turn([i], [0.0]) for i in range(1, j)] for j in range(2, 400, 3)]

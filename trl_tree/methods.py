@@ -440,7 +440,8 @@ _CLIP = {
 }
 
 
-def _epsilons(args) -> dict[str, float]:
+def clip_epsilons(args) -> dict[str, float]:
+    """ε_low and ε_high of the clipped losses, as their functions take them (ε_high unset: ε)."""
     return {"epsilon_low": args.epsilon, "epsilon_high": args.epsilon_high or args.epsilon}
 
 
@@ -477,7 +478,7 @@ def _clip_counts(count, batch: LossInputs, args) -> ClipCounts:
     pair_paths, pair_turns, path_trees = _path_pairs(batch)
     return ClipCounts(count(
         batch.logps, batch.old_logps, batch.turn_ids, batch.credit.A, pair_paths, pair_turns, path_trees.numel(),
-        **_epsilons(args),
+        **clip_epsilons(args),
     ))
 
 
@@ -529,7 +530,7 @@ def _atpo(batch: LossInputs, args):
     c = batch.credit
     loss = losses.atpo_loss(
         batch.logps, batch.old_logps, batch.turn_ids, c.A, c.w, batch.tree_ids, num_trees=batch.num_trees,
-        **_epsilons(args),
+        **clip_epsilons(args),
     )
     with torch.no_grad():
         return loss, {"clip_ratio": _clip_counts(losses.turn_clip_counts, batch, args)}
@@ -541,7 +542,7 @@ def _grpo(batch: LossInputs, args):
     c = batch.credit
     loss = losses.clipped_token_loss(
         batch.logps, batch.old_logps, batch.turn_ids, c.A, c.w, batch.tree_ids, num_trees=batch.num_trees,
-        **_epsilons(args),
+        **clip_epsilons(args),
     )
     with torch.no_grad():
         return loss, {"clip_ratio": _clip_counts(losses.token_clip_counts, batch, args)}
@@ -552,7 +553,7 @@ def _gspo_token(batch: LossInputs, args):
     """TreeAdv D4: GSPO-token over the tree's K root-to-leaf sequences."""
     loss = losses.gspo_token_loss(
         batch.logps, batch.old_logps, batch.turn_ids, batch.credit.A, *_path_pairs(batch),
-        num_trees=batch.num_trees, **_epsilons(args),
+        num_trees=batch.num_trees, **clip_epsilons(args),
     )
     with torch.no_grad():
         return loss, {"clip_ratio": _clip_counts(losses.gspo_token_clip_counts, batch, args)}

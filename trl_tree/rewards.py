@@ -17,6 +17,7 @@ import math
 import numbers
 import re
 import string
+import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -225,39 +226,48 @@ def format_reward(prompts: list, completions: list[Completion], **kwargs) -> lis
 
 
 def guard_reward_func(func, name: str):
-    """Wrap a reward function so that an exception, a NaN or an output of the wrong kind names the function.
+    """Wrap a reward function, synchronous or async, so that an exception, an infinite reward or an output of the
+    wrong kind names the function; both kinds follow one rule.
 
-    `None` stays allowed (TRL's "not applicable"); NaN or ±inf is an error, because a tree needs every leaf's reward
-    to standardise and back up. A 1-D tensor or array of rewards is read as GRPOTrainer reads it; strings, nested
-    values or a wrong count are errors that say what to return. A model-based reward (an `nn.Module`) or an async
-    function is left as it is.
+    `None` means "does not apply to this sample" (TRL's rule), and so does NaN: GRPOTrainer stores None as NaN and its
+    nansum / nanmean skip both, so a NaN cannot mean anything else there, and a reward function written for it must
+    work here. A NaN becomes None, with a warning the first time for each function, since a NaN is more often a bug
+    than a choice. A leaf that no function scores is then handled as GRPO handles such a completion (see
+    `trainer.base._rewards_for_credit`). ±inf is an error: GRPO gives it no meaning (its group's advantages become inf
+    or NaN), and a tree would back it up into every ancestor. A 1-D tensor or array of rewards is read as GRPOTrainer
+    reads it; strings, nested values or a wrong count are errors that say what to return. A model-based reward (an
+    `nn.Module`) is left as it is. An async function stays async (TRL awaits it on its event loop).
     """
     import torch
     from trl.trainer.utils import is_async_callable
 
-    if isinstance(func, torch.nn.Module) or is_async_callable(func) or getattr(func, "_trl_tree_guarded", False):
+    if isinstance(func, torch.nn.Module) or getattr(func, "_trl_tree_guarded", False):
         return func
+    warned_nan: list[bool] = []  # a function that returns NaN does so every batch: say it once
 
-    @functools.wraps(func)
-    def guarded(*args, prompts=None, completions=None, **kwargs):
-        try:
-            out = func(*args, prompts=prompts, completions=completions, **kwargs)
-        except Exception as e:
-            j = _first_failing_sample(func, prompts, completions, kwargs)
-            where = f"sample {j}" if j is not None else f"a batch of {len(completions or [])} samples"
-            raise RuntimeError(
-                f"Reward function '{name}' raised {type(e).__name__}: {e} on {where}"
-                + (f" (completion: {_quote(completions[j])})" if j is not None else "")
-                + ". Fix the function, or return None for samples it cannot score."
-            ) from e
-        out = _checked_rewards(name, out, completions or [])
-        for j, r in enumerate(out):
-            if r is not None and not math.isfinite(r):
-                raise ValueError(
-                    f"Reward function '{name}' returned {r} for sample {j} (completion: {_quote(completions[j])}). "
-                    "Rewards must be finite; return None where the function does not apply."
-                )
-        return out
+    def checked(out, completions):
+        return _finite_rewards(name, _checked_rewards(name, out, completions or []), completions, warned_nan)
+
+    if is_async_callable(func):
+
+        @functools.wraps(func)
+        async def guarded(*args, prompts=None, completions=None, **kwargs):
+            try:
+                out = await func(*args, prompts=prompts, completions=completions, **kwargs)
+            except Exception as e:
+                j = await _first_failing_sample_async(func, prompts, completions, kwargs)
+                raise _raised(name, e, j, completions) from e
+            return checked(out, completions)
+
+    else:
+
+        @functools.wraps(func)
+        def guarded(*args, prompts=None, completions=None, **kwargs):
+            try:
+                out = func(*args, prompts=prompts, completions=completions, **kwargs)
+            except Exception as e:
+                raise _raised(name, e, _first_failing_sample(func, prompts, completions, kwargs), completions) from e
+            return checked(out, completions)
 
     guarded._trl_tree_guarded = True
     guarded.__signature__ = inspect.signature(func) if callable(func) else None
@@ -299,12 +309,61 @@ def _checked_rewards(name: str, out, completions: list) -> list[float | None]:
     return checked
 
 
+def _raised(name: str, error: Exception, j: int | None, completions) -> RuntimeError:
+    """The error for a reward function that raised, naming the first sample that fails alone (when one does)."""
+    where = f"sample {j}" if j is not None else f"a batch of {len(completions or [])} samples"
+    return RuntimeError(
+        f"Reward function '{name}' raised {type(error).__name__}: {error} on {where}"
+        + (f" (completion: {_quote(completions[j])})" if j is not None else "")
+        + ". Fix the function, or return None for samples it cannot score."
+    )
+
+
+def _finite_rewards(name: str, rewards: list[float | None], completions, warned_nan: list[bool]) -> list:
+    """NaN read as None (with a warning the first time), ±inf an error: see `guard_reward_func`."""
+    infinite = [j for j, r in enumerate(rewards) if r is not None and math.isinf(r)]
+    if infinite:
+        j = infinite[0]
+        raise ValueError(
+            f"Reward function '{name}' returned {rewards[j]} for sample {j} (completion: {_quote(completions[j])}). "
+            "Rewards must be finite; return None where the function does not apply."
+        )
+    nan = [j for j, r in enumerate(rewards) if r is not None and math.isnan(r)]
+    if nan and not warned_nan:
+        warned_nan.append(True)
+        j = nan[0]
+        warnings.warn(
+            f"Reward function '{name}' returned nan for sample {j} (completion: {_quote(completions[j])})"
+            + (f" and {len(nan) - 1} more of this batch" if len(nan) > 1 else "")
+            + ". It is read as None, 'does not apply to this sample', as GRPOTrainer reads it: the other reward "
+            "functions decide, and a leaf none of them scores gets advantage 0. Return None to say so (this warning "
+            "is given once per function), or fix the function if the NaN is a bug.",
+            UserWarning,
+            stacklevel=2,
+        )
+    return [None if r is None or math.isnan(r) else r for r in rewards]
+
+
+def _one_sample(kwargs: dict, j: int, n: int) -> dict:
+    """Sample `j`'s share of the reward kwargs: per-sample columns (lists of length n) cut to it, the rest as is."""
+    return {k: ([v[j]] if isinstance(v, list) and len(v) == n else v) for k, v in kwargs.items()}
+
+
 def _first_failing_sample(func, prompts, completions, kwargs) -> int | None:
     n = len(completions or [])
     for j in range(n):
-        one = {k: ([v[j]] if isinstance(v, list) and len(v) == n else v) for k, v in kwargs.items()}
         try:
-            func(prompts=[prompts[j]], completions=[completions[j]], **one)
+            func(prompts=[prompts[j]], completions=[completions[j]], **_one_sample(kwargs, j, n))
+        except Exception:
+            return j
+    return None
+
+
+async def _first_failing_sample_async(func, prompts, completions, kwargs) -> int | None:
+    n = len(completions or [])
+    for j in range(n):
+        try:
+            await func(prompts=[prompts[j]], completions=[completions[j]], **_one_sample(kwargs, j, n))
         except Exception:
             return j
     return None

@@ -13,9 +13,12 @@ Two layers, so that a page can be rendered again from what a run saved (`trl-tre
   CSS, `<details>` for long texts and a few lines of inline JavaScript to switch prompts and fold subtrees (without
   JavaScript every prompt is shown, unfolded).
 
-Every text that comes from the model, a tool or the dataset is untrusted: `clean_text` replaces control, surrogate
-and bidirectional-override characters with visible escapes and `html.escape` escapes it, so a model that writes
-`<script>` shows the tag instead of running it. The page's own script reads nothing from the data. Huge trees are cut
+Every text that comes from the model, a tool or the dataset is untrusted: `clean_text` replaces control, surrogate,
+bidirectional, zero-width and tag characters with visible escapes and `html.escape` escapes it, so a model that
+writes `<script>` shows the tag instead of running it. A saved data file is untrusted too (`trl-tree view` renders
+whatever is in it): `render_page` first turns every number of the data into an int or float and every text into a
+string (`_checked_page`), and refuses a file whose numbers are not numbers. The page's own script reads nothing from
+the data and builds no HTML. Huge trees are cut
 (`max_nodes`, `max_chars`) with a visible note, so a page always opens; the JSON keeps every node.
 """
 
@@ -48,26 +51,34 @@ SHOWN_CREDIT = ("A", "q")  # per-turn credit keys the page shows (others are los
 
 # ------------------------------------------------------------------------------------------------------ texts
 
-_BIDI = {0x202A, 0x202B, 0x202C, 0x202D, 0x202E, 0x2066, 0x2067, 0x2068, 0x2069, 0x200E, 0x200F}
+_BIDI = {0x202A, 0x202B, 0x202C, 0x202D, 0x202E, 0x2066, 0x2067, 0x2068, 0x2069, 0x200E, 0x200F, 0x061C}
+# zero-width characters (space, non-joiner, joiner, word joiner, BOM): they hide text inside text, e.g. the U+200B
+# that `observation_special_tokens="neutralize"` puts into a special-token string of a tool output
+_ZERO_WIDTH = {0x200B, 0x200C, 0x200D, 0x2060, 0xFEFF}
+_TAGS = range(0xE0000, 0xE0080)  # Unicode tag characters: invisible, and able to carry a whole hidden ASCII text
 
 
 def _visible(ch: str) -> str:
     code = ord(ch)
     if ch in "\n\t":
         return ch
-    if code < 0x20 or 0x7F <= code <= 0x9F or code in _BIDI:
-        return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
+    if code < 0x20 or 0x7F <= code <= 0x9F or code in _BIDI or code in _ZERO_WIDTH or code in _TAGS:
+        return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
     if 0xD800 <= code <= 0xDFFF:  # a lone surrogate cannot be written as UTF-8
         return "\ufffd"
     return ch
 
 
-_SUSPECT = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+_SUSPECT = re.compile(
+    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2060\u202a-\u202e\u2066-\u2069\ufeff\ud800-\udfff"
+    "\U000e0000-\U000e007f]"
+)
 
 
 def clean_text(text: str) -> str:
-    """`text` with control characters (but newline and tab), lone surrogates and bidirectional overrides made visible
-    (`\\x1b`, `\\u202e`, U+FFFD): they could hide or reorder what the page shows, or fail to encode."""
+    """`text` with control characters (but newline and tab), lone surrogates, bidirectional controls (the Arabic
+    letter mark included), zero-width characters and Unicode tag characters made visible (`\\x1b`, `\\u202e`,
+    `\\u200b`, `\\U000e0041`, U+FFFD): they could hide or reorder what the page shows, or fail to encode."""
     text = str(text)
     return text if not _SUSPECT.search(text) else "".join(_visible(c) for c in text)
 
@@ -331,6 +342,8 @@ def load_page_data(path: str | Path) -> dict:
         raise ValueError(f"{path}: not a readable tree-view data file ({e}).") from e
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError(f"{path}: not tree-view data (no \"format\": \"{FORMAT}\").")
+    if not isinstance(data.get("version", 0), int):
+        raise ValueError(f"{path}: \"version\" must be a number, got {_shown(data['version'])}.")
     if data.get("version", 0) > VERSION:
         raise ValueError(f"{path}: tree-view data version {data['version']} is newer than this trl-tree reads "
                          f"({VERSION}); upgrade trl-tree.")
@@ -362,7 +375,11 @@ def render_run(run_dir: str | Path, out_dir: str | Path | None = None, *, max_no
         target = Path(out_dir) if out_dir is not None else path.parent
         target.mkdir(parents=True, exist_ok=True)
         page = target / (path.stem + ".html")
-        page.write_text(render_page(data, max_nodes=max_nodes, max_chars=max_chars), encoding="utf-8")
+        try:
+            text = render_page(data, max_nodes=max_nodes, max_chars=max_chars)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from e
+        page.write_text(text, encoding="utf-8")
         written.append(page)
     return written
 
@@ -372,7 +389,12 @@ def render_run(run_dir: str | Path, out_dir: str | Path | None = None, *, max_no
 
 def render_page(data: dict, *, max_nodes: int = MAX_NODES, max_chars: int = MAX_CHARS) -> str:
     """The HTML page of `data` (`page_data`). Nodes past `max_nodes`, or past `max_chars` characters of text, are cut
-    in depth-first order (a shown node's ancestors are always shown) and a note on the page says how many."""
+    in depth-first order (a shown node's ancestors are always shown) and a note on the page says how many.
+
+    Raises:
+        ValueError: a number of the data is not a number (or a list or record is not one), naming where.
+    """
+    data = _checked_page(data)
     budget = _Budget(max_nodes, max_chars)
     sections, nav = [], []
     for x, record in enumerate(data.get("prompts", [])):
@@ -395,6 +417,121 @@ def render_page(data: dict, *, max_nodes: int = MAX_NODES, max_chars: int = MAX_
         "<main>", "".join(sections), "</main></div>",
         f"<script>{_JS}</script></body></html>\n",
     ])
+
+
+# Every field the page renders, by type: the renderer may then format numbers with int()/`:.2f` and put texts through
+# `_esc`, whatever a hand-edited file holds (a text where a number goes would otherwise reach the HTML unescaped, or
+# stop the rendering with a bare TypeError).
+_PAGE_TEXTS = ("method", "mode", "credit", "after_note")
+_RECORD_INTS = ("prompt_tokens", "num_leaves", "num_turns")
+_RECORD_TEXTS = ("kind", "prompt")
+_NODE_INTS = ("id", "parent", "tokens", "observation_tokens", "context_tokens", "multiplicity", "turn_offset", "round")
+_NODE_FLOATS = ("entropy", "penalty")
+_NODE_FLOAT_LISTS = ("rewards", "leaf_advantages")
+_NODE_TEXTS = ("kind", "label", "action", "observation", "context")
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:80] + "…"
+
+
+def _as_int(value, where: str) -> int | None:
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{where} must be a number, got {_shown(value)}: the file was edited or is damaged; "
+                         "render the data the run saved.") from None
+
+
+def _as_float(value, where: str) -> float | None:
+    if value is None:
+        return None
+    try:
+        return _number(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{where} must be a number, got {_shown(value)}: the file was edited or is damaged; "
+                         "render the data the run saved.") from None
+
+
+def _as_list(value, where: str) -> list:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ValueError(f"{where} must be a list, got {_shown(value)}: the file was edited or is damaged.")
+    return value
+
+
+def _as_dict(value, where: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} must be a JSON object, got {_shown(value)}: the file was edited or is damaged.")
+    return value
+
+
+def _float_map(value, where: str) -> dict[str, float | None]:
+    return {str(k): _as_float(v, f"{where}[{k!r}]") for k, v in _as_dict(value, where).items()}
+
+
+def _float_list(value, where: str) -> list[float | None]:
+    return [_as_float(v, f"{where}[{i}]") for i, v in enumerate(_as_list(value, where))]
+
+
+def _checked_page(data) -> dict:
+    """A copy of page data with every field the page renders of its type: numbers int or float (or None), texts str,
+    lists and objects as such. Anything else is a `ValueError` that says where (`prompts[0].nodes[3].tokens`)."""
+    data = dict(_as_dict(data, "the page data"))
+    for key in _PAGE_TEXTS:
+        if key in data:
+            data[key] = str(data[key])
+    data["step"] = _as_int(data.get("step", 0), "step") or 0
+    prompts = []
+    for x, record in enumerate(_as_list(data.get("prompts"), "prompts")):
+        where = f"prompts[{x}]"
+        record = dict(_as_dict(record, where))
+        for key in _RECORD_INTS:
+            record[key] = _as_int(record.get(key), f"{where}.{key}")
+        for key in _RECORD_TEXTS:
+            if key in record:
+                record[key] = str(record[key])
+        record["rewards"] = _float_list(record.get("rewards"), f"{where}.rewards")
+        record["per_tree"] = _float_map(record.get("per_tree"), f"{where}.per_tree")
+        record["nodes"] = [_checked_node(node, f"{where}.nodes[{i}]")
+                           for i, node in enumerate(_as_list(record.get("nodes"), f"{where}.nodes"))]
+        prompts.append(record)
+    data["prompts"] = prompts
+    return data
+
+
+def _checked_node(node, where: str) -> dict:
+    node = dict(_as_dict(node, where))
+    for key in ("id", "parent"):
+        if key not in node:
+            raise ValueError(f"{where} has no {key!r}: the file was edited or is damaged.")
+    for key in _NODE_INTS:
+        if key in node:
+            node[key] = _as_int(node[key], f"{where}.{key}")
+    for key in _NODE_FLOATS:
+        if key in node:
+            node[key] = _as_float(node[key], f"{where}.{key}")
+    for key in _NODE_FLOAT_LISTS:
+        if key in node:
+            node[key] = _float_list(node[key], f"{where}.{key}")
+    for key in _NODE_TEXTS:
+        if node.get(key) is not None:
+            node[key] = str(node[key])
+    node["credit"] = _float_map(node.get("credit"), f"{where}.credit")
+    if "reward_columns" in node:
+        columns = _as_dict(node["reward_columns"], f"{where}.reward_columns")
+        node["reward_columns"] = {str(name): _float_list(values, f"{where}.reward_columns[{name!r}]")
+                                  for name, values in columns.items()}
+    if "trajectories" in node:
+        node["trajectories"] = [_as_int(k, f"{where}.trajectories[{i}]")
+                                for i, k in enumerate(_as_list(node["trajectories"], f"{where}.trajectories"))]
+    return node
 
 
 class _Budget:
@@ -458,7 +595,7 @@ def _nav_entry(record: dict, x: int) -> str:
     label = (user[-1][5:] if user else (first[-1] if first else "")).strip()
     label = label[:60] + ("…" if len(label) > 60 else "")
     return (f'<button class="navbtn" data-target="prompt-{x}"><span class="num">#{x}</span> {_esc(label)}'
-            f'<span class="sub">K={record.get("num_leaves")} · turns={record.get("num_turns")} · R̄='
+            f'<span class="sub">K={_esc(record.get("num_leaves"))} · turns={_esc(record.get("num_turns"))} · R̄='
             f'{"–" if mean is None else f"{mean:.2f}"}</span></button>')
 
 
@@ -593,7 +730,7 @@ def _badges(node: dict, num_children: int) -> list[str]:
     if node.get("penalty"):
         badges.append(f'<span class="badge warn" title="process penalty recorded on the turn (failed or malformed '
                       f'tool calls, TreeFlex hooks); TreeFlex\'s credit adds it">Q {node["penalty"]:+.2f}</span>')
-    if node.get("multiplicity", 0) > 1:
+    if (node.get("multiplicity") or 0) > 1:
         badges.append(f'<span class="badge mult">×{int(node["multiplicity"])}</span>')
     rewards = node.get("rewards") or []
     if rewards:

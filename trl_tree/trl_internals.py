@@ -216,20 +216,30 @@ def tokenize_prompts(trainer, prompts: list):
     return trainer._tokenize_prompts(prompts)
 
 
-def tool_suffix_ids(trainer, tool_messages: list[dict]) -> list[int]:
-    """Token ids of the tool messages and the next assistant header, rendered as TRL's tool loop renders them."""
-    return trainer._get_tool_suffix_ids(tool_messages)
+def tool_suffix_ids(trainer, tool_messages: list[dict], *, special_tokens: str) -> list[int]:
+    """Token ids of the tool messages and the next assistant header, rendered as TRL's tool loop renders them.
+
+    `special_tokens` (`TreeConfig.observation_special_tokens`, no default so that no caller forgets it): "neutralize"
+    first breaks chat-template control strings in the messages' text, so untrusted tool output is tokenized as text
+    (`trl_tree.rollout.special_tokens`); "raw" is TRL's rendering as it is."""
+    from .rollout.special_tokens import observation_messages
+
+    return trainer._get_tool_suffix_ids(observation_messages(tokenizer(trainer), tool_messages, special_tokens))
 
 
-def render_tool_suffix(processing_class, chat_template, chat_template_kwargs: dict, tool_messages: list[dict]):
+def render_tool_suffix(processing_class, chat_template, chat_template_kwargs: dict, tool_messages: list[dict], *,
+                       special_tokens: str):
     """`_get_tool_suffix_ids` without a trainer (the held-out agent evaluation): the same rendering, byte for byte,
-    from the attributes that TRL's method reads."""
+    from the attributes that TRL's method reads, and the same `special_tokens` handling as `tool_suffix_ids`."""
     from types import SimpleNamespace
 
     from trl import GRPOTrainer
+
+    from .rollout.special_tokens import observation_messages
 
     owner = SimpleNamespace(
         processing_class=processing_class, _tokenizer=processing_class, _is_vlm=False, chat_template=chat_template,
         chat_template_kwargs=chat_template_kwargs,
     )
-    return list(GRPOTrainer._get_tool_suffix_ids(owner, tool_messages))
+    messages = observation_messages(processing_class, tool_messages, special_tokens)
+    return list(GRPOTrainer._get_tool_suffix_ids(owner, messages))

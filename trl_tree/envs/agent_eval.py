@@ -39,10 +39,13 @@ class AgentTemplate:
         tokenizer: the model's tokenizer (TRL's response parser is added to it in place if it has none).
         tools: the tool functions, as passed to the trainer's ``tools=``.
         chat_template_kwargs: extra keyword arguments of ``apply_chat_template`` (``GRPOConfig.chat_template_kwargs``).
+        observation_special_tokens: ``"neutralize"`` (tool output's special-token strings are tokenized as text) or
+            ``"raw"``: keep it equal to training's ``TreeConfig.observation_special_tokens``.
     """
 
     def __init__(
-        self, tokenizer, tools: Sequence[Callable], chat_template_kwargs: dict[str, Any] | None = None
+        self, tokenizer, tools: Sequence[Callable], chat_template_kwargs: dict[str, Any] | None = None,
+        observation_special_tokens: str = "neutralize",
     ) -> None:
         from trl.chat_template_utils import (
             add_response_schema,
@@ -50,6 +53,10 @@ class AgentTemplate:
             is_chat_template_prefix_preserving,
         )
 
+        from trl_tree.rollout.special_tokens import check_observation_special_tokens
+
+        check_observation_special_tokens(observation_special_tokens)
+        self.observation_special_tokens = observation_special_tokens
         self.tools = list(tools)
         self.chat_template_kwargs = chat_template_kwargs or {}
         if self.tools and getattr(tokenizer, "response_template", None) is None:
@@ -84,10 +91,14 @@ class AgentTemplate:
 
     def observation_ids(self, tool_messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of the tool messages and the next assistant header, rendered by TRL's own tool-suffix code so
-        they are byte-identical to those the trainer appends during rollouts."""
+        they are byte-identical to those the trainer appends during rollouts (control strings in the tool output
+        handled as training handles them, ``observation_special_tokens``)."""
         from trl_tree.trl_internals import render_tool_suffix
 
-        return render_tool_suffix(self.tokenizer, self.chat_template, self.chat_template_kwargs, tool_messages)
+        return render_tool_suffix(
+            self.tokenizer, self.chat_template, self.chat_template_kwargs, tool_messages,
+            special_tokens=self.observation_special_tokens,
+        )
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -185,6 +196,7 @@ class AgentSettings:
     reuse_prefixes: bool = True  # encode each history once (GreedyEngine); False: re-encode it every turn
     chunk_tokens: int | None = None  # tokens per generate call (TreeConfig.generation_chunk_tokens)
     chat_template_kwargs: dict[str, Any] | None = None
+    observation_special_tokens: str = "neutralize"  # TreeConfig.observation_special_tokens
 
 
 def run_agent(
@@ -200,7 +212,7 @@ def run_agent(
 
     ``engine`` replaces greedy ``model.generate`` with any backend of the trainers' protocol (e.g. a scripted one).
     """
-    template = AgentTemplate(tokenizer, tools, settings.chat_template_kwargs)
+    template = AgentTemplate(tokenizer, tools, settings.chat_template_kwargs, settings.observation_special_tokens)
     loop = TurnLoop(
         engine=engine if engine is not None else GreedyEngine(
             model, template.tokenizer, settings.batch_size, settings.reuse_prefixes

@@ -26,18 +26,23 @@ import copy
 import functools
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from ..rollout.env import MAX_OBSERVATION_CHARS
+from ..rollout.env import MAX_OBSERVATION_CHARS, ToolFatalError
+
+logger = logging.getLogger(__name__)
 
 REQUIRED_COLUMNS = ("question", "answer")
 SEARCH_TOOL_NAME = "search"
@@ -497,21 +502,67 @@ def _parse_remote_hit(entry: dict[str, Any]) -> dict[str, Any]:
     return _hit({"id": str(doc.get("id", "")), "title": title, "text": text}, entry.get("score", 0.0))
 
 
+SEARCH_R1_SERVER_HELP = (
+    "Start a Search-R1 retrieval server there (from the Search-R1 repository: `python "
+    "search_r1/search/retrieval_server.py --index_path e5_Flat.index --corpus_path wiki-18.jsonl --topk 3 "
+    "--retriever_name e5 --retriever_model intfloat/e5-base-v2`, which serves POST /retrieve on port 8000), and wait "
+    "until it has loaded its index"
+)
+
+
 class RemoteRetriever:
     """Client of a Search-R1 compatible retrieval server (``POST {url}/retrieve``), standard library only.
 
     The request is ``{"queries": [...], "topk": k, "return_scores": true}`` and the response
     ``{"result": [[{"document": {"id", "contents"}, "score"}, ...], ...]}``. Every request has a timeout and failed
-    connections are retried a bounded number of times with exponential backoff, so a dead server stops training
-    with a ``ConnectionError`` after at most about ``max_retries * timeout + backoff * 2**max_retries`` seconds
-    instead of hanging a rollout forever.
+    connections, timeouts and 5xx answers are retried a bounded number of times with exponential backoff, so one
+    search fails with a ``ConnectionError`` after at most about ``(max_retries + 1) * timeout + backoff *
+    2**max_retries`` seconds instead of hanging a rollout forever. The search tool's caller turns that error into the
+    model's observation, so a slow query or a server restarting for a minute does not end a run.
+
+    A server that keeps failing does, through a failure-rate breaker: when more than ``max_failure_rate`` of the last
+    ``window`` searches failed (counted once at least ``min_calls`` searches were made), the failing search raises
+    :class:`~trl_tree.rollout.env.ToolFatalError` naming the server, which stops training instead of letting it finish
+    on rollouts whose every search returned an error. A rate over a sliding window, rather than a count of consecutive
+    failures, because each failed search has already been retried: the breaker must tolerate sporadic failures (a few
+    timed-out queries among hundreds) yet catch a server that fails most searches while answering some, whose
+    occasional success would reset a consecutive count forever. ``min_calls`` keeps one early failure from reading as
+    a 100% rate. Before that, the first failure of an episode (failures until the window holds none again) is logged
+    as a warning, once, so a degrading server shows in the log before it stops the run. ``max_failure_rate=1.0`` turns
+    the breaker off. Every search of the run counts, from any thread: copies of the retriever share it and its record.
+
+    :meth:`check` makes one request, to fail at start-up rather than in the first rollout.
     """
 
     def __init__(
-        self, url: str = "http://127.0.0.1:8000", timeout: float = 30.0, max_retries: int = 3, backoff: float = 0.5
+        self,
+        url: str = "http://127.0.0.1:8000",
+        timeout: float = 30.0,
+        max_retries: int = 3,
+        backoff: float = 0.5,
+        max_failure_rate: float = 0.5,
+        min_calls: int = 20,
+        window: int = 50,
     ):
+        if not 0.0 <= max_failure_rate <= 1.0:
+            raise ValueError(
+                f"max_failure_rate is a fraction of searches in [0, 1] (1: never stop); got {max_failure_rate}."
+            )
+        if not 1 <= min_calls <= window:
+            raise ValueError(
+                f"RemoteRetriever needs 1 <= min_calls <= window (the breaker judges at least min_calls of the last "
+                f"window searches); got min_calls={min_calls}, window={window}."
+            )
         self.endpoint = url.rstrip("/") + ("" if url.rstrip("/").endswith("/retrieve") else "/retrieve")
         self.timeout, self.max_retries, self.backoff = timeout, max_retries, backoff
+        self.max_failure_rate, self.min_calls, self.window = max_failure_rate, min_calls, window
+        self._recent: deque[bool] = deque(maxlen=window)  # True: that search failed
+        self._failing = False  # in an episode of failures: its first failure has been logged
+        self._lock = threading.Lock()  # tools may run in worker threads (tool_execution="thread") or concurrently
+
+    def __deepcopy__(self, memo: dict) -> RemoteRetriever:
+        """The client itself: a copy (an environment snapshot) talks to the same server, so it counts in one record."""
+        return self
 
     def _post(self, payload: dict[str, Any]) -> dict[str, Any]:
         request = urllib.request.Request(
@@ -542,12 +593,65 @@ class RemoteRetriever:
             f"(timeout {self.timeout}s each): {last_error}. Is the server running?"
         ) from last_error
 
-    def search(self, queries: list[str], topk: int = DEFAULT_TOPK) -> list[list[dict[str, Any]]]:
-        """Top-``topk`` passages per query from the server."""
-        response = self._post_with_retries({"queries": list(queries), "topk": topk, "return_scores": True})
+    def _parse(self, response: Any, queries: list[str], topk: int) -> list[list[dict[str, Any]]]:
         if not isinstance(response, dict) or len(response.get("result", ())) != len(queries):
             raise ValueError(f"Unexpected response from {self.endpoint}: {str(response)[:300]}")
         return [[_parse_remote_hit(entry) for entry in row[:topk]] for row in response["result"]]
+
+    def search(self, queries: list[str], topk: int = DEFAULT_TOPK) -> list[list[dict[str, Any]]]:
+        """Top-``topk`` passages per query from the server.
+
+        A failed search raises its error (``ConnectionError`` when the server does not answer, after the retries), or
+        ``ToolFatalError`` when it takes the failure rate past ``max_failure_rate`` (see the class docstring).
+        """
+        queries = list(queries)
+        payload = {"queries": queries, "topk": topk, "return_scores": True}
+        try:
+            hits = self._parse(self._post_with_retries(payload), queries, topk)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as error:  # any failure counts, the trainer's tool deadline (a BaseException) included
+            self._record(error)
+            raise
+        self._record(None)
+        return hits
+
+    def _record(self, error: BaseException | None) -> None:
+        """Count one search in the window; warn at the first failure of an episode, raise past the failure rate."""
+        with self._lock:
+            self._recent.append(error is not None)
+            failures, calls = sum(self._recent), len(self._recent)
+            if error is None:
+                self._failing = self._failing and failures > 0  # the episode ends when the window forgets it
+                return
+            if calls >= self.min_calls and failures > self.max_failure_rate * calls:
+                raise ToolFatalError(
+                    f"Retrieval server {self.endpoint} failed {failures} of the last {calls} searches, more than "
+                    f"max_failure_rate={self.max_failure_rate:g}. Stopping the run, which would otherwise train on "
+                    "searches that return only errors and learn nothing from them. Check that the server is running "
+                    "and reachable from this machine (its log may say why it fails), then resume from the last "
+                    "checkpoint; a RemoteRetriever with a higher max_failure_rate tolerates more. The last error: "
+                    f"{error}"
+                ) from error
+            first = not self._failing
+            self._failing = True
+        if first:
+            logger.warning(
+                "Retrieval server %s failed a search (%s); the model gets an error observation and training goes on. "
+                "It stops if more than %g of the last %d searches fail (now %d of %d). Further failures are not "
+                "logged until the server has answered %d searches in a row.",
+                self.endpoint, error, self.max_failure_rate, self.window, failures, calls, self.window,
+            )
+
+    def check(self) -> None:
+        """One search, one attempt, outside the failure record: raise ConnectionError, naming the URL and how to start
+        a server, when nothing answers at the URL as a Search-R1 server does. Call it before training."""
+        try:
+            self._parse(self._post({"queries": ["test"], "topk": 1, "return_scores": True}), ["test"], 1)
+        except (urllib.error.URLError, OSError, ValueError) as error:  # HTTPError, TimeoutError and bad JSON too
+            raise ConnectionError(
+                f"No Search-R1 retrieval server answers at {self.endpoint} ({error}). {SEARCH_R1_SERVER_HELP}."
+            ) from error
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,31 +1,54 @@
 """Tool calls from the model: untrusted input, run the way TRL's GRPOTrainer runs them.
 
-Only registered tools run; arguments are checked against the tool's signature before the call. Whatever a tool does —
-return any value, raise any exception (`SystemExit` and `GeneratorExit` included), hang past its timeout, return an
-enormous string — the result is a tool message, never a crash of the training run. The one exception is
-`KeyboardInterrupt`: the user stopping the run is re-raised, from the thread that called the tool.
+Only registered tools run; arguments are checked against the tool's signature (names, count and annotated types) before
+the call. Whatever a tool does — return any value (one that cannot be printed included), raise any exception
+(`SystemExit` and `GeneratorExit` included), hang past its timeout, return an enormous string — the result is a tool
+message, never a crash of the training run. The exceptions are
+`KeyboardInterrupt`: the user stopping the run is re-raised, from the thread that called the tool; and
+`ToolFatalError`, which a tool raises when its dependency is gone (no later call can succeed): the run stops.
 
 As in GRPOTrainer's tool loop, the tool message's content is the tool's return value itself when it is a list (content
 blocks), else `str(value)`, and a failure is `str({"error": message})`; that is what reward functions receive in
-`completions`. The model sees the same message cut at `max_observation_chars`. Synchronous tools run in the calling
-thread by default, as in GRPOTrainer, so a tool can time itself out with `signal.alarm`; `execution="thread"` runs
-them in a worker thread that we can stop waiting for (`timeout`). Async tools run on GRPOTrainer's background event
-loop when one is given.
+`completions`. The model sees the same message cut at `max_observation_chars`. Every call has a deadline (`timeout`;
+None: none, by the user's choice), enforced by the caller. Synchronous tools run in the calling thread by default, as
+in GRPOTrainer, so a tool can time itself out with `signal.alarm`, and the deadline is a SIGALRM timer there
+(`_run_with_alarm`); `execution="thread"` runs them in a worker thread that we stop waiting for at the deadline. Async
+tools run on GRPOTrainer's background event loop when one is given, else on a private loop in a daemon thread.
 
 Stateful environments (TRL's `environment_factory`): instances come from an `EnvironmentPool` (created once, reset per
 batch, as GRPOTrainer's pool), and a tree's branches get the environment as it was at their anchor through the tree's
 `TreeEnvironment`: a fork, a deep copy, or a replay of the branch's recorded tool calls on a fresh instance
-(`environment_branching`).
+(`environment_branching`). No default may let two branches share state: "auto" deep-copies only an environment that
+says it may be copied or whose state is plain local data (`copy_blocker`), and a replay that does not reproduce a
+branch's history marks the branch diverged (`replay_divergence`), so it is not trained as if consistent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import concurrent.futures
+import contextlib
 import copy
+import dataclasses
+import datetime
+import decimal
+import enum
+import fractions
 import inspect
+import io
 import json
 import logging
+import pathlib
+import random
+import re
+import signal
+import socket
+import sys
 import threading
+import time
+import types
+import typing
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -91,9 +114,34 @@ def error_result(name: str, message: str, max_chars: int | None = None) -> ToolR
     return _tool_result(name, {"error": message}, True, max_chars)
 
 
+def _value_result(name: str, value, max_chars: int | None) -> ToolResult:
+    """The tool message for a value a tool returned. Making it text runs the tool's own code (`__str__`, `__repr__`),
+    which may raise like any other tool code: that is the tool's failure, an error observation, not the trainer's."""
+    try:
+        if isinstance(value, list):
+            repr(value)  # content blocks reach the chat template as they are: each must at least be printable
+        return _tool_result(name, value, False, max_chars)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 - whatever the tool's __str__ raises, the run goes on
+        why = f"{type(e).__name__}: {_safe_str(e)}"
+        message = f"Tool {name} returned a {type(value).__name__} that cannot be converted to text ({why})."
+        return error_result(name, message, max_chars)
+
+
+def _safe_str(error: BaseException) -> str:
+    """`str(error)`, or "" when the exception's own `__str__` raises (it is tool code too)."""
+    try:
+        return str(error)
+    except KeyboardInterrupt:
+        raise
+    except BaseException:  # noqa: BLE001 - a broken message must not hide the error it describes
+        return ""
+
+
 def _describe(error: BaseException) -> str:
     """An exception as the model reads it: its message, or its type when it has none (`sys.exit()`)."""
-    text = str(error)
+    text = _safe_str(error)
     if text and isinstance(error, Exception):
         return text
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
@@ -117,7 +165,7 @@ def _run_in_worker(fn: Callable, kwargs: dict, timeout: float | None):
     thread.start()
     thread.join(timeout)
     if thread.is_alive():
-        raise TimeoutError(f"timed out after {timeout:g} s")
+        raise _timed_out(timeout)
     if "error" in box:
         raise box["error"]
     return box["value"]
@@ -140,37 +188,117 @@ async def _settle(awaitable):
 
 
 async def _settle_within(awaitable, timeout: float | None):
+    """`_settle` with the tool cancelled at the deadline. Only a tool that lets itself be cancelled stops here (and
+    `wait_for` waits for the cancellation to finish): the caller enforces the deadline itself (`_await_tool`)."""
     try:
         return await asyncio.wait_for(_settle(awaitable), timeout)
     except asyncio.TimeoutError:
-        return False, TimeoutError(f"timed out after {timeout:g} s")
+        return False, _timed_out(timeout)
+
+
+def _timed_out(timeout: float) -> TimeoutError:
+    return TimeoutError(f"timed out after {timeout:g} s")
 
 
 def _await_tool(awaitable, timeout: float | None, event_loop: asyncio.AbstractEventLoop | None):
     """Run an async tool to completion: on `event_loop` (GRPOTrainer's `async_loop`, a daemon thread: tools that keep
-    loop-bound clients between calls need the same loop every time), else on a new loop in this thread. The timeout
-    cancels the tool at its next `await`; a tool that blocks the loop without awaiting cannot be timed out."""
+    loop-bound clients between calls need the same loop every time), else on a new loop in a daemon thread.
+
+    The deadline is the caller's: at `timeout` it stops waiting and the call is a timeout, whatever the tool does. The
+    tool's task is cancelled too, but a tool may catch the cancellation and go on: it then runs on in the background,
+    on its loop, and what it returns late is dropped. That is why a new loop runs in a thread of its own, not in this
+    one: `asyncio.run` here would wait for such a tool. A tool that blocks its loop without awaiting holds that loop
+    (GRPOTrainer's, for its other async tools), not the trainer.
+    """
     settled = _settle_within(awaitable, timeout)
     if event_loop is None:
-        ok, value = asyncio.run(settled)
+        ok, value = _run_in_worker(asyncio.run, {"main": settled}, timeout)
     else:
-        ok, value = asyncio.run_coroutine_threadsafe(settled, event_loop).result()
+        future = asyncio.run_coroutine_threadsafe(settled, event_loop)
+        try:
+            ok, value = future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()  # cancels the tool's task on its loop; if it ignores that, its result goes nowhere
+            ok, value = False, _timed_out(timeout)
     if not ok:
         raise value
     return value
 
 
-def _call_tool(fn: Callable, kwargs: dict, timeout: float | None, execution: str, event_loop):
-    """Call a tool and return its raw value, raising what it raises.
+class _ToolDeadline(BaseException):
+    """Raised inside a synchronous tool by the SIGALRM deadline. A BaseException, as asyncio's CancelledError is, so
+    that a tool's `except Exception:` does not swallow its own timeout; `_run_with_alarm` makes it a TimeoutError."""
 
-    A synchronous tool runs in this thread (`execution="main"`, GRPOTrainer's way: `signal`-based timeouts inside
-    the tool work, but `timeout` cannot stop a tool that hangs) or in a worker thread (`"thread"`: `timeout` is
-    enforced, `signal.signal` raises ValueError). An async tool — or a tool returning an awaitable — is awaited with
-    `timeout` in either mode.
+
+def _raise_deadline(signum, frame):
+    raise _ToolDeadline
+
+
+def _alarm_available() -> bool:
+    """Whether this thread can take SIGALRM: Python runs signal handlers, and lets them be set, in the main thread
+    only, and Windows has no SIGALRM."""
+    return hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+
+
+def _run_with_alarm(fn: Callable, kwargs: dict, timeout: float):
+    """Run `fn(**kwargs)` in this thread, with a SIGALRM deadline `timeout` seconds away.
+
+    The handler raises inside the tool, between two bytecodes or out of an interrupted sleep or lock wait, so pure
+    Python and blocking waits are stopped; C code that does not return to the interpreter (or that retries on EINTR)
+    is not. The caller's SIGALRM handler and real-time timer are restored afterwards, the timer less the time the call
+    took (a process has one ITIMER_REAL): a timer that fell due during the call fires at once. A tool that arms its
+    own alarm (TRL's agent example does) replaces this deadline for the rest of its call.
+    """
+    start = time.monotonic()
+    previous_handler = signal.signal(signal.SIGALRM, _raise_deadline)
+    previous_timer = (0.0, 0.0)
+    try:
+        try:
+            previous_timer = signal.setitimer(signal.ITIMER_REAL, max(timeout, 1e-6))  # 0 would disarm it
+            return fn(**kwargs)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)  # before anything else: the deadline must not fire into our code
+    except _ToolDeadline:
+        raise _timed_out(timeout) from None
+    finally:
+        # getsignal is None for a handler set outside Python; SIG_DFL is the closest we can put back
+        signal.signal(signal.SIGALRM, signal.SIG_DFL if previous_handler is None else previous_handler)
+        _restore_timer(previous_timer, time.monotonic() - start)
+
+
+def _restore_timer(previous: tuple[float, float], elapsed: float) -> None:
+    delay, interval = previous
+    if delay > 0:
+        signal.setitimer(signal.ITIMER_REAL, max(delay - elapsed, 1e-6), interval)
+
+
+def _run_sync(fn: Callable, kwargs: dict, timeout: float | None, execution: str):
+    """Run a synchronous tool with its deadline.
+
+    `"thread"`: in a worker thread we stop waiting for at `timeout`. `"main"`: in this thread, as GRPOTrainer runs
+    tools (so `signal`-based code in the tool works), with a SIGALRM timer as the deadline — it interrupts the tool
+    where it is, in the thread it was promised. Where no signal can reach this thread (not the main thread, Windows)
+    the worker thread's deadline stands in: the tool then runs in another thread, but a hung tool still cannot hold the
+    trainer. `timeout=None` is no deadline, as the user chose.
+    """
+    if execution == "thread":
+        return _run_in_worker(fn, kwargs, timeout)
+    if timeout is None:
+        return fn(**kwargs)
+    if _alarm_available():
+        return _run_with_alarm(fn, kwargs, timeout)
+    return _run_in_worker(fn, kwargs, timeout)
+
+
+def _call_tool(fn: Callable, kwargs: dict, timeout: float | None, execution: str, event_loop):
+    """Call a tool and return its raw value, raising what it raises (a TimeoutError at its deadline).
+
+    A synchronous tool runs as `_run_sync` says; an async tool — or a tool returning an awaitable — is awaited with
+    `timeout` in either mode (`_await_tool`).
     """
     if inspect.iscoroutinefunction(fn):
         return _await_tool(fn(**kwargs), timeout, event_loop)
-    value = _run_in_worker(fn, kwargs, timeout) if execution == "thread" else fn(**kwargs)
+    value = _run_sync(fn, kwargs, timeout, execution)
     return _await_tool(value, timeout, event_loop) if inspect.isawaitable(value) else value
 
 
@@ -182,20 +310,125 @@ def _check_arguments(fn: Callable, arguments) -> dict:
             raise ValueError(f"arguments are not valid JSON ({e.msg})") from None
     if not isinstance(arguments, dict):
         raise ValueError(f"arguments must be a JSON object, got {type(arguments).__name__}")
+    signature = _signature(fn)
     try:
-        inspect.signature(fn).bind(**arguments)
+        bound = signature.bind(**arguments)
     except TypeError as e:
         raise ValueError(f"bad arguments: {e}") from None
+    for name, value in bound.arguments.items():
+        _check_type(signature.parameters[name], name, value)
     return arguments
+
+
+def _signature(fn: Callable) -> inspect.Signature:
+    """The tool's signature with its annotations evaluated (`from __future__ import annotations` leaves strings). If
+    one cannot be evaluated (a name the tool's module does not define), the strings stay and are not checked."""
+    try:
+        return inspect.signature(fn, eval_str=True)
+    except Exception:  # noqa: BLE001 - NameError, SyntaxError, ... in an annotation: check names and count only
+        return inspect.signature(fn)
+
+
+def _check_type(parameter: inspect.Parameter, name: str, value) -> None:
+    """Raise a bad-arguments ValueError, worded for the model to fix its call, if `value` does not fit the annotation.
+
+    `**kwargs: T` checks each extra argument against T. None is accepted where the default is None (`x: str = None`,
+    the implicit Optional older code relies on).
+    """
+    if parameter.kind is inspect.Parameter.VAR_POSITIONAL:
+        return  # keyword arguments never bind to *args
+    values = value.items() if parameter.kind is inspect.Parameter.VAR_KEYWORD else [(name, value)]
+    for key, item in values:
+        if item is None and parameter.default is None:
+            continue
+        if not _matches(item, parameter.annotation):
+            expected, got = _type_name(parameter.annotation), "None" if item is None else type(item).__name__
+            raise ValueError(f"bad arguments: {key!r} must be {expected}, got {got} ({shorten(repr(item), 60)})")
+
+
+_ANY = (Any, object, inspect.Parameter.empty)
+_ARRAYS = (list, tuple, set, frozenset)  # JSON has arrays only: an array stands for any of these
+_CHECKED = (str, int, float, bool, dict, type(None))
+
+
+def _matches(value, expected) -> bool:
+    """Whether a JSON value fits a type annotation, with the leniency of JSON Schema (TRL's tool schemas): an int is a
+    number, so it fits `float`; a bool is not a number; a string is never a number (no coercion); an array fits list,
+    tuple and set. Unions, Optional, Literal and Annotated are looked into; the items of a list and the values of a
+    dict are checked too. What JSON cannot carry (a dataclass, an Enum, Path, a TypeVar, an unevaluated string) is
+    left to the tool to convert: accepted.
+    """
+    if expected is None:  # `x: None`, as typing spells NoneType
+        expected = type(None)
+    if expected in _ANY:
+        return True
+    origin, args = typing.get_origin(expected), typing.get_args(expected)
+    if origin is typing.Annotated:
+        return _matches(value, args[0])
+    if origin is typing.Union or origin is types.UnionType:
+        return any(_matches(value, option) for option in args)
+    if origin is typing.Literal:
+        return any(value == option and type(value) is type(option) for option in args)
+    outer = origin or expected
+    if not isinstance(outer, type):
+        return True
+    if isinstance(value, bool) and outer in (int, float):
+        return False
+    if outer is float:
+        return isinstance(value, (int, float))
+    if outer in _ARRAYS:
+        return isinstance(value, list) and _items_match(value, outer, args)
+    if outer is dict or outer.__module__ == "collections.abc":
+        return isinstance(value, outer) and _items_match(value, outer, args)
+    return isinstance(value, outer) if outer in _CHECKED else True
+
+
+def _items_match(value, outer: type, args: tuple) -> bool:
+    """The items of an array (`list[int]`, `tuple[int, ...]`, `tuple[int, str]`) or the values of an object
+    (`dict[str, int]`; JSON keys are always strings, so keys are not checked)."""
+    if isinstance(value, dict):
+        return len(args) != 2 or all(_matches(v, args[1]) for v in value.values())
+    if outer is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
+        return len(value) == len(args) and all(map(_matches, value, args))
+    return not args or all(_matches(v, args[0]) for v in value)
+
+
+def _type_name(expected) -> str:
+    """An annotation as the model reads it: `int`, `list[int]`, `str | None`, `one of 'fast', 'slow'`."""
+    origin, args = typing.get_origin(expected), typing.get_args(expected)
+    if expected is None or expected is type(None):
+        return "None"
+    if expected is Ellipsis:
+        return "..."
+    if origin is typing.Annotated:
+        return _type_name(args[0])
+    if origin is typing.Union or origin is types.UnionType:
+        return " | ".join(_type_name(option) for option in args)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(option) for option in args)
+    if origin is not None and args:
+        return f"{_type_name(origin)}[{', '.join(_type_name(a) for a in args)}]"
+    return getattr(expected, "__name__", None) or str(expected).replace("typing.", "")
 
 
 def check_tool_execution(execution: str) -> None:
     if execution not in TOOL_EXECUTION_MODES:
         raise ValueError(
             f"tool_execution must be one of {TOOL_EXECUTION_MODES}; got {execution!r}: 'main' runs synchronous tools in "
-            "the calling thread (as GRPOTrainer; signal-based timeouts work, tool_timeout cannot stop a hung tool), "
-            "'thread' in a worker thread (tool_timeout is enforced, signal does not work)."
+            "the calling thread (as GRPOTrainer; signal-based timeouts work, tool_timeout is a SIGALRM timer that "
+            "cannot stop a tool stuck in C code), 'thread' in a worker thread (tool_timeout always stops waiting, "
+            "signal does not work)."
         )
+
+
+class ToolFatalError(RuntimeError):
+    """A tool's dependency is gone: stop the run.
+
+    Every other exception from a tool becomes an error observation, because it is about this call (bad input, a
+    transient failure) and the model can read it and go on. A tool raises this one when no later call can succeed
+    either (its retrieval server has stopped answering, say): training on with every call failing would finish the
+    run on rollouts that taught the model nothing, with only a metric to show it. `run_tool_call` re-raises it.
+    """
 
 
 def run_tool_call(
@@ -204,9 +437,9 @@ def run_tool_call(
 ) -> ToolResult:
     """Run one parsed tool call (`{"type": "function", "function": {"name", "arguments"}}`) safely.
 
-    `timeout` applies to async tools always and to synchronous ones with `execution="thread"` (see `_call_tool`);
+    `timeout` is every call's deadline, in either mode (see `_run_sync`, `_await_tool`; None: no deadline);
     `max_chars` cuts what the model sees (`ToolResult.observation`), not the content reward functions receive.
-    Re-raises only KeyboardInterrupt.
+    Re-raises only KeyboardInterrupt (the user stops the run) and ToolFatalError (the tool says the run cannot go on).
     """
     check_tool_execution(execution)
     function = tool_call.get("function") if isinstance(tool_call, dict) else None
@@ -222,11 +455,11 @@ def run_tool_call(
     try:
         arguments = _check_arguments(tools[name], function.get("arguments", {}))
         value = _call_tool(tools[name], arguments, timeout, execution, event_loop)
-    except KeyboardInterrupt:
-        raise  # the user stops the run; not something the model did
+    except (KeyboardInterrupt, ToolFatalError):
+        raise  # the user, or a tool whose dependency is gone, stops the run; not something the model did
     except BaseException as e:  # noqa: BLE001 - SystemExit, GeneratorExit, ...: the model sees the error, the run goes on
         return error_result(name, _describe(e), max_chars)
-    return _tool_result(name, value, False, max_chars)
+    return _value_result(name, value, max_chars)
 
 
 def environment_tools(environment) -> list[Callable]:
@@ -261,10 +494,24 @@ def fork_environment(environment):
 # ---------------------------------------------------------------------------------------------------------------
 
 ENVIRONMENT_BRANCHING = ("auto", "fork", "copy", "replay")
+REPLAY_DIVERGENCE = ("drop", "raise")
+
+
+def check_replay_divergence(policy: str) -> None:
+    if policy not in REPLAY_DIVERGENCE:
+        raise ValueError(
+            f"replay_divergence must be one of {REPLAY_DIVERGENCE}; got {policy!r}: 'drop' leaves a branch whose "
+            "replayed environment disagrees with its history out of the tree (counted in tree/diverged_branches), "
+            "'raise' stops training with an error naming the environment and what differed."
+        )
 
 
 class ReplayDivergenceWarning(RuntimeWarning):
     """A replayed environment did not reproduce the recorded history: same row and calls, different outputs."""
+
+
+class ReplayDivergenceError(RuntimeError):
+    """`replay_divergence="raise"`: a replayed environment did not reproduce a branch's recorded history."""
 
 
 @dataclass
@@ -273,17 +520,202 @@ class RecordedCall:
 
     `turn` is the branch's turn that made the call (−1: made before the branch's first turn, e.g. in a TreeFlex node
     the branch was restored from); `content` and `failed` are what the call gave then, to compare with the replay.
+    `random_state` is the process's global random state just before the call (`capture_random_state`; None: not
+    captured), restored before the replayed call so a tool that draws from `random`, NumPy or torch draws the same.
     """
 
     turn: int
     call: dict
     content: Any
     failed: bool
+    random_state: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+
+# Replay reproduces what an environment draws from the process's global generators: the state before the original
+# reset and before every original call is captured, restored before the replayed one, and the caller's state is put
+# back afterwards (so a replay consumes none of the sampler's randomness). NumPy and torch are only looked at when
+# something has imported them. Randomness from elsewhere (os.urandom, an unseeded Generator, a server) cannot be
+# reproduced: the replay's divergence check is for that.
+
+
+def capture_random_state() -> tuple:
+    """Python's, NumPy's (legacy global) and torch's (CPU) global random states."""
+    numpy, torch = sys.modules.get("numpy"), sys.modules.get("torch")
+    return (
+        random.getstate(),
+        numpy.random.get_state() if numpy is not None and hasattr(numpy, "random") else None,
+        torch.get_rng_state() if torch is not None and hasattr(torch, "get_rng_state") else None,
+    )
+
+
+def restore_random_state(state: tuple) -> None:
+    python_state, numpy_state, torch_state = state
+    random.setstate(python_state)
+    if numpy_state is not None:
+        sys.modules["numpy"].random.set_state(numpy_state)
+    if torch_state is not None:
+        sys.modules["torch"].set_rng_state(torch_state)
+
+
+@contextlib.contextmanager
+def _callers_random_state():
+    """Whatever the block draws or restores, the global random states are the caller's again afterwards."""
+    state = capture_random_state()
+    try:
+        yield
+    finally:
+        restore_random_state(state)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Which environments "auto" deep-copies
+# ---------------------------------------------------------------------------------------------------------------
+
+COPYABLE_ATTRIBUTE = "__trl_tree_copyable__"
+_MAX_DEPTH = 8  # an environment's state nested deeper than this is not judged plain: replay, conservatively
+_MAX_VALUES = 100_000  # nor is one with more values than this (walking it would cost about as much as copying it)
+# An id or address of remote state is a plain string, which no type check tells from data: an attribute named like
+# one (split at "_" and camelCase) makes the environment replayed. A false alarm only costs replays.
+_REMOTE_NAME_PARTS = frozenset({
+    "session", "sessions", "sid", "client", "conn", "connection", "socket", "sock", "url", "uri", "endpoint", "host",
+    "hostname", "server", "remote", "channel", "stub",
+})
+_PLAIN_SCALARS = (type(None), bool, int, float, complex, str, bytes, range, type(Ellipsis))
+_PLAIN_VALUES = (datetime.date, datetime.time, datetime.timedelta, decimal.Decimal, fractions.Fraction,
+                 pathlib.PurePath, enum.Enum)
+_SEQUENCES = (list, tuple, set, frozenset, collections.deque)
+_MAPPINGS = (dict, collections.OrderedDict, collections.Counter, collections.defaultdict)
+_LOCKS = (type(threading.Lock()), type(threading.RLock()), threading.Condition, threading.Event,
+          threading.Semaphore, threading.Barrier)
+
+
+def copy_blocker(environment) -> str | None:
+    """Why a deep copy of `environment` could share state with it (or with other copies); None when "auto" may copy it.
+
+    A deep copy is independent only of the state it can see: a client's copy keeps the same session id, the same
+    `requests.Session` cookies, the same server behind a handle, so two branches would drive one remote session. So
+    "auto" copies an environment only when
+    - its class says so: `__trl_tree_copyable__ = True` (False: never copy it under "auto"), or its author wrote a
+      `__deepcopy__` (defined by the environment's class, or by a base that defines `reset` too: a generic base's,
+      e.g. a pydantic model's, says nothing about what the fields point at); or
+    - every value reachable from its attributes (at most `_MAX_DEPTH` levels, `_MAX_VALUES` values) is plain local
+      data: scalars, builtin containers, dates, enums, paths, dataclasses of such values, `random.Random`, NumPy
+      arrays (not of objects) and generators, torch tensors, or objects whose class declares itself copyable, and no
+      attribute is named like a remote handle (`session_id`, `base_url`, `client`, …).
+    Anything else (a socket, a file, a lock or thread, a module, a function, an HTTP session or connection pool, an
+    object of any other class) could hold or point at state the copy would share. State outside the instance (module
+    or class globals) is invisible to this check: such an environment should set `__trl_tree_copyable__ = False`.
+    """
+    cls = type(environment)
+    declared = getattr(cls, COPYABLE_ATTRIBUTE, None)
+    if declared is not None:
+        return None if declared else f"{cls.__name__} sets {COPYABLE_ATTRIBUTE} = False"
+    if _authored_deepcopy(cls):
+        return None
+    seen = {id(environment)}
+    stack = [(f"{cls.__name__}.{name}", name, value, 1) for name, value in reversed(_attributes(environment))]
+    count = 0
+    while stack:
+        path, name, value, depth = stack.pop()
+        if name is not None and value is not None and _named_like_remote_handle(name):
+            return f"{path} is named like a handle on remote state ({type(value).__name__} {shorten(value, 40)!r})"
+        count += 1
+        if count > _MAX_VALUES:
+            return f"{cls.__name__} holds more than {_MAX_VALUES} values (not checked further)"
+        if type(value) in _PLAIN_SCALARS or isinstance(value, _PLAIN_VALUES):
+            continue
+        if depth > _MAX_DEPTH:
+            return f"{path} lies more than {_MAX_DEPTH} levels deep (not checked further)"
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        children = _plain_children(value)
+        if children is None:
+            return f"{path} is {_what_it_is(value)}"
+        stack.extend((f"{path}{label}", child_name, child, depth + 1) for label, child_name, child in reversed(children))
+    return None
+
+
+def _authored_deepcopy(cls: type) -> bool:
+    owner = next((c for c in cls.__mro__ if "__deepcopy__" in vars(c)), None)
+    return owner is not None and owner is not object and (owner is cls or "reset" in vars(owner))
+
+
+def _named_like_remote_handle(name: str) -> bool:
+    words = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower().strip("_").split("_")
+    return any(word in _REMOTE_NAME_PARTS for word in words)
+
+
+def _attributes(value) -> list[tuple[str, Any]]:
+    """An object's instance attributes: its `__dict__` and its slots."""
+    attributes = list(vars(value).items()) if isinstance(getattr(value, "__dict__", None), dict) else []
+    for cls in type(value).__mro__:
+        slots = vars(cls).get("__slots__", ())
+        for slot in (slots,) if isinstance(slots, str) else slots:
+            if slot not in ("__dict__", "__weakref__") and hasattr(value, slot):
+                attributes.append((slot, getattr(value, slot)))
+    return attributes
+
+
+def _plain_children(value) -> list[tuple[str, str | None, Any]] | None:
+    """The values inside a plain value, as (path label, attribute name or None, value); None: not plain."""
+    cls = type(value)
+    declared = getattr(cls, COPYABLE_ATTRIBUTE, None)
+    if declared is not None and not isinstance(value, type):
+        return [] if declared else None
+    if cls in _MAPPINGS:
+        factory = getattr(value, "default_factory", None)
+        if factory is not None and not (isinstance(factory, type) and factory.__module__ == "builtins"):
+            return None
+        items = list(value.items())
+        return [(f"[{shorten(k, 30)!r}] (key)", None, k) for k, _ in items] + [
+            (f"[{shorten(k, 30)!r}]", None, v) for k, v in items
+        ]
+    if cls in _SEQUENCES:
+        return [(f"[{i}]", None, v) for i, v in enumerate(value)]
+    if cls is bytearray or cls in (random.Random, random.SystemRandom):
+        return []
+    numpy, torch = sys.modules.get("numpy"), sys.modules.get("torch")
+    if numpy is not None and hasattr(numpy, "ndarray"):
+        if isinstance(value, numpy.ndarray):
+            return [] if value.dtype != object else None
+        if isinstance(value, (numpy.generic, numpy.random.Generator, numpy.random.RandomState,
+                              numpy.random.BitGenerator)):
+            return []
+    if torch is not None and hasattr(torch, "Tensor") and isinstance(value, torch.Tensor):
+        return []
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [(f".{name}", name, v) for name, v in _attributes(value)]
+    return None
+
+
+def _what_it_is(value) -> str:
+    """What a value that is not plain data is, for the message that says why an environment is replayed."""
+    known = [(socket.socket, "a socket"), (io.IOBase, "an open file or stream"), (types.ModuleType, "a module"),
+             (threading.Thread, "a thread"), (_LOCKS, "a lock or other threading primitive")]
+    for module, attribute, what in (("requests", "Session", "an HTTP session (requests.Session)"),
+                                    ("http.client", "HTTPConnection", "an HTTP connection"),
+                                    ("urllib3", "PoolManager", "an HTTP connection pool"),
+                                    ("urllib3", "HTTPConnectionPool", "an HTTP connection pool")):
+        kind = getattr(sys.modules.get(module), attribute, None)
+        if isinstance(kind, type):
+            known.append((kind, what))
+    for kind, what in known:
+        if isinstance(value, kind):
+            return what
+    if isinstance(value, type):
+        return "a class (its class-level state is shared by every copy)"
+    if callable(value):
+        return f"a {type(value).__name__} (a callable may close over state outside the environment)"
+    if type(value) in _MAPPINGS:
+        return "a defaultdict whose default_factory is not a builtin type"
+    return (f"an object of class {type(value).__module__}.{type(value).__qualname__}, which the check does not know "
+            "(it may hold or point at state outside the environment)")
 
 
 class EnvironmentPool:
     """The trainer's environment instances, created once and reused, as GRPOTrainer's `_environment_pool`, and the
-    rule (`branching`, one of `ENVIRONMENT_BRANCHING`) by which a branch gets a copy of one.
+    rules by which a branch gets a copy of one (`branching`) and what becomes of a branch whose replay diverged.
 
     `acquire(name)` hands out the next instance not yet used in this batch, creating one with the factory only when
     the batch needs more than exist; `release()` makes them all available to the next batch, which resets them. A tree
@@ -295,16 +727,22 @@ class EnvironmentPool:
         instances: `{name: [instances]}` to start from (GRPOTrainer's `_environment_pool`, seeded with its probes);
             the pool keeps using (and growing) these lists.
         branching: "fork", "copy", "replay" or "auto" (see `TreeEnvironment`).
+        divergence: "drop" or "raise" (`REPLAY_DIVERGENCE`, see `TreeEnvironment`).
     """
 
-    def __init__(self, factories: dict, instances: dict | None = None, branching: str = "auto"):
+    def __init__(
+        self, factories: dict, instances: dict | None = None, branching: str = "auto", divergence: str = "drop"
+    ):
         if branching not in ENVIRONMENT_BRANCHING:
             raise ValueError(f"environment_branching must be one of {ENVIRONMENT_BRANCHING}; got {branching!r}.")
+        check_replay_divergence(divergence)
         self.factories = factories
         self.instances = instances if instances is not None else {}
         self.branching = branching
+        self.divergence = divergence
         self._handed_out: dict = {}
-        self._cannot_copy: set = set()  # "auto": environments whose deepcopy failed once are replayed from then on
+        # "auto": environments replayed from then on, because a copy could share state, failed, or fork() raised
+        self._replayed: set = set()
         if branching == "fork":
             for pool in self.instances.values():
                 if pool and not callable(getattr(pool[0], "fork", None)):
@@ -331,13 +769,22 @@ class EnvironmentPool:
 
     def copy(self, name, environment):
         """An independent copy of `environment` by the branching rule, or None when branches are to be replayed."""
-        mode = "replay" if name in self._cannot_copy else self.branching
+        mode = "replay" if name in self._replayed else self.branching
         if mode == "replay":
             return None
-        if mode in ("auto", "fork") and callable(getattr(environment, "fork", None)):
-            return environment.fork()
-        if mode == "fork":
+        has_fork = callable(getattr(environment, "fork", None))
+        if mode == "fork" and not has_fork:
             raise TypeError(_no_fork_message(environment))
+        if has_fork and mode in ("auto", "fork"):
+            return self._fork(name, environment, mode)
+        if mode == "auto":
+            blocker = copy_blocker(environment)
+            if blocker is not None:
+                return self._replay_from_now_on(
+                    name, environment, f"a deep copy could share state with the original: {blocker}",
+                    f"If a deep copy of it is independent, set `{COPYABLE_ATTRIBUTE} = True` on the class (or give it "
+                    "a fork() method); environment_branching='replay' skips this check.",
+                )
         try:
             return copy.deepcopy(environment)
         except Exception as e:
@@ -347,14 +794,36 @@ class EnvironmentPool:
                     f"({type(e).__name__}: {e}), e.g. because it holds a socket to a remote session. Use "
                     "environment_branching='replay' (or 'auto'), or add a `fork(self)` method and use 'fork'."
                 ) from e
-            self._cannot_copy.add(name)
-            logger.warning(
-                "Environment %s cannot be deep-copied (%s: %s) and has no fork(): its branches are rebuilt by replay "
-                "(a fresh instance reset with the row, then the branch's recorded tool calls re-run in order), which "
-                "assumes a deterministic environment. Set environment_branching='replay' to skip the copy attempt.",
-                type(environment).__name__, type(e).__name__, e,
+            return self._replay_from_now_on(
+                name, environment, f"it cannot be deep-copied ({type(e).__name__}: {e}) and has no fork()",
+                "Set environment_branching='replay' to skip the copy attempt.",
             )
-            return None
+
+    def _fork(self, name, environment, mode: str):
+        try:
+            return environment.fork()
+        except Exception as e:
+            what = f"{type(environment).__name__}.fork() raised {type(e).__name__}: {_safe_str(e)}"
+            if mode == "fork":
+                raise RuntimeError(
+                    f"environment_branching='fork', but {what}. A branch needs an independent copy of the environment "
+                    "as it was at its anchor: fix fork() so it returns one, or set environment_branching='auto' or "
+                    "'replay' to rebuild branches by re-running their tool calls on a fresh instance."
+                ) from e
+            return self._replay_from_now_on(name, environment, what, "Fix fork(), or set environment_branching="
+                                            "'replay' to skip it.")
+
+    def _replay_from_now_on(self, name, environment, why: str, hint: str) -> None:
+        """Under "auto": say once why environment `name` is not copied, and replay its branches from now on."""
+        self._replayed.add(name)
+        logger.warning(
+            "Environment %s is not copied for branching: %s. So its branches are rebuilt by replay (a fresh instance "
+            "reset with the row, then the branch's recorded tool calls re-run in order), which assumes the "
+            "environment reproduces them; a branch whose replay does not is %s (replay_divergence). %s",
+            type(environment).__name__, why,
+            "dropped from its tree" if self.divergence == "drop" else "an error", hint,
+        )
+        return None
 
 
 def _no_fork_message(environment) -> str:
@@ -373,15 +842,21 @@ class TreeEnvironment:
     one instance per rollout; no copy is made. A branch restarted before turn t > 0 needs the state after turns
     0..t−1. By the pool's `branching` rule:
 
-    - "fork": the environment's own `fork()` of the snapshot taken before turn t;
+    - "fork": the environment's own `fork()` of the snapshot taken before turn t (a fork() that raises is an error);
     - "copy": `copy.deepcopy` of that snapshot;
     - "replay": no snapshots at all. A fresh instance is reset with the row and the branch's recorded tool calls of
       turns 0..t−1 are re-run on it in order. Their outputs are not shown to the model again (the history's token ids
-      stay as recorded); an output that differs from the recorded one gives a `ReplayDivergenceWarning` naming the
-      tool and the turn. Replay assumes a deterministic environment: the same row and the same calls give the same
-      state and outputs (a reset that returns a different observation is warned about as well). It costs the
-      replayed calls again, and is the only way to branch an environment that holds a remote session (a socket);
-    - "auto" (default): `fork()` if the environment has one, else `copy.deepcopy`, else (the copy fails) replay.
+      stay as recorded). What the environment draws from Python's `random`, NumPy's global generator and torch's
+      (CPU) global generator is reproduced: the global states captured before the root's reset and before each
+      original call are restored before the replayed ones, and the caller's states are put back afterwards. An output
+      that differs from the recorded one (randomness from elsewhere, a server) means the branch's world disagrees with
+      its history: a `ReplayDivergenceWarning` names the tool and turn and the branch is marked diverged (`diverged`),
+      for the trainer to drop before credit (the pool's `divergence="drop"`), or a `ReplayDivergenceError` stops the
+      run (`"raise"`). A reset that returns another observation than the root's (whose observation the prompt shows)
+      diverges the same way. Replay costs the replayed calls again, and is the way to branch clients of remote state;
+    - "auto" (default): `fork()` if the environment has one (one that raises: replay from then on, with a warning);
+      else `copy.deepcopy` if `copy_blocker` finds nothing a copy could share (the class says it may be copied, or its
+      state is plain local data); else replay.
 
     Snapshots are only taken when the sampler will branch (`Branch.take_snapshots`).
 
@@ -396,22 +871,40 @@ class TreeEnvironment:
         self.pool, self.name, self.row, self.run_call = pool, name, row, run_call
         self.reset_observation: Any = None
         self._started = False
+        self._reset_random_state: tuple | None = None
+        # id → (instance, diverged) of every instance rebuilt here (the instance is kept so its id stays its own)
+        self._rebuilt: dict[int, tuple[Any, bool]] = {}
 
     def start(self):
         """An instance reset with the row: the root's (the first call, whose observation the prompt shows) or another
-        trajectory's from the root."""
+        trajectory's from the root, which gets the root's world: the root's reset randomness is replayed for it."""
         environment = self.pool.acquire(self.name)
-        observation = environment.reset(**self.row)
         if not self._started:
-            self._started, self.reset_observation = True, observation
-        elif not _same(observation, self.reset_observation):
-            warnings.warn(
-                f"{type(environment).__name__}.reset returned a different observation for the same row than it did "
-                "for the tree's root, whose observation the prompt shows. Trajectories of one tree share the prompt, "
-                "so reset must be deterministic given the row.",
-                ReplayDivergenceWarning, stacklevel=2,
+            self._reset_random_state = capture_random_state()
+            self.reset_observation = environment.reset(**self.row)
+            self._started = True
+            return environment
+        with _callers_random_state():
+            restore_random_state(self._reset_random_state)
+            observation = environment.reset(**self.row)
+        diverged = not _same(observation, self.reset_observation)
+        self._rebuilt[id(environment)] = (environment, diverged)
+        if diverged:
+            cls = type(environment).__name__
+            self._diverged(
+                f"{cls}.reset returned a different observation for the same row than it did for the tree's root, "
+                "whose observation the prompt shows. Trajectories of one tree share the prompt, so reset must be "
+                "deterministic given the row (and the global random states, which are replayed).",
+                f"{cls}: reset gave {shorten(observation)!r} for the tree's row, but the root's reset gave "
+                f"{shorten(self.reset_observation)!r}, which the prompt shows",
             )
         return environment
+
+    def diverged(self, environment) -> bool | None:
+        """Whether `environment`, rebuilt here (a trajectory from the root, or a replay), disagrees with the history
+        it was rebuilt for; None when it was not rebuilt here (the root's instance, a copy)."""
+        rebuilt = self._rebuilt.get(id(environment))
+        return None if rebuilt is None or rebuilt[0] is not environment else rebuilt[1]
 
     def snapshot(self, environment):
         """A copy of `environment` to restart branches from later; None when branches will be rebuilt by replay."""
@@ -427,30 +920,56 @@ class TreeEnvironment:
         return self.replay(calls)
 
     def replay(self, calls: list[RecordedCall]):
-        """A fresh instance reset with the row, with the environment's recorded calls re-run in order.
+        """A fresh instance reset with the row, with the environment's recorded calls re-run in order, each after the
+        global random states it originally ran with; the caller's random states are unchanged afterwards.
 
         Calls of standalone tools (not methods of the environment) and calls that named no tool of it are skipped:
-        they did not touch its state.
+        they did not touch its state. Replay stops at the first call that gives another output than recorded: the
+        instance is marked diverged (see `diverged`) and the rest could not make it agree again.
         """
-        environment = self.start()
-        tools = {method.__name__: method for method in environment_tools(environment)}
-        for recorded in calls:
-            function = recorded.call.get("function") if isinstance(recorded.call, dict) else None
-            name = function.get("name") if isinstance(function, dict) else None
-            if name not in tools:
-                continue
-            result = self.run_call(recorded.call, tools)
-            if result.failed != recorded.failed or not _same(result.content, recorded.content):
+        with _callers_random_state():
+            environment = self.start()
+            if self.diverged(environment):
+                return environment
+            tools = {method.__name__: method for method in environment_tools(environment)}
+            for recorded in calls:
+                function = recorded.call.get("function") if isinstance(recorded.call, dict) else None
+                name = function.get("name") if isinstance(function, dict) else None
+                if name not in tools:
+                    continue
+                if recorded.random_state is not None:
+                    restore_random_state(recorded.random_state)
+                result = self.run_call(recorded.call, tools)
+                if result.failed == recorded.failed and _same(result.content, recorded.content):
+                    continue
+                self._rebuilt[id(environment)] = (environment, True)
+                cls = type(environment).__name__
                 where = f"turn {recorded.turn}" if recorded.turn >= 0 else "an earlier segment"
-                warnings.warn(
-                    f"Replaying tool '{name}' (call of {where}) on a fresh {type(environment).__name__} gave "
-                    f"{shorten(result.content)!r}, but the branch recorded {shorten(recorded.content)!r}. Replay assumes "
-                    "a deterministic environment (same row, same calls, same outputs): this branch continues from a "
-                    "state that differs from its history. Give the environment a fork() method, make it deep-copyable, "
-                    "or make its tools deterministic.",
-                    ReplayDivergenceWarning, stacklevel=2,
+                outputs = f"gave {shorten(result.content)!r}, but the branch recorded {shorten(recorded.content)!r}"
+                self._diverged(
+                    f"Replaying tool '{name}' (call of {where}) on a fresh {cls} {outputs}. Replay assumes the "
+                    "environment reproduces the same outputs for the same row and calls: this branch's world differs "
+                    "from its history.",
+                    f"{cls}: replaying tool '{name}' (call of {where}) {outputs}",
                 )
+                break
         return environment
+
+    def _diverged(self, warning: str, error: str) -> None:
+        if self.pool.divergence == "raise":
+            raise ReplayDivergenceError(
+                f"{error}. A replayed branch's world must match its history (replay_divergence='raise'). Give the "
+                "environment a fork() method, make its randomness reproducible (draw it from `random`, NumPy's or "
+                "torch's global generator, which replay restores, or from a generator seeded by the row), or set "
+                "replay_divergence='drop' to leave such branches out of training."
+            )
+        warnings.warn(
+            f"{warning} The branch is marked diverged (replay_divergence='drop'): the tree trainers leave it out of "
+            "its tree before credit and count it in tree/diverged_branches (TreeFlex's searches are not dropped). "
+            "Give the environment a fork() method or make its randomness reproducible (`random`, NumPy's or torch's "
+            "global generator, or a generator seeded by the row).",
+            ReplayDivergenceWarning, stacklevel=3,
+        )
 
 
 def _same(a, b) -> bool:

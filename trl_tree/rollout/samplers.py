@@ -25,6 +25,7 @@ from .env import (
     RecordedCall,
     ToolResult,
     TreeEnvironment,
+    capture_random_state,
     check_tool_execution,
     environment_tools,
     error_result,
@@ -48,7 +49,9 @@ class Branch:
     Environment: `environment` is the tree's `TreeEnvironment` (None without `environment_factory`); `env_calls` the
     tool calls run on `env` so far (what replay re-runs); `snapshots[t]` a copy of `env` before turn t, or None (turn
     0: a restart from the prompt starts a fresh instance; replay: no copies). The turn loop takes snapshots only when
-    `take_snapshots` is set, i.e. when the sampler will restart branches.
+    `take_snapshots` is set, i.e. when the sampler will restart branches. `diverged_at` is the first turn from which
+    the branch's environment disagrees with its history (a replay that did not reproduce it, or a copy of such a
+    world), None while they agree: the trainer does not train such a branch (`replay_divergence`).
     """
 
     tree: int
@@ -68,6 +71,7 @@ class Branch:
     environment: TreeEnvironment | None = None
     env_calls: list[RecordedCall] = field(default_factory=list)
     take_snapshots: bool = False
+    diverged_at: int | None = None
     round: int = 0  # the sampling round that created the branch (0: initial trajectories); the tree view shows it
 
     @property
@@ -108,7 +112,16 @@ class Branch:
             environment=self.environment,
             env_calls=[c for c in self.env_calls if c.turn < t],
             take_snapshots=self.take_snapshots,
+            diverged_at=self._diverged_at_restart(t, env),
         )
+
+    def _diverged_at_restart(self, t: int, env) -> int | None:
+        """Where a branch restarted before turn t with environment `env` disagrees with its history: at t when `env`
+        was rebuilt and did not reproduce it; else (a copy) where this branch's world did, if turn t lies past that."""
+        rebuilt = self.environment.diverged(env) if self.environment is not None and env is not None else None
+        if rebuilt is not None:
+            return t if rebuilt else None
+        return self.diverged_at if self.diverged_at is not None and t >= self.diverged_at else None
 
     def _environment_before(self, t: int):
         """The environment as it was before turn t, for a branch restarted there (see `TreeEnvironment`)."""
@@ -176,10 +189,12 @@ class SamplerSettings:
     tool_execution: str = "main"  # or "thread" (TreeConfig.tool_execution)
     max_turn_tokens: int | None = None  # cap on one sampled assistant turn (TreeConfig.max_turn_tokens)
     chunk_tokens: int | None = None  # tokens a branch samples per engine call (TreeConfig.generation_chunk_tokens)
+    max_tool_calls_per_turn: int | None = 8  # calls run per turn, the rest answered with errors (TreeConfig's field)
 
     def __post_init__(self):
         check_tool_execution(self.tool_execution)
         check_chunk_tokens(self.chunk_tokens)
+        check_max_tool_calls_per_turn(self.max_tool_calls_per_turn)
 
 
 def check_chunk_tokens(chunk_tokens: int | None) -> None:
@@ -187,6 +202,14 @@ def check_chunk_tokens(chunk_tokens: int | None) -> None:
         raise ValueError(
             f"generation_chunk_tokens must be a positive number of tokens per generate call, or None (a whole turn per "
             f"call); got {chunk_tokens}."
+        )
+
+
+def check_max_tool_calls_per_turn(cap: int | None) -> None:
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+        raise ValueError(
+            f"max_tool_calls_per_turn must be a positive number of tool calls run per assistant turn, or None (no "
+            f"cap); got {cap!r}."
         )
 
 
@@ -318,9 +341,11 @@ class TurnLoop:
             self._record_tool_results(branch, turn, [_malformed_result()])
             branch.done = True
             return
-        results = [self.run_call(call, branch.tools) for call in calls] if calls else [_malformed_result()]
-        if branch.env is not None:
-            branch.env_calls += [RecordedCall(t, call, r.content, r.failed) for call, r in zip(calls, results)]
+        states = [] if branch.env is not None else None
+        results = self._run_calls(calls, branch.tools, states) if calls else [_malformed_result()]
+        if branch.env is not None:  # calls past the cap never ran: replay must not run them either
+            ran = zip(calls[: self._calls_run(calls)], results, states)
+            branch.env_calls += [RecordedCall(t, call, r.content, r.failed, state) for call, r, state in ran]
         self._record_tool_results(branch, turn, results)
         # the model sees each message cut at max_observation_chars; the conversation keeps the full content
         obs = self.observation_ids([r.observation_message for r in results])
@@ -331,6 +356,27 @@ class TurnLoop:
         branch.messages.extend(r.message for r in results)
         branch.prefix_ids = branch.prefix_ids + list(obs)
 
+
+    def _calls_run(self, calls: list) -> int:
+        cap = self.settings.max_tool_calls_per_turn
+        return len(calls) if cap is None else min(cap, len(calls))
+
+    def _run_calls(self, calls: list[dict], tools: dict[str, Callable], states: list | None = None) -> list[ToolResult]:
+        """Run a turn's first `max_tool_calls_per_turn` calls, in order, and answer the rest with an error each.
+        `states`, when given, gets the global random states each call ran with (what replay restores).
+
+        A turn's calls run one after another, each with its own deadline, so without a cap one turn could hold the
+        batch for (calls × tool_timeout). Each capped call still gets its tool message, so the conversation stays
+        well-formed (every call answered) and the model reads why; it counts as a failed call (metrics, TreeFlex's
+        penalty).
+        """
+        n = self._calls_run(calls)
+        results = []
+        for call in calls[:n]:
+            if states is not None:
+                states.append(capture_random_state())
+            results.append(self.run_call(call, tools))
+        return results + [_capped_result(call, n, len(calls)) for call in calls[n:]]
 
     def _record_tool_results(self, branch: Branch, turn: Turn, results) -> None:
         """Count the turn's tool calls and failures, and put the process penalty on the turn that made them."""
@@ -358,6 +404,16 @@ def _join_head(head: Turn | None, out) -> tuple[list[int], list[float], list[flo
 def _looks_like_tool_call(message: dict) -> bool:
     content = message.get("content")
     return isinstance(content, str) and "<tool_call>" in content
+
+
+def _capped_result(call, cap: int, made: int) -> ToolResult:
+    function = call.get("function") if isinstance(call, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    return error_result(
+        name if isinstance(name, str) else "unknown",
+        f"Not run: this turn made {made} tool calls and at most {cap} run per turn (max_tool_calls_per_turn). "
+        "Make fewer calls per turn, and the rest in the next turn.",
+    )
 
 
 def _malformed_result() -> ToolResult:
@@ -389,9 +445,11 @@ def _start(tree: int, root: TreeRoot, first: bool, snapshots: bool) -> Branch:
     env = root.env
     if not first and env is not None:
         env = root.environment.start() if root.environment is not None else fork_environment(env)
+    diverged = root.environment is not None and env is not None and root.environment.diverged(env)
     return Branch(
         tree=tree, prefix_ids=list(root.prompt_ids), prompt_len=len(root.prompt_ids), env=env,
         tools=_bind_tools(root.tools, env), environment=root.environment, take_snapshots=snapshots,
+        diverged_at=0 if diverged else None,
     )
 
 

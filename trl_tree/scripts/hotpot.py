@@ -284,7 +284,17 @@ def build_retriever(script_args: HotpotDataArguments, examples: list[dict]):
     from trl_tree.envs import BM25Retriever, DenseRetriever, RemoteRetriever, build_corpus, load_corpus
 
     if script_args.retriever == "remote":
-        return RemoteRetriever(script_args.retriever_url)
+        # One search now: without it a missing server shows only after the model has loaded, as searches that all
+        # fail (and, past the retriever's failure rate, a stopped run).
+        retriever = RemoteRetriever(script_args.retriever_url)
+        try:
+            retriever.check()
+        except ConnectionError as e:
+            raise ConnectionError(
+                f"{e} Or pass the address of a running server with --retriever_url, or search without a server: "
+                "--retriever bm25."
+            ) from e.__cause__
+        return retriever
     corpus = load_corpus(script_args.corpus_path) if script_args.corpus_path else build_corpus(examples)
     if script_args.retriever == "dense":
         return DenseRetriever(corpus, model_name=script_args.dense_model)
@@ -339,6 +349,7 @@ def agent_settings(script_args: HotpotScriptArguments, training_args):
         max_observation_chars=training_args.max_observation_chars,
         tool_timeout=training_args.tool_timeout,
         tool_execution=training_args.tool_execution,
+        observation_special_tokens=training_args.observation_special_tokens,
         batch_size=script_args.eval_batch_size,
         chat_template_kwargs=training_args.chat_template_kwargs,
     )

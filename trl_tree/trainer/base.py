@@ -181,7 +181,9 @@ class TreeTrainer(GRPOTrainer):
         if self.environment_factories is None:
             return None
         pool = trl_internals.environment_pool(self)
-        return EnvironmentPool(self.environment_factories, pool, self.args.environment_branching)
+        return EnvironmentPool(
+            self.environment_factories, pool, self.args.environment_branching, self.args.replay_divergence
+        )
 
     def _build_engine(self):
         if self.use_vllm:
@@ -207,11 +209,15 @@ class TreeTrainer(GRPOTrainer):
             tool_execution=self.args.tool_execution,
             max_turn_tokens=self.args.max_turn_tokens,
             chunk_tokens=self.args.generation_chunk_tokens,
+            max_tool_calls_per_turn=self.args.max_tool_calls_per_turn,
         )
         return TurnLoop(
             engine=_EngineProxy(self),
             parse=self._parse_action,
-            observation_ids=functools.partial(trl_internals.tool_suffix_ids, self),
+            # tool and environment text is untrusted: its control strings are tokenized as text by default
+            observation_ids=functools.partial(
+                trl_internals.tool_suffix_ids, self, special_tokens=self.args.observation_special_tokens
+            ),
             settings=settings,
             any_active=self._any_rank_active,
             event_loop=getattr(self, "async_loop", None),  # GRPOTrainer starts it when a tool is async
@@ -277,20 +283,39 @@ class TreeTrainer(GRPOTrainer):
     def _generate_micro_batches(self, inputs: list[dict[str, Any]], num_chunks: int) -> list[dict[str, torch.Tensor]]:
         """Grow and score one tree per prompt, then pack, recompute π_old and compute credit per micro-batch."""
         mode = "train" if self.model.training else "eval"
+        prompts, trees, branches_per_tree, rewards = self._sample_scored_trees(inputs)
+        batches, per_turn, forward_tokens = self._micro_batches(trees, num_chunks, mode)
+        self._log_generation(mode, prompts, trees, branches_per_tree, rewards, per_turn, forward_tokens)
+        return batches
+
+    def sample_trees(self, inputs: list[dict[str, Any]]) -> list[RolloutTree]:
+        """Grow and score one tree per dataset row of `inputs`, without packing, credit or logging: the seam for
+        training several losses on the very same trees (`benchmarks/bench_blocks.py`). `micro_batches(trees, E)`
+        then gives what one generation batch of E optimizer blocks trains."""
+        return self._sample_scored_trees(inputs)[1]
+
+    def micro_batches(self, trees: list[RolloutTree], num_chunks: int) -> list[dict[str, torch.Tensor]]:
+        """`trees` split into `num_chunks` micro-batches as training splits a generation batch: packed, with π_old
+        recomputed by the current model and the configured method's credit (`generate_batch`'s layout)."""
+        return self._micro_batches(trees, num_chunks, "train" if self.model.training else "eval")[0]
+
+    def _sample_scored_trees(self, inputs: list[dict[str, Any]]):
         if any("image" in x or "images" in x for x in inputs):
             raise ValueError(f"{type(self).__name__} supports text-only prompts; this batch has images.")
         prompts, roots = self._prepare_roots(inputs)
         with rollout_session(self.generation_engine):
             branches_per_tree = self.sampler.sample(roots)
+        # a branch whose environment disagrees with its history (a diverged replay) is no leaf: its context and its
+        # world differ, so neither its reward nor its turns' credit mean anything (replay_divergence="drop")
+        self._diverged_per_tree = [sum(b.diverged_at is not None for b in branches) for branches in branches_per_tree]
+        branches_per_tree = [[b for b in branches if b.diverged_at is None] for branches in branches_per_tree]
 
         rewards = self._score_leaves(inputs, prompts, branches_per_tree)
         trees = [
             RolloutTree.from_trajectories(root.prompt_ids, [b.turns for b in branches], r.tolist())
             for root, branches, r in zip(roots, branches_per_tree, rewards)
         ]
-        batches, per_turn, forward_tokens = self._micro_batches(trees, num_chunks, mode)
-        self._log_generation(mode, prompts, trees, branches_per_tree, rewards, per_turn, forward_tokens)
-        return batches
+        return prompts, trees, branches_per_tree, rewards
 
     def _micro_batches(self, units: list, num_chunks: int, mode: str):
         """Split whole units (trees; TreeFlex's groups) into `num_chunks` micro-batches. Each is packed, gets π_old
@@ -492,6 +517,14 @@ class TreeTrainer(GRPOTrainer):
 
     # ---------------------------------------------------------------- checkpoints
 
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        """transformers' `train`, but `resume_from_checkpoint=True` resumes from the newest *complete* checkpoint
+        (`resume.last_complete_checkpoint`): transformers takes the newest folder, which a crash during a save leaves
+        partial, and then fails on it."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = resume.last_complete_checkpoint(self.args.output_dir)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
     def _save_rng_state(self, output_dir: str) -> None:
         """transformers' per-process hook at checkpoint time. Besides the global generators, an exact resume needs the
         sampler's generators and the generation batch being trained (`trl_tree.trainer.resume`)."""
@@ -581,6 +614,8 @@ class TreeTrainer(GRPOTrainer):
         metrics["tree/flat_tokens"].append(self._mean_over_ranks([t.num_path_tokens for t in trees]))
         metrics["tree/forward_tokens"].append(self._mean_over_ranks([forward_tokens / len(trees)]))
         metrics["tree/turns_per_leaf"].append(self._mean_over_ranks([len(b.turns) for b in leaves]))
+        if self.environment_factories is not None:
+            metrics["tree/diverged_branches"].append(self._mean_over_ranks(self._diverged_per_tree))
         self.log_turn_credit(metrics, per_turn)
         if self.log_completions:
             self._log_tree_completions(prompts, trees, branches_per_tree)

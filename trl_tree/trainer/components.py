@@ -72,6 +72,21 @@ def budget_for_generations(args, num_generations: int) -> int | None:
     return value if value >= 1 and b0 + slope * value > num_generations - 1 else None
 
 
+def branches_for_generations(args, num_generations: int, preferred: int) -> tuple[int, int] | None:
+    """(M, N) reaching G when only G is given and the preset's N = `preferred` cannot: the N ≥ 1 nearest to it (a
+    tree that still branches; N = 0 would silently turn the method into flat GRPO), among equally near ones the one
+    whose budget is exactly G (nothing lost to rounding), then the smaller. None when no N ≥ 1 reaches G with K ≥ 2.
+    Any G ≥ 2 is reached: M = 1 with N = 2G − 2 costs exactly G."""
+    found = []
+    for n in range(1, 2 * num_generations + 1):
+        candidate = replace_fields(args, num_branches=n)
+        m = budget_for_generations(candidate, num_generations)
+        if m is not None and m * (n + 1) >= 2:
+            waste = num_generations - trajectory_budget(replace_fields(candidate, num_initial_rollouts=m))
+            found.append((abs(n - preferred), waste, n, m))
+    return (found and (min(found)[3], min(found)[2])) or None
+
+
 def valid_budgets(args, num_generations: int, limit: int = 8) -> list[str]:
     """Settings of the sampler's budget fields that give G, for error messages (init_expand: every (M, N))."""
     field = budget_field(args)

@@ -28,8 +28,9 @@ from typing import ClassVar
 from trl import GRPOConfig
 
 from .. import losses, methods
-from ..rollout.env import ENVIRONMENT_BRANCHING, MAX_OBSERVATION_CHARS, check_tool_execution
-from ..rollout.samplers import check_chunk_tokens
+from ..rollout.env import ENVIRONMENT_BRANCHING, MAX_OBSERVATION_CHARS, check_replay_divergence, check_tool_execution
+from ..rollout.samplers import check_chunk_tokens, check_max_tool_calls_per_turn
+from ..rollout.special_tokens import check_observation_special_tokens
 
 _GRPO_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
 # GRPO options without an effect on any tree trainer, and what to use instead (`TreeConfig.unused_grpo_options`)
@@ -115,15 +116,27 @@ class TreeConfig(GRPOConfig):
             row. Same log-probs either way. With "tree" or "auto" the trainer switches an sdpa policy to
             `"tree_sdpa"` (`trl_tree.tree_attention`): tree rows are attended chain by chain, computing only the
             visible pairs; every other forward is sdpa's own.
-        tool_timeout (`float`, defaults to `30.0`): seconds a tool call may run before it becomes an error observation.
-            Enforced for async tools, and for synchronous tools only with `tool_execution="thread"` (see there).
+        tool_timeout (`float` or `None`, defaults to `30.0`): seconds a tool call may run before it becomes an error
+            observation ("timed out after … s"), in every mode and for every kind of tool; the trainer enforces it
+            from outside, so a tool cannot extend it (an async tool that catches its cancellation runs on in the
+            background, its late result dropped). `None`: no deadline at all, a hung tool hangs the run.
         tool_execution (`str`, defaults to `"main"`): where synchronous tools run. `"main"`: in the trainer's thread,
             as GRPOTrainer runs them, so a tool may time itself out with `signal.alarm` / `signal.setitimer` (TRL's
-            agent example does); but a tool that hangs hangs the run, since nothing can interrupt it from outside
-            and `tool_timeout` does not apply. `"thread"`: in a worker thread, so `tool_timeout` is enforced (a hung
-            tool becomes an error observation; its thread lingers until the tool returns, as Python cannot kill a
-            thread); `signal.signal` only works in the main thread, so a signal-based tool fails on every call.
-            Async tools run on GRPOTrainer's event loop thread either way, with `tool_timeout`.
+            agent example does); `tool_timeout` is a SIGALRM timer there, which interrupts the tool where it is
+            (pure Python, sleeps and lock waits; the trainer's own SIGALRM handler and timer are restored after
+            each call). Its limits: a tool stuck in C code that does not return to the interpreter is not
+            interrupted, a tool that arms its own alarm replaces the deadline for that call, and where there is no
+            SIGALRM (Windows) or the trainer does not run in the main thread, the tool runs in a worker thread with
+            the deadline instead. `"thread"`: in a worker thread that the trainer stops waiting for at the deadline
+            (a hung tool becomes an error observation, even in C code; its thread lingers until the tool returns,
+            as Python cannot kill a thread); `signal.signal` only works in the main thread, so a signal-based tool
+            fails on every call. Async tools run on GRPOTrainer's event loop thread either way, with
+            `tool_timeout`.
+        max_tool_calls_per_turn (`int` or `None`, defaults to `8`): tool calls of one assistant turn that run, in
+            order; each call beyond it gets an error observation instead (every call keeps its tool message) and
+            counts as a failed call in `tools/failure_frequency` and the TreeFlex penalty. The calls of a turn run
+            one after another, so the cap bounds a turn's tool time at about `max_tool_calls_per_turn ×
+            tool_timeout`. `None`: no cap.
         max_observation_chars (`int`, defaults to `16384`): what the model sees of a tool's output is cut at this many
             characters, with a marker saying how much was dropped (the paper's limit for retrieved observations).
             Reward functions receive the tool message as GRPOTrainer builds it, uncut: the returned value itself if it
@@ -135,17 +148,42 @@ class TreeConfig(GRPOConfig):
             how to write the call, and the trajectory goes on (the model can repair it; TreeFlex penalises the
             turn). `"end"`: the trajectory ends at that turn and is scored as it is, as TRL's GRPO tool loop does
             (its parser finds no tool call, so the turn is final). Either way the call counts as a tool failure.
+        observation_special_tokens (`str`, defaults to `"neutralize"`): how special-token strings inside tool and
+            environment output (and TreeFlex's copied-in cards) become observation tokens. Such text is untrusted: a
+            tool output holding `<|im_end|>\n<|im_start|>assistant\n…` would otherwise become the real turn markers,
+            and the policy would train on contexts with forged turns. `"neutralize"`: every special or added token
+            string of the tokenizer in the message text gets a zero-width space (U+200B) after its first character,
+            so it is tokenized as text (`trl_tree.rollout.special_tokens`); output without such strings renders
+            exactly as in TRL. `"raw"`: TRL's rendering as it is, for tools trusted to write chat-template markup.
+            The prompt is trusted either way, as in GRPO.
         environment_branching (`str`, defaults to `"auto"`): how a branch of a stateful environment
             (`environment_factory`) gets the environment as it was at its anchor turn. `"fork"`: the environment's own
-            `fork()` of a snapshot taken before every turn; `"copy"`: `copy.deepcopy` of that snapshot; `"replay"`: no
-            snapshots, a fresh instance is reset with the tree's dataset row and the branch's recorded tool calls up to
-            the anchor are re-run in order (their outputs are not shown to the model again; an output that differs
-            from the recorded one is warned about with the tool's name and turn). Replay assumes a deterministic
-            environment and costs the replayed calls again; it is the way to branch clients of remote sessions (a
-            socket cannot be copied), as in TRL's OpenEnv examples. `"auto"`: fork() if the environment has it, else
-            deepcopy, else replay. Snapshots are only taken when the sampler will branch (not for `sampler="flat"`,
-            `num_branches=0`, no expansion rounds), and every trajectory that starts at the prompt gets its own
-            instance reset with the row, as in GRPO; instances are pooled and reused across batches.
+            `fork()` of a snapshot taken before every turn (a fork() that raises is an error); `"copy"`:
+            `copy.deepcopy` of that snapshot, whatever the environment holds; `"replay"`: no snapshots, a fresh
+            instance is reset with the tree's dataset row and the branch's recorded tool calls up to the anchor are
+            re-run in order (their outputs are not shown to the model again). Replay reproduces what the environment
+            draws from Python's `random`, NumPy's and torch's global generators (their states before the original
+            reset and calls are restored, and the sampler's own states put back afterwards); an output that differs
+            from the recorded one all the same is a divergence (`replay_divergence`). Replay costs the replayed calls
+            again; it is the way to branch clients of remote state, as in TRL's OpenEnv examples. `"auto"`: fork() if
+            the environment has one (if it raises: replay, with a warning); else deepcopy only if a copy cannot share
+            state with the original: the class sets `__trl_tree_copyable__ = True` or writes its own `__deepcopy__`,
+            or everything reachable from its attributes is plain local data (scalars, builtin containers,
+            dataclasses of those, `random.Random`, NumPy arrays and generators, torch tensors) and no attribute is
+            named like a remote handle (`session_id`, `base_url`, `client`, ...); else replay (a warning says why).
+            A deep copy of a REST client keeps its session id, so two branches would drive one server session.
+            State outside the instance (a module-level registry) is invisible to the check: set
+            `__trl_tree_copyable__ = False` on such an environment. Snapshots are only taken when the sampler will
+            branch (not for `sampler="flat"`, `num_branches=0`, no expansion rounds), and every trajectory that
+            starts at the prompt gets its own instance reset with the row (and the root's reset randomness), as in
+            GRPO; instances are pooled and reused across batches.
+        replay_divergence (`str`, defaults to `"drop"`): what becomes of a branch whose replayed environment does not
+            reproduce its history (a replayed tool output, or a reset observation, that differs from the recorded
+            one: randomness replay cannot restore, or a server's). Its context and its world disagree, so it must
+            not be trained as if consistent. `"drop"`: it is warned about (`ReplayDivergenceWarning`) and left out of
+            its tree before scoring and credit, with the branches copied from its diverged world; the metric
+            `tree/diverged_branches` counts them per tree. `"raise"`: a `ReplayDivergenceError` naming the
+            environment, the tool and what differed stops training. TreeFlex's searches are not dropped.
         max_turn_tokens (`int` or `None`, defaults to `None`): tokens one sampled assistant turn may have (`None`: only
             `max_completion_length` bounds it). A `generate` call lasts as long as its longest row, so one rambling
             turn holds every other branch of the batch waiting; a turn cut by the cap ends its trajectory and is
@@ -229,7 +267,14 @@ class TreeConfig(GRPOConfig):
     packing: str = field(default="tree", metadata={"help": "'tree' (one packed row per tree), 'paths' or 'auto'."})
     tool_timeout: float | None = field(default=30.0, metadata={"help": "Seconds a tool call may run."})
     tool_execution: str = field(
-        default="main", metadata={"help": "main (as GRPO; signal works, no timeout of sync tools) | thread (timeout)"}
+        default="main",
+        metadata={
+            "help": "main (as GRPO, signal works; tool_timeout by SIGALRM, which cannot stop a tool stuck in C "
+            "code) | thread (a worker thread; tool_timeout always stops waiting)"
+        },
+    )
+    max_tool_calls_per_turn: int | None = field(
+        default=8, metadata={"help": "Tool calls run per assistant turn; the rest get error observations (None: all)."}
     )
     max_observation_chars: int | None = field(
         default=MAX_OBSERVATION_CHARS, metadata={"help": "Cap on a tool output's length."}
@@ -238,8 +283,19 @@ class TreeConfig(GRPOConfig):
     malformed_tool_calls: str = field(
         default="observe", metadata={"help": "observe (error observation, go on) | end (end the trajectory, as TRL)"}
     )
+    observation_special_tokens: str = field(
+        default="neutralize",
+        metadata={"help": "neutralize (special-token strings in tool output are tokenized as text) | raw (as TRL)"},
+    )
     environment_branching: str = field(
-        default="auto", metadata={"help": "auto | fork | copy | replay: how branches get a stateful environment's state."}
+        default="auto",
+        metadata={"help": "auto | fork | copy | replay: how branches get a stateful environment's state (auto: fork(), "
+                  "else deepcopy of plain local state or a class with __trl_tree_copyable__ = True, else replay)."},
+    )
+    replay_divergence: str = field(
+        default="drop",
+        metadata={"help": "drop | raise: a branch whose replayed environment disagrees with its history is left out "
+                  "of its tree (tree/diverged_branches) or stops training."},
     )
     max_turn_tokens: int | None = field(default=None, metadata={"help": "Cap on one sampled assistant turn's tokens."})
     generation_cache: str = field(
@@ -484,19 +540,22 @@ class TreeConfig(GRPOConfig):
         if self.packing not in PACKING_LAYOUTS:
             raise ValueError(f"packing must be one of {PACKING_LAYOUTS}; got {self.packing!r}.")
         check_tool_execution(self.tool_execution)
+        check_max_tool_calls_per_turn(self.max_tool_calls_per_turn)
         if self.malformed_tool_calls not in MALFORMED_TOOL_CALL_POLICIES:
             raise ValueError(
                 f"malformed_tool_calls must be one of {MALFORMED_TOOL_CALL_POLICIES}; got {self.malformed_tool_calls!r}:"
                 " 'observe' answers an unparseable tool call with an error observation, 'end' ends the trajectory."
             )
+        check_observation_special_tokens(self.observation_special_tokens)
         if self.max_completion_length is None or self.max_completion_length < 1:
             raise ValueError("max_completion_length must be a positive number of tokens per trajectory.")
         if self.environment_branching not in ENVIRONMENT_BRANCHING:
             raise ValueError(
                 f"environment_branching must be one of {ENVIRONMENT_BRANCHING}; got {self.environment_branching!r}: "
                 "'fork' uses the environment's fork(), 'copy' copy.deepcopy, 'replay' re-runs the recorded tool calls "
-                "on a fresh instance, 'auto' the first of these that works."
+                "on a fresh instance, 'auto' fork(), else a copy when nothing could be shared, else replay."
             )
+        check_replay_divergence(self.replay_divergence)
         if self.max_turn_tokens is not None and self.max_turn_tokens < 1:
             raise ValueError(
                 f"max_turn_tokens must be a positive number of tokens per assistant turn, or None; got "

@@ -48,6 +48,7 @@ from torch import Tensor
 from .. import credit, trl_internals
 from ..packing import PackedTrees, pack_trees, packed_token_logps, pad_rows
 from ..rollout.flex_harness import FlexBlock, FlexHarness, FlexKit, FlexSearch, FlexTask
+from ..rollout.special_tokens import observation_messages
 from ..tree import RolloutTree
 from .base import TreeTrainer
 from .config import TreeFlexConfig
@@ -238,10 +239,13 @@ class TreeFlexTrainer(TreeTrainer):
         """Token ids that append `messages` after an assistant turn and open the next assistant turn.
 
         Tool messages use TRL's `_get_tool_suffix_ids`; other roles (a card copied in as a user message) the same
-        dummy-conversation difference, so the history stays token-in, token-out.
+        dummy-conversation difference, so the history stays token-in, token-out. Either way the messages carry text
+        the model or a tool wrote, so `observation_special_tokens` applies to both.
         """
+        mode = self.args.observation_special_tokens
         if all(m.get("role") == "tool" for m in messages):
-            return list(trl_internals.tool_suffix_ids(self, messages))
+            return list(trl_internals.tool_suffix_ids(self, messages, special_tokens=mode))
+        messages = observation_messages(trl_internals.tokenizer(self), list(messages), mode)
         dummy = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "dummy"}]
 
         def render(conversation, generation_prompt):

@@ -1,0 +1,416 @@
+"""What later optimizer blocks do: TreeOPSD's finite target against TreePO's fixed credit and GRPO's clip, on the
+very same trees of a real model.
+
+TreeOPSD and TreePO differ only after the first optimizer block of a generation batch: TreePO keeps applying the
+collection-time coefficient V_i / L_x, TreeOPSD scales each turn's gradient by the residual τ(q_i − p_i) to its
+frozen teacher q_i = 1/2 + V_i/τ, which vanishes at p_i = q_i and reverses past it (the paper's Theorem 2). This
+benchmark grows ONE generation batch of P trees (SmolLM2-135M-Instruct from `bench_learning.py`'s shared warm start,
+the synthetic search task, the learning benchmark's sampling settings), then trains E sequential optimizer blocks on
+those trees with each loss in turn, restarting from θ_old each time, so the only difference is the loss:
+
+    treeopsd   the Bernoulli forward-KL to the teacher (T5)
+    treepo     the fixed-credit surrogate (T7)
+    clip       GRPO's token-level clipped surrogate with the tree's turn credit V_i as advantage (ε = 0.2)
+
+at the learning benchmark's learning rate and at multiples of it (`--lr_scales`), under two schedules:
+
+    revisit    every block trains the whole batch again (as PPO epochs do): the cleanest view of a finite target
+    disjoint   the paper's schedule: the P trees split into E mini-batches, block e trains the e-th; each block's
+               turns are trained after earlier blocks moved the shared policy
+
+After every block, over every unique turn of the batch: the mean signed gap to the teacher in the direction of each
+turn's target, d_i = sign(q_i − 1/2)(q_i − p_i) with p_i = σ(s_i) (positive: short of it; negative: past it), and
+the fraction of turns past it; the mean and largest |s_i| (s_i: the turn's mean log-ratio to π_old; at the target
+s_i = logit q_i); the teacher-forced KL(π_old ‖ π_θ) per assistant token on scripted trajectories of held-out
+questions (what the policy lost elsewhere); and the fraction of trained tokens at the clip boundary (ratio past
+1 ± ε in the advantage's direction: the tokens GRPO's clip gives no gradient). Under `disjoint`, each block's own
+turns are also measured at the moment they are trained (`trained_*`).
+
+The optimizer is the Trainer's default (AdamW, its betas, ε, weight decay and gradient clipping from the config) at a
+constant learning rate; the loss of each block is the trainer's own `compute_loss` on the trainer's own micro-batches.
+
+Each (schedule, method, learning rate) run is written to `<output stem>.runs/` as it finishes and skipped by a later
+invocation with the same settings; the trees are cached there too, so the two schedules can run side by side in two
+processes (one per core). Output: a table, JSON (`schedules[schedule]["blocks"][method][lr][e]`) and one PNG with a
+panel per quantity.
+
+Usage:
+    python benchmarks/bench_blocks.py --output benchmarks/results/smollm2_blocks.json
+    python benchmarks/bench_blocks.py --quick            (tiny model, seconds: checks the pipeline)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from bench_learning import MODEL_DEFAULTS
+from common import (
+    Budget,
+    build_trainer,
+    environment,
+    load_model,
+    lora_config,
+    make_task,
+    markdown_table,
+    warm_started_model,
+    write_json,
+)
+from torch import Tensor
+
+from trl_tree import losses
+from trl_tree.batch import LossInputs, TurnCredit
+from trl_tree.methods import clip_epsilons
+from trl_tree.packing import PackedTrees, packed_token_logps
+
+LOSS_OF = {"treeopsd": "treeopsd", "treepo": "treepo", "clip": "grpo"}
+SCHEDULES = ("revisit", "disjoint")
+# the quantities plotted, one panel each (JSON key -> axis label)
+PANELS = {
+    "gap_mean": "mean signed gap to q (toward target)",
+    "past_fraction": "fraction of turns past q",
+    "abs_s_mean": "mean |s_i| (turn log-ratio)",
+    "abs_s_max": "max |s_i|",
+    "heldout_kl": "held-out KL(π_old ‖ π_θ) per token",
+    "clip_fraction": "tokens at the clip boundary",
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", choices=sorted(MODEL_DEFAULTS), default="smollm2",
+                   help="smollm2: SmolLM2-135M-Instruct with bench_learning's LoRA warm start (default); tiny: the "
+                        "2-layer offline Qwen3, full fine-tuning (a smoke test of the pipeline, no finding)")
+    p.add_argument("--prompts", type=int, default=8, help="trees in the generation batch (P)")
+    p.add_argument("--blocks", type=int, default=8, help="sequential optimizer blocks (E); P must be a multiple")
+    p.add_argument("--methods", default=",".join(LOSS_OF), help=f"comma-separated subset of {list(LOSS_OF)}")
+    p.add_argument("--schedules", default=",".join(SCHEDULES), help=f"comma-separated subset of {list(SCHEDULES)}")
+    p.add_argument("--lr_scales", default="1,10", help="multiples of the learning benchmark's learning rate")
+    p.add_argument("--heldout", type=int, default=4, help="scripted held-out trajectories for the KL")
+    p.add_argument("--seed", type=int, default=0, help="drives the prompts and the sampling of the trees")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--quick", action="store_true", help="tiny model, 2 trees, 2 blocks, one learning rate")
+    p.add_argument("--output", default=None, help="JSON path; run files and cached trees go next to it")
+    p.add_argument("--plot", default=None, help="PNG path (default: the output's, with .png)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.model, args.prompts, args.blocks, args.lr_scales, args.heldout = "tiny", 2, 2, "1", 1
+    defaults = {"tiny": dict(learning_rate=2e-4, max_turns=3, max_completion_length=96, max_turn_tokens=None,
+                             num_test=8, warm_start_steps=0, lora_rank=None),
+                "smollm2": MODEL_DEFAULTS["smollm2"]}[args.model]
+    for name in ("learning_rate", "max_turns", "max_completion_length", "max_turn_tokens", "num_test",
+                 "warm_start_steps", "warm_start_lr", "warm_start_batch_size", "lora_rank"):
+        setattr(args, name, defaults.get(name))
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    args.schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
+    args.lr_scales = [float(s) for s in args.lr_scales.split(",") if s.strip()]
+    if unknown := (set(args.methods) - set(LOSS_OF)) | (set(args.schedules) - set(SCHEDULES)):
+        p.error(f"unknown methods or schedules {sorted(unknown)}: methods {list(LOSS_OF)}, schedules {SCHEDULES}")
+    if args.prompts % args.blocks:
+        p.error(f"--prompts ({args.prompts}) must be a multiple of --blocks ({args.blocks}): whole trees per block")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What is measured after each block: pure functions of one forward
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def turn_log_ratios(model, batch: dict, temperature: float) -> tuple[Tensor, LossInputs]:
+    """s_i of every unique turn of `batch` under the current model, and the batch's flattened loss inputs."""
+    packed = PackedTrees.from_dict(batch)
+    with torch.no_grad():
+        logps, _ = packed_token_logps(model, packed, temperature=temperature)
+    inputs = LossInputs.build(packed.turn_ids, logps, batch["old_logps"], TurnCredit.from_dict(batch))
+    return losses.turn_mean_log_ratio(inputs.logps, inputs.old_logps, inputs.turn_ids, inputs.num_turns), inputs
+
+
+def target_gaps(s: Tensor, q: Tensor) -> dict[str, float]:
+    """How far each turn is from its teacher, in the direction of its target: d_i = sign(q_i − 1/2)(q_i − σ(s_i)).
+
+    Turns whose teacher is 1/2 (V_i = 0) have no direction and are left out. Also the largest and mean |s_i| over
+    every turn, and the mean |logit q_i| (where |s_i| stands once every turn has reached its teacher)."""
+    s, q = s.double(), q.double()
+    directed = (q - 0.5).abs() > 1e-9
+    d = torch.sign(q - 0.5)[directed] * (q[directed] - torch.sigmoid(s[directed]))
+    return {"gap_mean": float(d.mean()) if d.numel() else 0.0,
+            "past_fraction": float((d < 0).double().mean()) if d.numel() else 0.0,
+            "abs_s_mean": float(s.abs().mean()), "abs_s_max": float(s.abs().max()),
+            "abs_logit_q_mean": float(torch.logit(q[directed]).abs().mean()) if d.numel() else 0.0,
+            "directed_turns": int(directed.sum())}
+
+
+def clip_fraction(inputs: LossInputs, epsilon_low: float, epsilon_high: float) -> float:
+    """Fraction of trained tokens whose ratio is past the clip range in its advantage's direction (GRPO's
+    `is_low_clipped | is_high_clipped`, with each token's advantage its turn's V_i)."""
+    ratio = torch.exp(inputs.logps.double() - inputs.old_logps.double())
+    low, high = losses.clip_indicators(ratio, inputs.credit.A[inputs.turn_ids].double(), epsilon_low, epsilon_high)
+    return float((low | high).double().mean())
+
+
+class HeldOutKL:
+    """Teacher-forced KL(π_old ‖ π_θ) per assistant token on fixed held-out trajectories: π_old's log-softmax at
+    those tokens is stored once, and each call compares the current model's with it (exact, over the vocabulary)."""
+
+    def __init__(self, model, examples: list[tuple[list[int], list[int]]], temperature: float):
+        self.examples = [(torch.tensor(ids).unsqueeze(0), torch.tensor(mask, dtype=torch.bool)) for ids, mask in examples]
+        self.temperature = temperature
+        self.reference = [self._log_softmax(model, ids, mask) for ids, mask in self.examples]
+
+    @torch.no_grad()
+    def _log_softmax(self, model, ids: Tensor, mask: Tensor) -> Tensor:
+        logits = model(input_ids=ids.to(model.device)).logits[0, :-1].float() / self.temperature
+        return torch.log_softmax(logits[mask[1:].to(logits.device)], dim=-1).cpu()  # position t predicts token t+1
+
+    def __call__(self, model) -> float:
+        total, tokens = 0.0, 0
+        for (ids, mask), old in zip(self.examples, self.reference):
+            new = self._log_softmax(model, ids, mask)
+            total += float((old.exp() * (old - new)).sum())
+            tokens += old.shape[0]
+        return total / max(tokens, 1)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The runs
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def trainer_for(args, task, model, tokenizer, output_dir: str):
+    """A TreeOPSD trainer at the learning benchmark's sampling settings; its loss is switched per run (`with_loss`)."""
+    budget = Budget(prompts=args.prompts, blocks=1, learning_rate=args.learning_rate, max_turns=args.max_turns,
+                    max_completion_length=args.max_completion_length, max_turn_tokens=args.max_turn_tokens,
+                    seed=args.seed, generation_batches=1)
+    peft = lora_config(args.lora_rank) if args.lora_rank else None
+    trainer = build_trainer("treeopsd", model, tokenizer, task, budget, output_dir, peft_config=peft,
+                            gradient_checkpointing=False)
+    trainer.model.train()
+    return trainer
+
+
+def with_loss(trainer, base_args, method: str) -> None:
+    """The trainer's config with `method`'s loss: what `compute_loss` and the micro-batches' credit read."""
+    args = copy.copy(base_args)
+    args.loss = LOSS_OF[method]
+    trainer.args = args
+
+
+def measure(trainer, model, measured: list[dict], heldout: HeldOutKL, args) -> dict[str, float]:
+    """Every quantity, over every unique turn of the batch (`measured`: its micro-batches with TreeOPSD's credit)."""
+    model.eval()
+    s, q, clipped, tokens = [], [], 0.0, 0
+    for batch in measured:
+        s_b, inputs = turn_log_ratios(model, batch, trainer.temperature)
+        s.append(s_b)
+        q.append(inputs.credit.q)
+        n = inputs.logps.numel()
+        clipped += clip_fraction(inputs, **clip_epsilons(trainer.args)) * n
+        tokens += n
+    result = {**target_gaps(torch.cat(s), torch.cat(q)), "clip_fraction": clipped / max(tokens, 1),
+              "heldout_kl": heldout(model)}
+    model.train()
+    return result
+
+
+def train_blocks(trainer, base_args, trees, method: str, lr: float, schedule: str, measured, heldout, args, theta_old):
+    """E optimizer blocks of `method` from θ_old on `trees`; the measurements at θ_old and after every block."""
+    model = trainer.model
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in theta_old:
+                p.copy_(theta_old[name])
+    with_loss(trainer, base_args, method)
+    batches = trainer.micro_batches(trees, 1 if schedule == "revisit" else args.blocks)
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    a = trainer.args
+    optimizer = torch.optim.AdamW(parameters, lr=lr, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon,
+                                  weight_decay=a.weight_decay)
+    points = [{"block": 0, **measure(trainer, model, measured, heldout, args)}]
+    for e in range(args.blocks):
+        batch = batches[0] if schedule == "revisit" else batches[e]
+        trained = {}
+        if schedule == "disjoint":  # this block's own turns, at the moment they are trained (after e earlier blocks)
+            model.eval()
+            s_b, inputs = turn_log_ratios(model, measured[e], trainer.temperature)
+            trained = {f"trained_{k}": v for k, v in target_gaps(s_b, inputs.credit.q).items()}
+            model.train()
+        loss = trainer.compute_loss(model, batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(parameters, a.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        points.append({"block": e + 1, "loss": float(loss), **trained, **measure(trainer, model, measured, heldout, args)})
+        print(f"    {schedule} {method} lr {lr:g} block {e + 1}: gap {points[-1]['gap_mean']:+.4f}  past "
+              f"{points[-1]['past_fraction']:.2f}  |s| {points[-1]['abs_s_mean']:.4f}  KL "
+              f"{points[-1]['heldout_kl']:.2e}", flush=True)
+    return points
+
+
+def held_out_examples(task, tokenizer, count: int) -> list[tuple[list[int], list[int]]]:
+    """Scripted trajectories (one search per hop, then the answer, with the real BM25 observations) of the first
+    `count` held-out questions, as token ids and the mask of the assistant's tokens."""
+    from trl.chat_template_utils import get_training_chat_template
+
+    from trl_tree.envs import scripted_search_conversation
+    from trl_tree.envs.synthetic import synthetic_splits
+    from trl_tree.testing import assistant_token_mask
+
+    _, test = synthetic_splits(len(task.train_rows), len(task.test_rows))  # the world make_task built
+    template = get_training_chat_template(tokenizer)
+    return [assistant_token_mask(tokenizer, scripted_search_conversation(e, search=task.tools[0]), task.tools, template)
+            for e in test[:count]]
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    task = make_task("search", None, args.num_test)
+    base = None
+    if args.model == "smollm2":
+        from trl_tree.testing import smollm2_path
+
+        base = smollm2_path()
+    model_path = warm_started_model(task, base, args.warm_start_steps or 0, lr=args.warm_start_lr or 3e-3,
+                                    batch_size=args.warm_start_batch_size or 8, lora_rank=args.lora_rank)
+    runs_dir = Path(args.output).with_name(Path(args.output).stem + ".runs") if args.output else None
+    model, tokenizer = load_model(model_path)
+    with tempfile.TemporaryDirectory() as output_dir:
+        trainer = trainer_for(args, task, model, tokenizer, output_dir)
+        base_args = trainer.args
+        trees, sampling_seconds = sampled_trees(trainer, task, args, runs_dir)
+        model = trainer.model
+        theta_old = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        with_loss(trainer, base_args, "treeopsd")
+        measured = trainer.micro_batches(trees, args.blocks)  # TreeOPSD's credit: the q every method is measured by
+        heldout = HeldOutKL(model, held_out_examples(task, tokenizer, args.heldout), trainer.temperature)
+        results = {}
+        for schedule in args.schedules:
+            for method in args.methods:
+                for scale in args.lr_scales:
+                    results.setdefault(schedule, {}).setdefault(method, {})[f"{scale:g}x"] = one_run(
+                        trainer, base_args, trees, method, scale, schedule, measured, heldout, args, theta_old,
+                        runs_dir)
+    report(results, args, trees, sampling_seconds)
+
+
+def one_run(trainer, base_args, trees, method, scale, schedule, measured, heldout, args, theta_old, runs_dir):
+    """One (schedule, method, learning rate): from its run file when a sitting made it with these settings."""
+    path = runs_dir / f"{schedule}-{method}-lr{scale:g}x.json" if runs_dir else None
+    settings = run_settings(args)
+    if path is not None and path.is_file():
+        saved = json.loads(path.read_text())
+        if saved["settings"] == settings:
+            print(f"[{schedule} {method} {scale:g}x] done before: {path}", flush=True)
+            return saved["points"]
+        raise SystemExit(f"{path} was made with other settings ({saved['settings']}); use another --output.")
+    print(f"[{schedule} {method} {scale:g}x lr = {args.learning_rate * scale:g}]", flush=True)
+    started = time.process_time()
+    points = train_blocks(trainer, base_args, trees, method, args.learning_rate * scale, schedule, measured, heldout,
+                          args, theta_old)
+    if path is not None:
+        write_json(path, {"settings": settings, "points": points, "cpu_seconds": time.process_time() - started})
+    return points
+
+
+def run_settings(args) -> dict:
+    """What a run's numbers depend on (not which runs to make, nor where to write)."""
+    return {k: v for k, v in vars(args).items() if k not in ("methods", "schedules", "lr_scales", "output", "plot",
+                                                              "threads", "quick")}
+
+
+def sampled_trees(trainer, task, args, runs_dir: Path | None):
+    """The generation batch: P training prompts drawn by the seed, one tree each; cached next to the output so that
+    every schedule and every later sitting trains the very same trees."""
+    cache = runs_dir / f"trees-seed{args.seed}.pt" if runs_dir else None
+    if cache is not None and cache.is_file():
+        saved = torch.load(cache, weights_only=False)
+        if saved["settings"] == run_settings(args):
+            return saved["trees"], saved["sampling_seconds"]
+    rows = random.Random(args.seed).sample(task.train_rows, args.prompts)
+    started = time.process_time()
+    print(f"[sampling {args.prompts} trees]", flush=True)
+    trees = trainer.sample_trees(rows)
+    seconds = time.process_time() - started
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"settings": run_settings(args), "trees": trees, "sampling_seconds": seconds}, cache)
+    return trees, seconds
+
+
+def tree_summary(trees) -> dict:
+    rewards = [r for t in trees for r in t.rewards]
+    return {"trees": len(trees), "leaves": sum(t.num_leaves for t in trees), "unique_turns": sum(t.num_turns for t in trees),
+            "unique_tokens": sum(t.num_unique_tokens for t in trees), "mean_reward": sum(rewards) / len(rewards),
+            "trees_with_reward_spread": sum(len(set(t.rewards)) > 1 for t in trees)}
+
+
+def report(results: dict, args, trees, sampling_seconds: float) -> None:
+    rows = []
+    for schedule, by_method in results.items():
+        for method, by_lr in by_method.items():
+            for lr, points in by_lr.items():
+                first, last = points[1], points[-1]
+                rows.append({"schedule": schedule, "method": method, "lr": lr,
+                             "gap after 1": f"{first['gap_mean']:+.4f}", f"gap after {args.blocks}": f"{last['gap_mean']:+.4f}",
+                             "past q": f"{last['past_fraction']:.2f}", "mean |s|": f"{last['abs_s_mean']:.4f}",
+                             "max |s|": f"{last['abs_s_max']:.3f}", "held-out KL": f"{last['heldout_kl']:.2e}",
+                             "at clip": f"{last['clip_fraction']:.3f}"})
+    summary = tree_summary(trees)
+    caption = (f"{args.model}: one generation batch of {summary['trees']} trees ({summary['leaves']} leaves, "
+               f"{summary['unique_turns']} unique turns, {summary['trees_with_reward_spread']} with a reward spread), "
+               f"{args.blocks} optimizer blocks from θ_old; gap = mean sign(q−½)(q−p) over directed turns "
+               f"(mean |logit q| = {results_first(results)['abs_logit_q_mean']:.3f})")
+    print(f"\n{caption}\n\n{markdown_table(rows, list(rows[0]))}")
+    if not args.output:
+        return
+    write_json(args.output, {"config": vars(args), "environment": environment(), "trees": summary,
+                             "sampling_cpu_seconds": sampling_seconds,
+                             "schedules": {s: {"blocks": by_method} for s, by_method in results.items()}})
+    Path(args.output).with_suffix(".md").write_text(f"{caption}\n\n{markdown_table(rows, list(rows[0]))}\n")
+    plot(results, args.plot or str(Path(args.output).with_suffix(".png")), caption)
+
+
+def results_first(results: dict) -> dict:
+    return next(iter(next(iter(next(iter(results.values())).values())).values()))[0]
+
+
+def plot(results: dict, path: str, caption: str) -> None:
+    """One panel per quantity against the block index; a row per schedule; colour = method, line style = lr."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    schedules = list(results)
+    figure, axes = plt.subplots(len(schedules), len(PANELS), figsize=(3.2 * len(PANELS), 3.0 * len(schedules)),
+                                squeeze=False)
+    colours = {"treeopsd": "tab:blue", "treepo": "tab:orange", "clip": "tab:green"}
+    for row, schedule in enumerate(schedules):
+        for col, (key, label) in enumerate(PANELS.items()):
+            ax = axes[row][col]
+            for method, by_lr in results[schedule].items():
+                for i, (lr, points) in enumerate(by_lr.items()):
+                    ax.plot([p["block"] for p in points], [p[key] for p in points], color=colours.get(method),
+                            linestyle=("-", "--", ":", "-.")[i % 4], marker="o", markersize=3, label=f"{method} {lr}")
+            if key == "gap_mean":
+                ax.axhline(0.0, color="grey", linewidth=0.8)
+            ax.set_title(f"{schedule}: {label}", fontsize=8)
+            ax.set_xlabel("optimizer block", fontsize=8)
+            ax.tick_params(labelsize=7)
+    axes[0][0].legend(fontsize=7)
+    figure.suptitle(caption, fontsize=8, wrap=True)
+    figure.tight_layout(rect=(0, 0, 1, 0.93))
+    figure.savefig(path, dpi=110)
+    print(f"wrote {path}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""`benchmarks/bench_blocks.py`: its measurements mean what the README says, and the script runs end to end.
+
+The benchmark's figures depend on the machine and the sampled trees and are never asserted; what is asserted is what
+holds on every run: at θ_old every turn's log-ratio and the held-out KL are exactly zero, the signed gap counts a
+turn past its teacher as negative, and the JSON has one point per block for every schedule, method and learning rate.
+"""
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def bench_blocks(monkeypatch):
+    """The script as a module (the benchmarks are scripts that import `common` from their folder), for this test."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    for name in ("common", "bench_learning", "bench_blocks"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    module = importlib.import_module("bench_blocks")
+    yield module
+    for name in ("common", "bench_learning", "bench_blocks"):
+        sys.modules.pop(name, None)
+
+
+def test_the_signed_gap_is_positive_short_of_the_teacher_and_negative_past_it(bench_blocks):
+    q = torch.tensor([0.75, 0.25, 0.5, 0.7])
+    p = torch.tensor([0.60, 0.20, 0.9, 0.5])  # short of q; past q (downward); no direction (q = 1/2); short
+    gaps = bench_blocks.target_gaps(torch.logit(p), q)
+    assert gaps["directed_turns"] == 3
+    assert gaps["gap_mean"] == pytest.approx((0.15 - 0.05 + 0.20) / 3)
+    assert gaps["past_fraction"] == pytest.approx(1 / 3)
+    assert gaps["abs_s_max"] == pytest.approx(float(torch.logit(torch.tensor(0.9))))
+    assert gaps["abs_logit_q_mean"] == pytest.approx(float(torch.logit(q[[0, 1, 3]]).abs().mean()))
+
+
+def test_the_clip_fraction_counts_only_ratios_past_the_range_in_the_advantages_direction(bench_blocks):
+    ratios = torch.tensor([1.3, 1.3, 0.7, 0.7, 1.1])
+    A = torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0])  # clipped: 1.3 with A > 0, 0.7 with A < 0
+    inputs = SimpleNamespace(logps=torch.log(ratios), old_logps=torch.zeros(5), turn_ids=torch.arange(5),
+                             credit=SimpleNamespace(A=A))
+    assert bench_blocks.clip_fraction(inputs, 0.2, 0.2) == pytest.approx(2 / 5)
+
+
+def test_held_out_kl_is_zero_at_the_reference_and_positive_once_the_policy_moves(bench_blocks):
+    from trl_tree.testing import tiny_model_path
+
+    model, _ = bench_blocks.load_model(tiny_model_path())
+    ids = list(range(3, 23))
+    kl = bench_blocks.HeldOutKL(model, [(ids, [0] * 10 + [1] * 10)], temperature=1.0)
+    assert kl(model) == pytest.approx(0.0, abs=1e-6)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1.5)
+    assert kl(model) > 1e-4
+
+
+def test_the_quick_run_writes_every_block_of_every_schedule_method_and_rate_and_reuses_its_runs(tmp_path):
+    output = tmp_path / "blocks.json"
+    command = [sys.executable, str(ROOT / "benchmarks" / "bench_blocks.py"), "--quick", "--output", str(output)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
+    first = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=900)
+    assert first.returncode == 0, first.stderr[-4000:]
+    result = json.loads(output.read_text())
+    blocks = result["config"]["blocks"]
+    for schedule in ("revisit", "disjoint"):
+        for method in ("treeopsd", "treepo", "clip"):
+            points = result["schedules"][schedule]["blocks"][method]["1x"]
+            assert [p["block"] for p in points] == list(range(blocks + 1))
+            assert points[0]["abs_s_max"] == 0.0 and points[0]["heldout_kl"] == pytest.approx(0.0, abs=1e-6)
+            assert all(key in points[-1] for key in ("gap_mean", "past_fraction", "abs_s_mean", "clip_fraction"))
+    assert output.with_suffix(".png").is_file()
+    again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=900)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert again.stdout.count("done before") == 6  # every run read back, none trained again
