@@ -130,8 +130,8 @@ def test_the_clipped_losses_keep_epsilon_and_epsilon_high(loss, tmp_path):
 
 
 def test_a_num_generations_that_no_m_gives_lists_the_settings_that_do(tmp_path):
-    with pytest.raises(ValueError, match="num_generations=7") as error:
-        TreeOPSDConfig(output_dir=str(tmp_path), num_generations=7, **CPU)
+    with pytest.raises(ValueError, match="num_generations=7") as error:  # N given: kept, so no M reaches G
+        TreeOPSDConfig(output_dir=str(tmp_path), num_generations=7, num_branches=2, **CPU)
     listed = [pair.split(" = ")[1] for pair in str(error.value).split("G = 7: ")[1].split(". Set")[0].split(", (M")]
     assert listed and "(7, 0)" in listed[0]
     for pair in listed:  # every listed (M, N) indeed gives G = 7
@@ -273,3 +273,104 @@ def test_a_micro_batch_of_only_truncated_turns_trains_to_a_zero_loss(tmp_path):
     result = trainer.train()
     assert result.training_loss == 0.0
     assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+
+
+@pytest.mark.parametrize(("G", "expected"), [(8, (4, 2)), (3, (2, 1)), (5, (2, 3)), (7, (2, 5)), (2, (1, 2))])
+def test_num_generations_alone_chooses_an_m_and_n_that_reach_it(G, expected, tmp_path, caplog):
+    """G alone (M and N unset): the preset's N when some M reaches G with it, else the nearest N ≥ 1 that does
+    (among equally near ones, one whose budget is exactly G), said at start-up; GRPOConfig accepts every one."""
+    GRPOConfig(output_dir=str(tmp_path), num_generations=G, per_device_train_batch_size=G, **CPU)
+    with caplog.at_level("INFO", logger="trl_tree.trainer.config"):
+        args = TreeOPSDConfig(output_dir=str(tmp_path), num_generations=G, **CPU)
+    assert (args.num_initial_rollouts, args.num_branches) == expected and args.num_generations == G
+    assert components.num_generations_of(args) == G and args.leaves_per_tree >= 2
+    said = f"num_generations={G} → M={expected[0]}, N={expected[1]}" in caplog.text
+    assert said is (expected[1] != 2)  # only a changed N is news
+
+
+def test_a_user_given_n_or_an_unreachable_g_keeps_the_error_listing_what_works(tmp_path):
+    with pytest.raises(ValueError, match=r"num_generations=3 .*Settings that give G = 3: .*\(2, 1\)"):
+        TreeOPSDConfig(output_dir=str(tmp_path), num_generations=3, num_branches=2, **CPU)
+    with pytest.raises(ValueError, match=r"num_generations=4 .*\(M, N\) = \(4, 0\)"):
+        TreeOPSDConfig(output_dir=str(tmp_path), num_generations=4, num_branches=1, **CPU)
+    with pytest.raises(ValueError, match="No setting of num_initial_rollouts gives G = 1"):
+        TreeOPSDConfig(output_dir=str(tmp_path), num_generations=1, **CPU)
+    # neither G nor N set: the preset's N, as documented
+    assert TreeOPSDConfig(output_dir=str(tmp_path), **CPU).num_branches == 2
+    assert TreeOPSDConfig.num_generations_for() == 8
+
+
+def test_a_group_wider_than_the_micro_batch_names_grpos_semantics_and_the_equivalent_tree_settings(tmp_path):
+    """GRPO lets a group of G = 6 span two micro-batches of 3 (its generation batch holds whole groups); a tree is
+    trained in one forward and cannot be split, so the error names that and the settings that train the same
+    prompts per generation batch and per optimizer step, one whole tree per micro-batch, and those settings work."""
+    fields = dict(num_generations=6, per_device_train_batch_size=3, steps_per_generation=4,
+                  gradient_accumulation_steps=2)
+    grpo = GRPOConfig(output_dir=str(tmp_path), **fields, **CPU)
+    with pytest.raises(ValueError, match="per_device_train_batch_size=6, gradient_accumulation_steps=1, "
+                       "steps_per_generation=2") as error:
+        TreeOPSDConfig(output_dir=str(tmp_path), **fields, **CPU)
+    assert "generation batch" in str(error.value) and "cannot be split" in str(error.value)
+    args = TreeOPSDConfig(output_dir=str(tmp_path), num_generations=6, per_device_train_batch_size=6,
+                          gradient_accumulation_steps=1, steps_per_generation=2, **CPU)
+    assert args.generation_batch_size == grpo.generation_batch_size
+    assert (args.trees_per_micro_batch * args.gradient_accumulation_steps
+            == grpo.per_device_train_batch_size * grpo.gradient_accumulation_steps // 6)
+    # a generation batch that GRPO too refuses (3 × 1 completions, half a group) gets only the multiple-of-G advice
+    with pytest.raises(ValueError, match="must be a multiple of num_generations") as error:
+        TreeOPSDConfig(output_dir=str(tmp_path), num_generations=6, per_device_train_batch_size=3, **CPU)
+    assert "gradient_accumulation_steps=" not in str(error.value)
+
+
+def _by_length(completions, **kwargs):
+    return [float(len(c[-1]["content"] or "")) for c in completions]
+
+
+def test_every_trajectory_truncated_after_a_tool_call_trains_nothing_as_in_grpo(tmp_path):
+    """GRPO masks every token of a truncated completion, so a batch of only truncated completions has loss 0 and no
+    gradient even when the rewards differ. A tree's complete tool-call turn that lies only on truncated trajectories
+    is such a token too: it gets no credit from them and trains nothing."""
+    model, tok = tiny()
+    args = config(TreeOPSDConfig, tmp_path, mask_truncated_completions=True, max_completion_length=60)
+    trainer = TreeOPSDTrainer(model=model, reward_funcs=_by_length, args=args,
+                              train_dataset=arithmetic_dataset(1), processing_class=tok, tools=[calculator])
+    rambling = [(word + " ") * 80 for word in ["a", "blah", "elephant", "xy", "octopus", "b", "dog", "zebra"]]
+    trainer.generation_engine = scripted_engine(tok, {"<|im_start|>assistant\n": [CALL_1_PLUS_1] * 8,
+                                                      AFTER_TOOL: rambling})
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    result = trainer.train()
+    assert trainer.state.log_history[0]["reward_std"] > 0  # the rewards differ: a zero loss is the mask's doing
+    assert result.training_loss == 0.0
+    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+
+
+def test_a_turn_shared_with_a_finished_trajectory_still_trains():
+    """Only the turns that lie on truncated trajectories alone are masked: GRPO would train the shared tokens through
+    the finished completion."""
+    from trl_tree.packing import pack_trees
+    from trl_tree.trainer.base import _mask_truncated_turns
+    from trl_tree.tree import RolloutTree, Turn
+
+    def turn(ids, truncated=False):
+        return Turn(ids, [0.0] * len(ids), [9], truncated=truncated)
+
+    shared, only_truncated = turn([1, 2]), turn([3, 4])
+    trajectories = [[shared, turn([5], truncated=True)], [shared, turn([6])],
+                    [only_truncated, turn([7], truncated=True)], [only_truncated, turn([8, 8], truncated=True)]]
+    tree = RolloutTree.from_trajectories([0], trajectories, [0.0, 1.0, 2.0, 3.0])
+    packed = pack_trees([tree], pad_token_id=0)
+    _mask_truncated_turns(packed, [tree])
+    trained = {tree.turns[i].action_ids[0] for i in packed.turn_ids.unique().tolist() if i >= 0}
+    assert trained == {1, 6}
+
+
+@pytest.mark.parametrize("kwargs", [dict(num_beams=2), dict(num_return_sequences=2), dict(num_beams=4, do_sample=True)])
+def test_generation_kwargs_that_return_other_than_one_sample_per_prefix_are_rejected_up_front(tmp_path, kwargs):
+    """Beam search (or several sequences per prefix) returns something other than one sampled continuation per
+    prefix, which the tree sampler's bookkeeping (and the prefix store) needs."""
+    name = next(iter(kwargs))
+    with pytest.raises(ValueError, match=f"generation_kwargs {name}={kwargs[name]}.*one sampled sequence per prefix"):
+        TreeOPSDConfig(output_dir=str(tmp_path), generation_kwargs=kwargs, **CPU)
+    # greedy decoding and the usual sampling knobs stay legitimate
+    assert TreeOPSDConfig(output_dir=str(tmp_path), generation_kwargs=dict(do_sample=False, num_beams=1, top_k=5), **CPU)
+

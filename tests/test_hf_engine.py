@@ -144,6 +144,21 @@ def test_peft_model_gets_a_static_cache_and_the_same_turns(trainer, prefixes, mo
     assert seen[0] is None and isinstance(seen[1], StaticCache)
 
 
+@pytest.mark.parametrize("cache", ["prefix", "dynamic"])
+def test_a_generate_patched_to_return_a_plain_tensor_of_sequences_is_accepted(trainer, prefixes, monkeypatch, cache):
+    """TRL's tests patch `model.generate` to return the sequences tensor only; the engine reads both that and a
+    `GenerateOutput`, and gives the same ids. (Before the tests that build configs: that resets the trainer's
+    accelerator state.)"""
+    engine = hf_engine(trainer, monkeypatch, cache)
+    expected = [c.ids for c in _sample(engine, prefixes)]
+    original = trainer.model.generate
+    monkeypatch.setattr(trainer.model, "generate", lambda *a, **k: original(*a, **k).sequences)
+    engine = hf_engine(trainer, monkeypatch, cache)
+    got = _sample(engine, prefixes)
+    assert [c.ids for c in got] == expected and all(c.entropies is None for c in got)
+    with pytest.raises(ValueError, match="returned only the sequences.*scores"):
+        hf_engine(trainer, monkeypatch, cache, with_scores=True).generate(prefixes, BUDGETS)
+
 def test_generation_cache_defaults_to_prefix_and_rejects_unknown_values(tmp_path, trainer, monkeypatch):
     assert config(TreeConfig, tmp_path).generation_cache == "prefix"
     assert config(TreeConfig, tmp_path, generation_cache="dynamic").generation_cache == "dynamic"
@@ -152,3 +167,4 @@ def test_generation_cache_defaults_to_prefix_and_rejects_unknown_values(tmp_path
     monkeypatch.setattr(trainer.args, "generation_cache", "offloaded")
     with pytest.raises(ValueError, match="generation_cache must be 'prefix', 'static' or 'dynamic'"):
         HFEngine(trainer)
+

@@ -196,9 +196,19 @@ class HFEngine:
                 generation_config=generation_config,
                 **({} if cache is None else {"cache": cache}),
             )
-        sequences, step_scores, step_logits = out.sequences, out.scores, out.logits
+        # a `GenerateOutput`, or the sequences tensor alone (a `generate` patched as TRL's tests patch it)
+        if isinstance(out, torch.Tensor):
+            sequences, step_scores, step_logits = out, None, None
+        else:
+            sequences, step_scores, step_logits = out.sequences, out.scores, out.logits
         if dummy:
             return []
+        if self.with_scores and (step_scores is None or step_logits is None):
+            raise ValueError(
+                f"model.generate returned only the sequences ({type(out).__name__}), but this sampler reads per-token "
+                "scores (log-probs and entropies, e.g. entropy-guided expansion or token-level branching): let it "
+                "return a GenerateOutput (return_dict_in_generate=True, output_scores=True, output_logits=True)."
+            )
         new = sequences[:, width:].cpu()
         lengths = [_cut_at_eos(new[row].tolist(), self.eos_ids, max_new_tokens[row]) for row in range(len(prefixes))]
         if store is not None:

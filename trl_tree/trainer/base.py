@@ -724,9 +724,14 @@ def _rewards_for_credit(rewards: torch.Tensor) -> torch.Tensor:
 
 
 def _mask_truncated_turns(packed: PackedTrees, trees: list[RolloutTree]) -> None:
-    """Like GRPO's `mask_truncated_completions`, per turn: a turn cut by the budget is context, not trained."""
+    """GRPO's `mask_truncated_completions` on a tree: GRPO masks every token of a truncated completion, so a turn is
+    context, not trained, unless some trajectory through it finished uncut (GRPO would train those tokens through that
+    completion). A turn cut by the budget is masked, and so is a complete turn (a tool call) that only truncated
+    trajectories pass: otherwise the truncated leaves' rewards would still train it, and a batch of only truncated
+    trajectories would not give GRPO's zero loss and zero gradient."""
     for n, tree in enumerate(trees):
-        truncated = [i for i, t in enumerate(tree.turns) if t.truncated]
+        finished = {i for path in tree.paths if not any(tree.turns[j].truncated for j in path) for i in path}
+        truncated = [i for i in range(tree.num_turns) if i not in finished]
         if truncated:
             hit = torch.isin(packed.turn_ids[n], torch.tensor(truncated, device=packed.turn_ids.device))
             packed.turn_ids[n][hit] = -1

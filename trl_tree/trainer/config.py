@@ -21,6 +21,7 @@ stays 1: the repeated optimisation on one batch *is* the E blocks.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import ClassVar
@@ -31,6 +32,8 @@ from .. import losses, methods
 from ..rollout.env import ENVIRONMENT_BRANCHING, MAX_OBSERVATION_CHARS, check_replay_divergence, check_tool_execution
 from ..rollout.samplers import check_chunk_tokens, check_max_tool_calls_per_turn
 from ..rollout.special_tokens import check_observation_special_tokens
+
+logger = logging.getLogger(__name__)
 
 _GRPO_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
 # GRPO options without an effect on any tree trainer, and what to use instead (`TreeConfig.unused_grpo_options`)
@@ -86,8 +89,10 @@ class TreeConfig(GRPOConfig):
             T1, TreeAdv D1) or `"population"` (ddof = 0, + 1e-6; AT2PO A3).
         num_initial_rollouts (`int`, *optional*): M, complete trajectories sampled per prompt. Defaults to the
             preset's M (4; AT2PO 10) or, when only `num_generations` is set, to the M whose budget is G.
-        num_branches (`int`, defaults to `2`): N, continuations branched from each initial trajectory at uniformly
-            drawn turn prefixes ("init_expand"). K = M(N + 1); (4, 2) matches GRPO's G = 8 in expected cost.
+        num_branches (`int`, *optional*): N, continuations branched from each initial trajectory at uniformly drawn
+            turn prefixes ("init_expand"). K = M(N + 1); (4, 2) matches GRPO's G = 8 in expected cost. Defaults to 2;
+            when only `num_generations` is set and no M reaches it with N = 2 (G = 3, 5, 7, ...), to the N ≥ 1
+            nearest to 2 that does (G = 3: (M, N) = (2, 1)), said in a log line at start-up.
         anchor_rule (`str`, defaults to `"uniform"`): N turn indices uniformly from {1..T−1} with replacement (index
             0, a resample from the prompt, when T = 1).
         expansion_rounds (`int`, defaults to `2`): L, rounds of entropy-guided expansion ("entropy_guided").
@@ -212,11 +217,13 @@ class TreeConfig(GRPOConfig):
         num_generations (`int`, *optional*): G, GRPO's per-prompt rollout budget, read as the paper's matched budget in
             complete trajectories: a tree's expected cost is `components.trajectory_budget` (init_expand M(1 + N/2),
             flat M, entropy_guided M + L·K/2, token_entropy M(1 + b/2), TreeFlex its K searches), rounded up. Unset:
-            derived from the sampler fields. Set alone: M (TreeFlex: `num_searches`) is derived from it. Set with M:
-            the two must agree. An error lists the settings that give the G asked for.
+            derived from the sampler fields. Set alone: M (TreeFlex: `num_searches`) is derived from it, and N too
+            when no M reaches G with the default N (see `num_branches`). Set with M or N: they must agree. An error lists the settings that give the G asked for.
         per_device_train_batch_size, generation_batch_size: count trajectories of budget, as GRPO counts completions:
             a micro-batch holds per_device_train_batch_size / G whole trees (a whole number ≥ 1), a generation batch
-            generation_batch_size / G prompts. A GRPO config so trains the same prompts per step. Unset,
+            generation_batch_size / G prompts. GRPO also accepts a size below G (a group spans micro-batches); a tree
+            cannot be split, so that is an error naming the settings with one tree per micro-batch and more
+            accumulation that train the same prompts per step. A GRPO config so trains the same prompts per step. Unset,
             per_device_train_batch_size is G: one tree per micro-batch (GRPO's default 8 with its default G = 8).
         per_device_eval_batch_size: the same for evaluation (GRPO's loader repeats each prompt G times; one tree is
             grown per prompt), so it must be a multiple of G when evaluating. `num_generations_eval` must stay unset
@@ -228,8 +235,12 @@ class TreeConfig(GRPOConfig):
             standardised over the tree (`reward_std`). `"normalize_then_sum"`: each function's rewards are first
             normalised over the tree's leaves, (r − mean)/(std + 1e-4) with the sample std as GRPO, then summed with
             the weights; the tree's standardisation takes the place of GRPO's batch-level normalisation.
-        mask_truncated_completions (`bool`, defaults to `False`): a turn cut by the token budget is context only, not
-            trained (GRPO masks the whole truncated completion; here the complete turns before it still train).
+        mask_truncated_completions (`bool`, defaults to `False`): as GRPO masks every token of a truncated completion,
+            a turn is context only, not trained, unless some trajectory through it finished uncut: the turn cut by
+            the token budget, and the complete turns before it that no finished trajectory shares. A batch of only
+            truncated trajectories so trains nothing (loss 0, no gradient), as in GRPO.
+        generation_kwargs: passed to generation as in GRPO, but `num_beams` and `num_return_sequences` must stay 1:
+            each continuation of a prefix is one sampled (or greedy) branch of the tree.
         epsilon, epsilon_high: honoured by the clipped losses ("atpo", "grpo", "gspo_token", TreeFlex's dual clip).
         vllm_importance_sampling_correction (`bool`, defaults to `False`, unlike GRPO): not applied: π_old is
             recomputed by the training model, and the sampler's log-probs are not used. With `use_vllm=True` it must
@@ -250,7 +261,9 @@ class TreeConfig(GRPOConfig):
     num_initial_rollouts: int | None = field(
         default=None, metadata={"help": "M: full trajectories per prompt (default: the preset's, or from num_generations)."}
     )
-    num_branches: int = field(default=2, metadata={"help": "N: continuations per initial trajectory."})
+    num_branches: int | None = field(
+        default=None, metadata={"help": "N: continuations per initial trajectory (default 2, or from num_generations)."}
+    )
     anchor_rule: str = field(default="uniform", metadata={"help": "Branch points: 'uniform' over turn prefixes."})
     expansion_rounds: int = field(default=2, metadata={"help": "L: entropy-guided expansion rounds."})
     branches_per_round: int = field(default=6, metadata={"help": "K: new branches per expansion round."})
@@ -319,6 +332,7 @@ class TreeConfig(GRPOConfig):
     )
 
     default_num_initial_rollouts: ClassVar[int] = 4  # the preset's M when neither M nor G is set
+    default_num_branches: ClassVar[int] = 2  # the preset's N unless only G is set and N = 2 cannot reach it
     default_max_turns: ClassVar[int] = 5
     maps_tool_calling_iterations: ClassVar[bool] = True  # TreeFlex's max_turns is per segment, not per trajectory
 
@@ -356,6 +370,8 @@ class TreeConfig(GRPOConfig):
             return fields["num_generations"]
         args = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
         probe = SimpleNamespace(**{**args, **fields})
+        if "num_branches" in vars(probe) and probe.num_branches is None:
+            probe.num_branches = cls.default_num_branches
         field_name = budget_field(probe)
         if getattr(probe, field_name) is None:
             setattr(probe, field_name, cls._default_budget(field_name))
@@ -364,6 +380,31 @@ class TreeConfig(GRPOConfig):
     @classmethod
     def _default_budget(cls, field_name: str) -> int:
         return cls.default_num_initial_rollouts
+
+    def _resolve_branches(self):
+        """N unset: the preset's N, unless G alone is given (M unset too) and no M reaches G with it; then the N ≥ 1
+        nearest to it that does (`components.branches_for_generations`), so that a G GRPO accepts (3, 5, 7) is not
+        refused for a default the user never chose. A user-given N is kept, and `_resolve_budget` checks it."""
+        from .components import branches_for_generations, budget_field, budget_for_generations, budget_formula
+
+        if self.num_branches is not None:
+            return
+        preferred, G = self.default_num_branches, self.num_generations
+        self.num_branches = preferred
+        reads_n = "num_branches" in methods.SAMPLERS[self.sampler].fields
+        if (not reads_n or self.num_initial_rollouts is not None or not isinstance(G, int) or G < 1
+                or budget_field(self) != "num_initial_rollouts" or budget_for_generations(self, G) is not None):
+            return
+        chosen = branches_for_generations(self, G, preferred)
+        if chosen is None:
+            return  # no (M, N) gives G: `_resolve_budget` raises, listing the settings that do
+        M, self.num_branches = chosen
+        logger.warning(
+            f"num_generations={G} → M={M}, N={self.num_branches}: no M gives G = {G} with the default N = {preferred} "
+            f"(a tree costs {budget_formula(self.sampler)} trajectories), so N = {self.num_branches} (K = "
+            f"{M * (self.num_branches + 1)} leaves per tree). Set num_initial_rollouts and num_branches to choose "
+            "another split."
+        )
 
     def _resolve_budget(self):
         """num_generations ↔ the sampler's budget: derive whichever is unset, or check that the two agree."""
@@ -412,12 +453,29 @@ class TreeConfig(GRPOConfig):
         below, above = (size // G) * G, (size // G + 1) * G
         nearest = f"{above}" if below == 0 else f"{below} or {above}"
         divisors = [d for d in range(2, size + 1) if size % d == 0]
+        # GRPO accepts such a size when its groups are whole per generation batch (a group spans micro-batches). A
+        # tree is trained in one packed forward, so it cannot be split; when the optimizer step and the generation
+        # batch do hold whole trees, one tree per micro-batch with more accumulation trains exactly those prompts.
+        accumulation = self.gradient_accumulation_steps
+        per_generation = self.steps_per_generation or accumulation
+        equivalent = ""
+        if self.generation_batch_size is None and (size * accumulation) % G == 0 and (size * per_generation) % G == 0:
+            equivalent = (
+                f" GRPO accepts it because a group of G completions may span micro-batches as long as its generation "
+                f"batch (per_device_train_batch_size × steps_per_generation = {size * per_generation}) holds whole "
+                "groups; a tree is trained in one packed forward and cannot be split across micro-batches. The same "
+                f"prompts per optimizer step ({size * accumulation // G}) and per generation batch "
+                f"({size * per_generation // G}) train with one whole tree per micro-batch: "
+                f"per_device_train_batch_size={G}, gradient_accumulation_steps={size * accumulation // G}, "
+                f"steps_per_generation={size * per_generation // G}."
+            )
         raise ValueError(
             f"per_device_train_batch_size ({size}) counts trajectories, as in GRPO: a micro-batch holds "
             f"per_device_train_batch_size / num_generations whole trees, so it must be a multiple of num_generations "
             f"({G}). Set per_device_train_batch_size to {nearest}"
             + (f", or choose sampler fields whose num_generations divides {size} (one of {divisors})." if divisors
                else ".")
+            + equivalent
         )
 
     def _apply_tool_calling_iterations(self):
@@ -504,7 +562,8 @@ class TreeConfig(GRPOConfig):
         ):
             if value not in valid:
                 raise ValueError(f"{name} must be one of {valid}; got {value!r}.")
-        if self.num_branches is None or self.num_branches < 0:
+        self._resolve_branches()
+        if self.num_branches < 0:
             raise ValueError(f"num_branches (N) must be ≥ 0; got {self.num_branches}.")
         if self.expansion_rounds < 0 or self.branches_per_round < 0:
             raise ValueError("expansion_rounds and branches_per_round must be ≥ 0.")
@@ -568,6 +627,22 @@ class TreeConfig(GRPOConfig):
                 "earlier turns' keys and values within a rollout, 'static' preallocates the KV cache of each generate "
                 "call, 'dynamic' grows it token by token."
             )
+        self._check_generation_kwargs()
+
+    def _check_generation_kwargs(self):
+        """A tree grows by continuing each prefix with one sampled (or greedy) sequence: beam search and several
+        returned sequences per prefix give rows that belong to no branch (and a KV cache expanded per beam, which the
+        prefix store cannot splice), so they are refused here rather than failing mid-rollout."""
+        kwargs = self.generation_kwargs or {}
+        for name in ("num_beams", "num_return_sequences"):
+            value = kwargs.get(name)
+            if value is not None and value != 1:
+                raise ValueError(
+                    f"generation_kwargs {name}={value} is not supported: tree sampling needs one sampled sequence per "
+                    "prefix (each continuation is one branch of the tree; more branches come from the sampler fields, "
+                    "e.g. num_initial_rollouts and num_branches). Remove it or set it to 1; greedy decoding "
+                    "(do_sample=False) and the sampling options (temperature, top_p, top_k, ...) are fine."
+                )
 
 
 @dataclass
