@@ -87,12 +87,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", choices=sorted(MODEL_DEFAULTS), default="smollm2",
                    help="smollm2: SmolLM2-135M-Instruct with bench_learning's LoRA warm start (default); tiny: the "
                         "2-layer offline Qwen3, full fine-tuning (a smoke test of the pipeline, no finding)")
-    p.add_argument("--prompts", type=int, default=8, help="trees in the generation batch (P)")
-    p.add_argument("--blocks", type=int, default=8, help="sequential optimizer blocks (E); P must be a multiple")
+    p.add_argument("--prompts", type=int, default=8, help="prompts sampled, one tree each (cached)")
+    p.add_argument("--trees", type=int, default=2,
+                   help="trees trained: the first of the sampled ones with a reward spread (a tree without one has "
+                        "V_i = 0 on every turn), then others if too few have one")
+    p.add_argument("--blocks", type=int, default=8, help="sequential optimizer blocks (E) of the revisit schedule")
+    p.add_argument("--disjoint_blocks", type=int, default=2,
+                   help="blocks of the disjoint schedule (one tree each by default); --trees must be a multiple")
     p.add_argument("--methods", default=",".join(LOSS_OF), help=f"comma-separated subset of {list(LOSS_OF)}")
     p.add_argument("--schedules", default=",".join(SCHEDULES), help=f"comma-separated subset of {list(SCHEDULES)}")
     p.add_argument("--lr_scales", default="1,10", help="multiples of the learning benchmark's learning rate")
-    p.add_argument("--heldout", type=int, default=4, help="scripted held-out trajectories for the KL")
+    p.add_argument("--heldout", type=int, default=2, help="scripted held-out trajectories for the KL")
     p.add_argument("--seed", type=int, default=0, help="drives the prompts and the sampling of the trees")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--quick", action="store_true", help="tiny model, 2 trees, 2 blocks, one learning rate")
@@ -100,7 +105,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plot", default=None, help="PNG path (default: the output's, with .png)")
     args = p.parse_args(argv)
     if args.quick:
-        args.model, args.prompts, args.blocks, args.lr_scales, args.heldout = "tiny", 2, 2, "1", 1
+        args.model, args.prompts, args.trees, args.blocks, args.lr_scales, args.heldout = "tiny", 2, 2, 2, "1", 1
+        args.disjoint_blocks = 2
     defaults = {"tiny": dict(learning_rate=2e-4, max_turns=3, max_completion_length=96, max_turn_tokens=None,
                              num_test=8, warm_start_steps=0, lora_rank=None),
                 "smollm2": MODEL_DEFAULTS["smollm2"]}[args.model]
@@ -112,23 +118,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.lr_scales = [float(s) for s in args.lr_scales.split(",") if s.strip()]
     if unknown := (set(args.methods) - set(LOSS_OF)) | (set(args.schedules) - set(SCHEDULES)):
         p.error(f"unknown methods or schedules {sorted(unknown)}: methods {list(LOSS_OF)}, schedules {SCHEDULES}")
-    if args.prompts % args.blocks:
-        p.error(f"--prompts ({args.prompts}) must be a multiple of --blocks ({args.blocks}): whole trees per block")
+    if args.trees % args.disjoint_blocks:
+        p.error(f"--trees ({args.trees}) must be a multiple of --disjoint_blocks ({args.disjoint_blocks}): whole "
+                "trees per block")
+    if args.trees > args.prompts:
+        p.error(f"--trees ({args.trees}) cannot exceed --prompts ({args.prompts}): the trees are chosen among them")
     return args
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # What is measured after each block: pure functions of one forward
 # ---------------------------------------------------------------------------------------------------------------------
-
-
-def turn_log_ratios(model, batch: dict, temperature: float) -> tuple[Tensor, LossInputs]:
-    """s_i of every unique turn of `batch` under the current model, and the batch's flattened loss inputs."""
-    packed = PackedTrees.from_dict(batch)
-    with torch.no_grad():
-        logps, _ = packed_token_logps(model, packed, temperature=temperature)
-    inputs = LossInputs.build(packed.turn_ids, logps, batch["old_logps"], TurnCredit.from_dict(batch))
-    return losses.turn_mean_log_ratio(inputs.logps, inputs.old_logps, inputs.turn_ids, inputs.num_turns), inputs
 
 
 def target_gaps(s: Tensor, q: Tensor) -> dict[str, float]:
@@ -143,7 +143,7 @@ def target_gaps(s: Tensor, q: Tensor) -> dict[str, float]:
             "past_fraction": float((d < 0).double().mean()) if d.numel() else 0.0,
             "abs_s_mean": float(s.abs().mean()), "abs_s_max": float(s.abs().max()),
             "abs_logit_q_mean": float(torch.logit(q[directed]).abs().mean()) if d.numel() else 0.0,
-            "directed_turns": int(directed.sum())}
+            "directed_turns": int(directed.sum()), "turns": int(s.numel())}
 
 
 def clip_fraction(inputs: LossInputs, epsilon_low: float, epsilon_high: float) -> float:
@@ -201,54 +201,97 @@ def with_loss(trainer, base_args, method: str) -> None:
     trainer.args = args
 
 
-def measure(trainer, model, measured: list[dict], heldout: HeldOutKL, args) -> dict[str, float]:
-    """Every quantity, over every unique turn of the batch (`measured`: its micro-batches with TreeOPSD's credit)."""
-    model.eval()
-    s, q, clipped, tokens = [], [], 0.0, 0
-    for batch in measured:
-        s_b, inputs = turn_log_ratios(model, batch, trainer.temperature)
-        s.append(s_b)
-        q.append(inputs.credit.q)
-        n = inputs.logps.numel()
-        clipped += clip_fraction(inputs, **clip_epsilons(trainer.args)) * n
-        tokens += n
-    result = {**target_gaps(torch.cat(s), torch.cat(q)), "clip_fraction": clipped / max(tokens, 1),
-              "heldout_kl": heldout(model)}
-    model.train()
-    return result
+def block_forward(trainer, model, batch: dict, grad: bool) -> LossInputs:
+    """One micro-batch's forward under the current model, flattened as the losses read it (`TreeTrainer._compute_loss`
+    builds the same `LossInputs`): with `grad`, the forward the block trains on."""
+    packed = PackedTrees.from_dict(batch)
+    with torch.set_grad_enabled(grad):
+        logps, _ = packed_token_logps(model, packed, temperature=trainer.temperature)
+    return LossInputs.build(packed.turn_ids, logps, batch["old_logps"], TurnCredit.from_dict(batch))
 
 
-def train_blocks(trainer, base_args, trees, method: str, lr: float, schedule: str, measured, heldout, args, theta_old):
-    """E optimizer blocks of `method` from θ_old on `trees`; the measurements at θ_old and after every block."""
+def turn_measures(inputs: LossInputs, q: Tensor, epsilons: dict) -> dict[str, float]:
+    """The gap, |s| and clip quantities of one forward's turns against their teachers `q` (same turn order)."""
+    with torch.no_grad():
+        detached = LossInputs(**{**vars(inputs), "logps": inputs.logps.detach()})
+        s = losses.turn_mean_log_ratio(detached.logps, detached.old_logps, detached.turn_ids, detached.num_turns)
+        return {**target_gaps(s, q), "clip_fraction": clip_fraction(detached, **epsilons),
+                "trained_tokens": int(detached.logps.numel())}
+
+
+def pooled(parts: list[dict]) -> dict[str, float]:
+    """Measures of several micro-batches as one batch: weighted by directed turns, turns or tokens as each is a mean
+    over them (the largest |s| is the largest)."""
+    def mean(key, weight):
+        total = sum(p[weight] for p in parts)
+        return sum(p[key] * p[weight] for p in parts) / total if total else 0.0
+
+    return {"gap_mean": mean("gap_mean", "directed_turns"), "past_fraction": mean("past_fraction", "directed_turns"),
+            "abs_logit_q_mean": mean("abs_logit_q_mean", "directed_turns"), "abs_s_mean": mean("abs_s_mean", "turns"),
+            "abs_s_max": max(p["abs_s_max"] for p in parts), "clip_fraction": mean("clip_fraction", "trained_tokens"),
+            "directed_turns": sum(p["directed_turns"] for p in parts), "turns": sum(p["turns"] for p in parts),
+            "trained_tokens": sum(p["trained_tokens"] for p in parts)}
+
+
+def teachers(measured: list[dict], batches: list[dict]) -> list[Tensor]:
+    """TreeOPSD's q_i for the turns of each of `batches`, from `measured` (the same trees, split the same way, with
+    TreeOPSD's credit): every loss is measured against the same teachers. The packing must be the same."""
+    for ours, theirs in zip(batches, measured):
+        if not torch.equal(ours["turn_ids"], theirs["turn_ids"]):
+            raise RuntimeError("the measured micro-batches are packed differently from the trained ones")
+    return [TurnCredit.from_dict(b).flatten().q for b in measured]
+
+
+def train_blocks(trainer, base_args, trees, method: str, lr: float, schedule: str, heldout, args, theta_old):
+    """E optimizer blocks of `method` from θ_old on `trees`; the measurements at θ_old and after every block.
+
+    `revisit`: the state after block e is measured on the forward that trains block e + 1 (the same weights, the
+    whole batch), so a block costs one forward and backward. `disjoint`: after every block, a forward of every
+    micro-batch; and each block's own turns as they are trained (`trained_*`)."""
     model = trainer.model
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name in theta_old:
                 p.copy_(theta_old[name])
+    blocks = args.blocks if schedule == "revisit" else args.disjoint_blocks
+    chunks = 1 if schedule == "revisit" else blocks
+    with_loss(trainer, base_args, "treeopsd")
+    measured = trainer.micro_batches(trees, chunks)
     with_loss(trainer, base_args, method)
-    batches = trainer.micro_batches(trees, 1 if schedule == "revisit" else args.blocks)
+    batches = trainer.micro_batches(trees, chunks)
+    q = teachers(measured, batches)
+    epsilons = clip_epsilons(trainer.args)
     parameters = [p for p in model.parameters() if p.requires_grad]
     a = trainer.args
     optimizer = torch.optim.AdamW(parameters, lr=lr, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon,
                                   weight_decay=a.weight_decay)
-    points = [{"block": 0, **measure(trainer, model, measured, heldout, args)}]
-    for e in range(args.blocks):
-        batch = batches[0] if schedule == "revisit" else batches[e]
-        trained = {}
-        if schedule == "disjoint":  # this block's own turns, at the moment they are trained (after e earlier blocks)
-            model.eval()
-            s_b, inputs = turn_log_ratios(model, measured[e], trainer.temperature)
-            trained = {f"trained_{k}": v for k, v in target_gaps(s_b, inputs.credit.q).items()}
-            model.train()
-        loss = trainer.compute_loss(model, batch)
+
+    def everything(block: int, forwards=None) -> dict:
+        parts = forwards or [turn_measures(block_forward(trainer, model, b, grad=False), q_b, epsilons)
+                             for b, q_b in zip(batches, q)]
+        return {"block": block, **pooled(parts), "heldout_kl": heldout(model)}
+
+    points = [] if schedule == "revisit" else [everything(0)]
+    for e in range(blocks):
+        index = 0 if schedule == "revisit" else e
+        inputs = block_forward(trainer, model, batches[index], grad=True)
+        trained = turn_measures(inputs, q[index], epsilons)
+        if schedule == "revisit":
+            points.append(everything(e, [trained]))
+        else:
+            points[-1].update({f"trained_{k}": v for k, v in trained.items()})  # block e + 1's turns, before it
+        loss = trainer.turn_loss(inputs, "train")
         loss.backward()
         torch.nn.utils.clip_grad_norm_(parameters, a.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        points.append({"block": e + 1, "loss": float(loss), **trained, **measure(trainer, model, measured, heldout, args)})
-        print(f"    {schedule} {method} lr {lr:g} block {e + 1}: gap {points[-1]['gap_mean']:+.4f}  past "
-              f"{points[-1]['past_fraction']:.2f}  |s| {points[-1]['abs_s_mean']:.4f}  KL "
-              f"{points[-1]['heldout_kl']:.2e}", flush=True)
+        points[-1]["next_loss"] = float(loss.detach())
+        if schedule == "disjoint" or e == blocks - 1:
+            points.append(everything(e + 1))
+        last = points[-1]
+        print(f"    {schedule} {method} lr {lr:g} block {last['block']}: gap {last['gap_mean']:+.4f}  past "
+              f"{last['past_fraction']:.2f}  |s| {last['abs_s_mean']:.4f} (max {last['abs_s_max']:.3f})  KL "
+              f"{last['heldout_kl']:.2e}  clip {last['clip_fraction']:.3f}", flush=True)
     return points
 
 
@@ -285,23 +328,21 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as output_dir:
         trainer = trainer_for(args, task, model, tokenizer, output_dir)
         base_args = trainer.args
-        trees, sampling_seconds = sampled_trees(trainer, task, args, runs_dir)
+        sampled, sampling_seconds = sampled_trees(trainer, task, args, runs_dir)
+        trees = chosen_trees(sampled, args.trees)
         model = trainer.model
         theta_old = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-        with_loss(trainer, base_args, "treeopsd")
-        measured = trainer.micro_batches(trees, args.blocks)  # TreeOPSD's credit: the q every method is measured by
         heldout = HeldOutKL(model, held_out_examples(task, tokenizer, args.heldout), trainer.temperature)
         results = {}
         for schedule in args.schedules:
             for method in args.methods:
                 for scale in args.lr_scales:
                     results.setdefault(schedule, {}).setdefault(method, {})[f"{scale:g}x"] = one_run(
-                        trainer, base_args, trees, method, scale, schedule, measured, heldout, args, theta_old,
-                        runs_dir)
+                        trainer, base_args, trees, method, scale, schedule, heldout, args, theta_old, runs_dir)
     report(results, args, trees, sampling_seconds)
 
 
-def one_run(trainer, base_args, trees, method, scale, schedule, measured, heldout, args, theta_old, runs_dir):
+def one_run(trainer, base_args, trees, method, scale, schedule, heldout, args, theta_old, runs_dir):
     """One (schedule, method, learning rate): from its run file when a sitting made it with these settings."""
     path = runs_dir / f"{schedule}-{method}-lr{scale:g}x.json" if runs_dir else None
     settings = run_settings(args)
@@ -313,8 +354,8 @@ def one_run(trainer, base_args, trees, method, scale, schedule, measured, heldou
         raise SystemExit(f"{path} was made with other settings ({saved['settings']}); use another --output.")
     print(f"[{schedule} {method} {scale:g}x lr = {args.learning_rate * scale:g}]", flush=True)
     started = time.process_time()
-    points = train_blocks(trainer, base_args, trees, method, args.learning_rate * scale, schedule, measured, heldout,
-                          args, theta_old)
+    points = train_blocks(trainer, base_args, trees, method, args.learning_rate * scale, schedule, heldout, args,
+                          theta_old)
     if path is not None:
         write_json(path, {"settings": settings, "points": points, "cpu_seconds": time.process_time() - started})
     return points
@@ -326,13 +367,18 @@ def run_settings(args) -> dict:
                                                               "threads", "quick")}
 
 
+def sampling_settings(args) -> dict:
+    """What the sampled trees depend on: the run's settings but for how they are trained and measured."""
+    return {k: v for k, v in run_settings(args).items() if k not in ("trees", "blocks", "disjoint_blocks", "heldout")}
+
+
 def sampled_trees(trainer, task, args, runs_dir: Path | None):
     """The generation batch: P training prompts drawn by the seed, one tree each; cached next to the output so that
     every schedule and every later sitting trains the very same trees."""
     cache = runs_dir / f"trees-seed{args.seed}.pt" if runs_dir else None
     if cache is not None and cache.is_file():
         saved = torch.load(cache, weights_only=False)
-        if saved["settings"] == run_settings(args):
+        if saved["settings"] == sampling_settings(args):
             return saved["trees"], saved["sampling_seconds"]
     rows = random.Random(args.seed).sample(task.train_rows, args.prompts)
     started = time.process_time()
@@ -341,8 +387,15 @@ def sampled_trees(trainer, task, args, runs_dir: Path | None):
     seconds = time.process_time() - started
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"settings": run_settings(args), "trees": trees, "sampling_seconds": seconds}, cache)
+        torch.save({"settings": sampling_settings(args), "trees": trees, "sampling_seconds": seconds}, cache)
     return trees, seconds
+
+
+def chosen_trees(trees: list, count: int) -> list:
+    """The first `count` trees with a reward spread, then the first others: only a spread gives any turn credit
+    (V_i = 0 everywhere else), so a tree without one changes no loss's first block and only adds to the cost."""
+    spread = [t for t in trees if len(set(t.rewards)) > 1]
+    return (spread + [t for t in trees if len(set(t.rewards)) <= 1])[:count]
 
 
 def tree_summary(trees) -> dict:
@@ -359,14 +412,15 @@ def report(results: dict, args, trees, sampling_seconds: float) -> None:
             for lr, points in by_lr.items():
                 first, last = points[1], points[-1]
                 rows.append({"schedule": schedule, "method": method, "lr": lr,
-                             "gap after 1": f"{first['gap_mean']:+.4f}", f"gap after {args.blocks}": f"{last['gap_mean']:+.4f}",
+                             "blocks": last["block"], "gap after 1": f"{first['gap_mean']:+.4f}",
+                             "gap after E": f"{last['gap_mean']:+.4f}",
                              "past q": f"{last['past_fraction']:.2f}", "mean |s|": f"{last['abs_s_mean']:.4f}",
                              "max |s|": f"{last['abs_s_max']:.3f}", "held-out KL": f"{last['heldout_kl']:.2e}",
                              "at clip": f"{last['clip_fraction']:.3f}"})
     summary = tree_summary(trees)
     caption = (f"{args.model}: one generation batch of {summary['trees']} trees ({summary['leaves']} leaves, "
                f"{summary['unique_turns']} unique turns, {summary['trees_with_reward_spread']} with a reward spread), "
-               f"{args.blocks} optimizer blocks from θ_old; gap = mean sign(q−½)(q−p) over directed turns "
+               f"E = {args.blocks} (revisit) or {args.disjoint_blocks} (disjoint) optimizer blocks from θ_old; gap = mean sign(q−½)(q−p) over directed turns "
                f"(mean |logit q| = {results_first(results)['abs_logit_q_mean']:.3f})")
     print(f"\n{caption}\n\n{markdown_table(rows, list(rows[0]))}")
     if not args.output:

@@ -28,6 +28,7 @@ from trl_tree import (
     TreeOPSDConfig,
     TreeOPSDTrainer,
     TreePOConfig,
+    trl_internals,
 )
 from trl_tree.testing import calculator
 from trl_tree.trainer import components
@@ -87,7 +88,10 @@ def test_a_grpo_config_trains_the_same_prompts_per_step_as_grpo_trainer(tmp_path
     assert len(tree_batch) == tree.args.prompts_per_generation == 8
     # per micro-batch (TRL splits the generation batch into steps_per_generation slices) and per optimizer step
     assert grpo.args.per_device_train_batch_size // G == tree.args.trees_per_micro_batch == len(tree_batch) // 4
-    assert tree.args.num_optimizer_blocks == 2 and tree.get_total_train_batch_size(tree.args) == 4  # prompts
+    assert tree.args.num_optimizer_blocks == 2
+    # transformers' samples per step (train_samples_per_second): completions, GRPO's 4 prompts × G, a tree's K leaves
+    assert grpo.get_total_train_batch_size(grpo.args) == 4 * G
+    assert tree.get_total_train_batch_size(tree.args) == 4 * tree.args.leaves_per_tree
 
 
 def test_startup_prints_the_effective_numbers(tmp_path, capsys):
@@ -374,3 +378,53 @@ def test_generation_kwargs_that_return_other_than_one_sample_per_prefix_are_reje
     # greedy decoding and the usual sampling knobs stay legitimate
     assert TreeOPSDConfig(output_dir=str(tmp_path), generation_kwargs=dict(do_sample=False, num_beams=1, top_k=5), **CPU)
 
+
+
+def _long_prompt_trainer(tmp_path, max_positions: int, words: int, **overrides):
+    """A scripted trainer whose model claims `max_positions` positions, on one prompt of about `words` tokens."""
+    model, tok = tiny()
+    model.config.max_position_embeddings = max_positions
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "one " * words}]], "answer": ["2"]})
+    args = config(TreeOPSDConfig, tmp_path, **overrides)
+    trainer = TreeOPSDTrainer(model=model, reward_funcs=contains_answer, args=args, train_dataset=dataset,
+                              processing_class=tok, tools=[calculator])
+    trainer.generation_engine = scripted_engine(tok, {"": ["The answer is 2."] * 8})
+    return trainer
+
+
+def test_a_prompt_longer_than_the_models_positions_is_an_error_naming_both_lengths(tmp_path):
+    """TRL 1.16's GRPOConfig has no max_prompt_length (nothing truncates a prompt), and generate would run past the
+    model's positions without a word: the batch that holds such a prompt stops with both lengths and what to do."""
+    assert "max_prompt_length" not in {f.name for f in __import__("dataclasses").fields(GRPOConfig)}
+    trainer = _long_prompt_trainer(tmp_path, max_positions=256, words=300, max_completion_length=16)
+    prompt_len = len(trl_internals.tokenize_prompts(trainer, [trainer.train_dataset[0]["prompt"]])[0][0])
+    assert prompt_len > 256
+    with pytest.raises(ValueError, match=rf"{prompt_len} tokens.*max_position_embeddings = 256.*(shorten|filter)"):
+        trainer.generate_batch([trainer.train_dataset[0]])
+
+
+def test_a_completion_budget_that_cannot_fit_the_positions_warns_once(tmp_path, caplog):
+    """max_completion_length ≥ the model's positions: no prompt leaves room for it, said at start-up; a prompt that
+    fits but leaves less than max_completion_length is said once, at the first batch that has one."""
+    with caplog.at_level("WARNING", logger="trl_tree.trainer.base"):
+        _long_prompt_trainer(tmp_path, max_positions=64, words=1, max_completion_length=96)
+    assert "max_completion_length (96)" in caplog.text and "max_position_embeddings (64)" in caplog.text
+    caplog.clear()
+    trainer = _long_prompt_trainer(tmp_path, max_positions=4096, words=20, max_completion_length=96)
+    assert "max_completion_length" not in caplog.text  # 96 < 4096: fine at start-up
+    prompt_len = len(trl_internals.tokenize_prompts(trainer, [trainer.train_dataset[0]["prompt"]])[0][0])
+    trainer.model.config.max_position_embeddings = prompt_len + 50  # fits, but not with 96 more tokens
+    with caplog.at_level("WARNING", logger="trl_tree.trainer.base"):
+        trainer.generate_batch([trainer.train_dataset[0]])
+        trainer.generate_batch([trainer.train_dataset[0]])
+    assert caplog.text.count("leaves fewer than max_completion_length") == 1
+
+
+def test_a_tree_far_too_big_for_memory_is_refused_by_the_config_with_its_estimate(tmp_path):
+    """M = N = 10 000 is K = 100 010 000 leaves per tree: refused up front instead of a MemoryError after minutes."""
+    with pytest.raises(ValueError, match=r"K = 100010000 leaves per tree.*4096.*num_initial_rollouts"):
+        TreeOPSDConfig(output_dir=str(tmp_path), num_initial_rollouts=10_000, num_branches=10_000, **CPU)
+    with pytest.raises(ValueError, match=r"64 leaves × max_completion_length 524288 = 33554432 tokens.*2\^24"):
+        TreeOPSDConfig(output_dir=str(tmp_path), num_initial_rollouts=16, num_branches=3,
+                       max_completion_length=2**19, **CPU)
+    assert TreeOPSDConfig(output_dir=str(tmp_path), num_initial_rollouts=64, num_branches=63, **CPU)  # K = 4096

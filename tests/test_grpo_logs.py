@@ -25,7 +25,16 @@ from tests.scripted import (
 from tests.test_trainer_scripted import REPLIES
 from tests.test_treeflex_trainer import TwoRoleScript
 from tests.trees import deep_tree, flatten, hotpot_like_tree, perturbed
-from trl_tree import TreeConfig, TreeFlexConfig, TreeFlexTrainer, TreeOPSDConfig, TreeOPSDTrainer, credit, losses
+from trl_tree import (
+    TreeConfig,
+    TreeFlexConfig,
+    TreeFlexTrainer,
+    TreeOPSDConfig,
+    TreeOPSDTrainer,
+    credit,
+    losses,
+    trl_internals,
+)
 from trl_tree.rollout.engine import ScriptedEngine
 from trl_tree.testing import calculator
 from trl_tree.trainer.base import TreeTrainer
@@ -146,6 +155,31 @@ def test_generation_metrics_follow_grpos_definitions_on_the_leaves(tmp_path):
     assert log["tools/failure_frequency"] == 0.0  # (call_frequency: the tools part of the issue fixes inherited calls)
     assert log["num_tokens"] == trainer.state.num_input_tokens_seen > 0
     assert 0.0 < log["entropy"] <= math.log(len(tok))
+
+
+def test_num_tokens_and_samples_per_second_count_completions_as_grpo_does(tmp_path):
+    """GRPO adds, per completion, its prompt's tokens and its model-generated tokens (tool results masked out) to
+    `num_input_tokens_seen`, logged as `num_tokens`; its dataloader repeats each prompt G times, so a "sample" of
+    `train_samples_per_second` is a completion. On the scripted tree the completions are the K = 4 leaves; the
+    tree's own count of tokens (each shared token once) is `tree/unique_tokens`."""
+    capture = LogCapture()
+    trainer = _tree_trainer(tmp_path, reward_funcs=[contains_answer], callbacks=[capture])
+    seen = {}
+    original = trainer._log_rollout_metrics
+
+    def spy(mode, sizes, leaf_lengths, *rest):
+        seen["lengths"] = list(leaf_lengths)
+        return original(mode, sizes, leaf_lengths, *rest)
+
+    trainer._log_rollout_metrics = spy
+    output = trainer.train()
+    log = capture.logs[0]
+    prompt = trl_internals.tokenize_prompts(trainer, [trainer.train_dataset[0]["prompt"]])[0][0]
+    grpo_tokens = sum(len(prompt) + n for n in seen["lengths"])  # GRPO: prompt + completion (tool_mask) per completion
+    assert len(seen["lengths"]) == 4 and log["num_tokens"] == grpo_tokens == trainer.state.num_input_tokens_seen
+    assert 0 < log["tree/unique_tokens"] < log["tree/flat_tokens"]  # shared turns once; every path's tokens
+    runtime, per_second = output.metrics["train_runtime"], output.metrics["train_samples_per_second"]
+    assert per_second * runtime == pytest.approx(4, rel=0.02)  # 1 step × 1 tree × K = 4 completions
 
 
 def test_log_metric_and_log_extra_from_a_reward_function_reach_the_logs_as_in_grpo(tmp_path):

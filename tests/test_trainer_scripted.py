@@ -14,9 +14,11 @@ from tests.scripted import (
     contains_answer,
     scripted_engine,
     tiny,
+    unchanged_after_training,
 )
 from trl_tree import TreeOPSDConfig, TreeOPSDTrainer, TreePOConfig, TreePOTrainer
 from trl_tree.batch import TurnCredit
+from trl_tree.rollout.samplers import SamplerSettings
 from trl_tree.testing import calculator
 
 # Initial trajectories (M = 2): τ1 calls the calculator then answers 2 (R=1); τ2 gives up (R=0, T=1).
@@ -216,7 +218,7 @@ def test_failing_and_malformed_tool_calls_become_observations_and_are_counted(tm
     }
     model, tok = tiny()
     args = config(TreeOPSDConfig, tmp_path, num_initial_rollouts=2, num_branches=0, max_turns=4,
-                  max_completion_length=300)
+                  max_completion_length=300, malformed_tool_calls="observe")  # the model may repair the call
     trainer = TreeOPSDTrainer(model=model, reward_funcs=contains_answer, args=args,
                               train_dataset=arithmetic_dataset(1), processing_class=tok, tools=[calculator, boom])
     trainer.generation_engine = scripted_engine(tok, replies)
@@ -227,15 +229,17 @@ def test_failing_and_malformed_tool_calls_become_observations_and_are_counted(tm
     assert metrics["reward"] == [1.0]
 
 
-def test_malformed_tool_call_ends_the_trajectory_with_end_policy(tmp_path):
-    """`malformed_tool_calls="end"` is TRL's loop: the unparseable call is the final turn, still scored and counted."""
+def test_malformed_tool_call_ends_the_trajectory_by_default_as_in_trl(tmp_path):
+    """The default `malformed_tool_calls="end"` is TRL's loop: the unparseable call is the final turn, still scored
+    and counted (GRPOTrainer's tool loop finds no parsed call and ends the completion)."""
     replies = {
         "<|im_start|>assistant\n": ["<tool_call>{oops</tool_call>"] * 2,
         AFTER_TOOL: ["The answer is 2."] * 2,
     }
     model, tok = tiny()
     args = config(TreeOPSDConfig, tmp_path, num_initial_rollouts=2, num_branches=0, max_turns=4,
-                  max_completion_length=300, malformed_tool_calls="end")
+                  max_completion_length=300)
+    assert args.malformed_tool_calls == SamplerSettings(max_turns=1, max_completion_length=8).malformed_tool_calls == "end"
     trainer = TreeOPSDTrainer(model=model, reward_funcs=contains_answer, args=args,
                               train_dataset=arithmetic_dataset(1), processing_class=tok, tools=[calculator])
     trainer.generation_engine = scripted_engine(tok, replies)
@@ -376,3 +380,36 @@ def test_turn_cap_counts_the_head_a_mid_turn_branch_already_has():
     loop.run([resumed, fresh])
     assert [len(b.turns[0].action_ids) for b in (resumed, fresh)] == [10, 10]
     assert resumed.turns[0].truncated and fresh.turns[0].truncated
+
+
+@pytest.mark.parametrize("loss", ["treeopsd", "atpo"])
+def test_a_turn_of_zero_tokens_is_an_empty_action_that_ends_its_trajectory(tmp_path, loss):
+    """A backend that returns no token for a turn (TRL's response parser fails on an empty completion): the turn is
+    an empty action, the trajectory ends there and its leaf is scored like any other; training goes on."""
+    from trl_tree import TreeConfig
+    from trl_tree.rollout.engine import ScriptedEngine
+    from trl_tree.trainer.base import TreeTrainer
+
+    model, tok = tiny()
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    answer = tok.encode("The answer is 2.", add_special_tokens=False) + [eos]
+    replies = iter([[]] + [answer] * 20)  # the first trajectory's first turn: nothing at all
+    args = config(TreeConfig, tmp_path, loss=loss, reward_std="population" if loss == "atpo" else "sample")
+    trainer = TreeTrainer(model=model, reward_funcs=contains_answer, args=args, train_dataset=arithmetic_dataset(1),
+                          processing_class=tok, tools=[calculator])
+    trainer.generation_engine = ScriptedEngine(lambda prefix: next(replies), eos_ids=[eos])
+    captured = {}
+    original = trainer._score_leaves
+
+    def spy(inputs, prompts, branches_per_tree):
+        captured["branches"] = branches_per_tree[0]
+        return original(inputs, prompts, branches_per_tree)
+
+    trainer._score_leaves = spy
+    assert unchanged_after_training(trainer) == []
+    branches = captured["branches"]
+    empty = [b for b in branches if not b.turns[-1].action_ids]
+    assert len(empty) == 1 and len(empty[0].turns) == 1 and empty[0].done
+    assert empty[0].messages == [{"role": "assistant", "content": ""}]
+    assert trainer._last_rewards_per_func[:, 0].tolist() == [0.0, 1.0, 1.0, 1.0]  # the empty leaf: scored, 0
+    assert all(math.isfinite(v) for log in trainer.state.log_history for k, v in log.items() if k == "loss")

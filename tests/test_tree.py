@@ -80,7 +80,7 @@ def test_observation_tokens_are_never_action_tokens():
     [
         ([[A], []], [0, 1], "Trajectory 1 is empty"),
         ([[A], [Turn([1, 2], [-0.1])]], [0, 1], "Trajectory 1, turn 0: 2 action ids but 1 action log-probs"),
-        ([[A], [A, Turn([], [])]], [0, 1], "Trajectory 1, turn 1 has no action tokens"),
+        ([[A], [Turn([], []), A]], [0, 1], "Trajectory 1, turn 0 has no action tokens but is followed by more"),
         ([[A], [B]], [0, 1, 1], "3 rewards for 2 trajectories"),
         ([[A], [B]], [0, math.nan], "Trajectory 1 has a non-finite reward"),
         ([], [], "at least one trajectory"),
@@ -89,3 +89,11 @@ def test_observation_tokens_are_never_action_tokens():
 def test_bad_input_names_the_trajectory_and_turn(trajectories, rewards, message):
     with pytest.raises(ValueError, match=message):
         RolloutTree.from_trajectories(PROMPT, trajectories, rewards)
+
+
+def test_an_empty_final_action_is_a_leaf_with_nothing_to_train():
+    """A backend that returned no token ends its trajectory with an empty action (rollout.samplers.TurnLoop): the
+    tree keeps it as a leaf of its own, with its reward, and merges it with an identical empty leaf."""
+    tree = RolloutTree.from_trajectories(PROMPT, [[A, Turn([], [])], [A, B], [A, Turn([], [])]], [0.0, 1.0, 0.0])
+    assert tree.num_leaves == 3 and tree.num_turns == 3 and tree.rewards == [0.0, 1.0, 0.0]
+    assert tree.paths[0] == tree.paths[2] and tree.num_unique_tokens == len(PROMPT) + 3 + len(B.action_ids) + 1

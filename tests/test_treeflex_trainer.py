@@ -69,7 +69,8 @@ class Penalise(TreeFlexTrainer):
 
 def _trainer(tmp_path, cls=TreeFlexTrainer, reward=contains_answer, n_prompts=1, **overrides):
     model, tok = tiny()
-    fields = dict(num_searches=2, max_blocks=3, max_turns=3, max_completion_length=160)
+    # search 1's malformed call is answered with an error observation and its segment goes on to its card
+    fields = dict(num_searches=2, max_blocks=3, max_turns=3, max_completion_length=160, malformed_tool_calls="observe")
     fields.update(overrides)
     args = config(TreeFlexConfig, tmp_path, **fields)
     trainer = cls(model=model, reward_funcs=reward, args=args, train_dataset=arithmetic_dataset(n_prompts),

@@ -220,8 +220,12 @@ def _validate(trajectories: list[list[Turn]], rewards: list[float]) -> None:
                 f"Trajectory {k} has a non-finite reward ({reward}): check the reward function for this sample."
             )
         for t, turn in enumerate(trajectory):
-            if len(turn.action_ids) == 0:
-                raise ValueError(f"Trajectory {k}, turn {t} has no action tokens: a turn must generate something.")
+            # an empty action (a backend that returned no token) is a final turn with nothing to train, and only that
+            if len(turn.action_ids) == 0 and (turn.observation_ids or t < len(trajectory) - 1):
+                raise ValueError(
+                    f"Trajectory {k}, turn {t} has no action tokens but is followed by more of the trajectory: only a "
+                    "trajectory's final turn may be an empty action (it ends the trajectory)."
+                )
             if len(turn.action_ids) != len(turn.action_logps):
                 raise ValueError(
                     f"Trajectory {k}, turn {t}: {len(turn.action_ids)} action ids but {len(turn.action_logps)} "

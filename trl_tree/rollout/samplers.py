@@ -185,7 +185,7 @@ class SamplerSettings:
     tool_timeout: float | None = 30.0
     max_observation_chars: int | None = MAX_OBSERVATION_CHARS
     failure_penalty: float = -1.0
-    malformed_tool_calls: str = "observe"  # or "end" (TreeConfig.malformed_tool_calls)
+    malformed_tool_calls: str = "end"  # as TRL's loop, or "observe" (TreeConfig.malformed_tool_calls)
     tool_execution: str = "main"  # or "thread" (TreeConfig.tool_execution)
     max_turn_tokens: int | None = None  # cap on one sampled assistant turn (TreeConfig.max_turn_tokens)
     chunk_tokens: int | None = None  # tokens a branch samples per engine call (TreeConfig.generation_chunk_tokens)
@@ -324,7 +324,10 @@ class TurnLoop:
             # before turn 0 the world is the reset one: a restart there starts a fresh instance (no copy needed)
             needed = branch.take_snapshots and (t > 0 or branch.environment is None)
             branch.snapshots.append(_snapshot(branch) if needed else None)
-        message = self.parse(ids, branch.prefix_ids[: branch.turn_starts[-1]])  # the whole assistant turn
+        # A backend that returns no token (no EOS either) gives an empty action: TRL's response parser fails on it,
+        # so it is an empty assistant message without tool calls, which ends the trajectory (scored like any leaf).
+        message = (self.parse(ids, branch.prefix_ids[: branch.turn_starts[-1]]) if ids  # the whole assistant turn
+                   else {"role": "assistant", "content": ""})
         calls = message.get("tool_calls") or []
         malformed = not calls and bool(branch.tools) and _looks_like_tool_call(message)
         branch.messages.append(message)

@@ -17,6 +17,7 @@ presets of `TreeTrainer`. `generate_batch` is the public seam to one generation 
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import torch
@@ -39,6 +40,8 @@ from . import components, model_card, resume
 from . import metrics as tree_metrics
 from .config import TreeConfig
 from .tree_view_logging import TreeViewRecorder
+
+logger = logging.getLogger(__name__)
 
 
 class TreeTrainer(GRPOTrainer):
@@ -83,6 +86,7 @@ class TreeTrainer(GRPOTrainer):
         self.sampler = self.build_sampler(self._turn_loop)
         self.environment_pool = self._build_environment_pool()
         self._print_effective_batch()
+        self._warn_if_budget_exceeds_positions()
         # the rollout-tree view (one page per generation batch), with the completions table of log_completions
         self._tree_view = TreeViewRecorder(self) if self.log_completions else None
         if self._tree_view is not None:
@@ -122,6 +126,61 @@ class TreeTrainer(GRPOTrainer):
             + f"; {per_step} prompts and {per_step * float(components.trajectory_budget(a)):g} expected trajectories "
             f"per optimizer step; E = {a.num_optimizer_blocks} optimizer blocks per generation batch."
         )
+
+    def _position_limit(self) -> int | None:
+        """The model's `max_position_embeddings` (a multimodal model's text config), what GRPOTrainer's tool loop
+        caps sequences at; None when the config has none."""
+        config = unwrap_model(self.model).config
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        return getattr(config, "max_position_embeddings", None)
+
+    def _warn_if_budget_exceeds_positions(self):
+        """A completion budget the model's positions cannot hold even after a one-token prompt: said once here, since
+        GRPOTrainer does not refuse it either (transformers' generate runs on past the positions)."""
+        limit, budget = self._position_limit(), self.args.max_completion_length
+        if limit is not None and budget >= limit:
+            logger.warning(
+                f"max_completion_length ({budget}) is not below the model's max_position_embeddings ({limit}): no "
+                "prompt leaves room for a full completion, and tokens past the model's positions are generated and "
+                f"trained on positions it never learned. Lower max_completion_length below {limit} minus your longest "
+                "prompt."
+            )
+
+    def _check_prompt_lengths(self, prompt_ids) -> None:
+        """A prompt at or past the model's positions is an error at its batch: TRL 1.16's GRPOConfig has no
+        max_prompt_length (GRPOTrainer truncates no prompt), and generate would continue past the positions without
+        a word. A prompt that fits but leaves less than max_completion_length is said once (completions there run
+        past the positions too)."""
+        limit = self._position_limit()
+        if limit is None:
+            return
+        budget = self.args.max_completion_length
+        for i, ids in enumerate(prompt_ids):
+            if len(ids) >= limit:
+                raise ValueError(
+                    f"Prompt {i} of this batch renders to {len(ids)} tokens (chat template and tool schemas "
+                    f"included), but the model has max_position_embeddings = {limit}: it cannot be continued without "
+                    "running past the model's positions. GRPOConfig has no max_prompt_length to truncate it; shorten "
+                    "the prompt, or filter the dataset on the rendered prompt length (dataset.filter) to prompts "
+                    + (f"below {limit - budget} tokens, which leaves room for max_completion_length = {budget}."
+                       if budget < limit else f"below {limit} tokens, and lower max_completion_length ({budget}).")
+                )
+            # budget ≥ limit: every prompt is short of room, which start-up has said already
+            if len(ids) + budget > limit and budget < limit and not getattr(self, "_warned_prompt_room", False):
+                self._warned_prompt_room = True
+                logger.warning(
+                    f"Prompt {i} of this batch has {len(ids)} tokens and leaves fewer than max_completion_length "
+                    f"({budget}) of the model's max_position_embeddings ({limit}): a trajectory that uses its whole "
+                    "budget runs past the model's positions. Filter the dataset to prompts below "
+                    f"{limit - budget} tokens or lower max_completion_length (said once per run)."
+                )
+
+    def get_total_train_batch_size(self, args) -> int:
+        """transformers' samples per optimizer step (`train_samples_per_second` and the start-up "Total train batch
+        size"). GRPO's dataloader repeats each prompt G times, so its samples are completions; ours yields each prompt
+        once (one tree), so a tree counts as its K leaves, its completions (at most K for a sampler with a variable K:
+        token_entropy)."""
+        return super().get_total_train_batch_size(args) * self.args.leaves_per_tree
 
     def _get_train_sampler(self, dataset=None):
         """GRPO's sampler, drawing each prompt once: the tree is the prompt's whole group."""
@@ -385,6 +444,7 @@ class TreeTrainer(GRPOTrainer):
                     last = prompts[i][-1]
                     prompts[i] = prompts[i][:-1] + [{**last, "content": last["content"] + observation}]
         prompt_ids, _, _ = trl_internals.tokenize_prompts(self, prompts)
+        self._check_prompt_lengths(prompt_ids)
         # a plain-text prompt is no chat turn: the response parser must not read it as the assistant's message
         conversational = is_conversational({"prompt": prompts[0]})
         self._text_prompt_ids = [] if conversational else sorted((list(p) for p in prompt_ids), key=len, reverse=True)
@@ -559,8 +619,11 @@ class TreeTrainer(GRPOTrainer):
             reward, reward_std           the same of the weighted reward sum; completions no function scores left out
             frac_reward_zero_std         fraction of trees whose scored leaf rewards are all equal, so that the tree
                                          gives no learning signal (GRPO's per group; fewer than 2 scored leaves too)
-            num_tokens                   `state.num_input_tokens_seen`: tokens of the packed training forwards
-                                         (a token shared by several leaves is forwarded once)
+            num_tokens                   `state.num_input_tokens_seen`, counted as GRPO counts it: per completion,
+                                         its prompt's tokens plus its generated tokens (tool results masked out, as
+                                         GRPO's tool_mask does), so a turn shared by several leaves counts once per
+                                         leaf. What the tree forwards is `tree/forward_tokens`, its unique tokens
+                                         `tree/unique_tokens` (TreeFlex: the packed forward tokens of its blocks)
             completions/mean_length, /min_length, /max_length
                                          the completion's generated tokens (tool observations excluded, as GRPO's
                                          tool mask does)
@@ -596,6 +659,8 @@ class TreeTrainer(GRPOTrainer):
         self._log_tool_use(metrics, tool_calls, tool_failures)
 
     def _count_forward_tokens(self, mode: str, forward_tokens: int) -> None:
+        """Add this rank's `forward_tokens` (summed over ranks) to `state.num_input_tokens_seen`, as GRPO does in
+        training only."""
         if mode == "train":
             tokens = torch.tensor(float(forward_tokens), device=self.accelerator.device)
             self.state.num_input_tokens_seen += int(self.accelerator.reduce(tokens, reduction="sum").item())
@@ -603,9 +668,11 @@ class TreeTrainer(GRPOTrainer):
     def _log_generation(self, mode, prompts, trees, branches_per_tree, rewards, per_turn, forward_tokens: int):
         metrics = trl_internals.metrics(self, mode)
         leaves = [b for branches in branches_per_tree for b in branches]
-        self._count_forward_tokens(mode, forward_tokens)
+        lengths = [sum(len(t.action_ids) for t in b.turns) for b in leaves]
+        # GRPO's num_tokens: every completion with its prompt, generated tokens only (not what the packed tree forwards)
+        self._count_forward_tokens(mode, sum(b.prompt_len + n for b, n in zip(leaves, lengths)))
         self._log_rollout_metrics(
-            mode, [len(b) for b in branches_per_tree], [sum(len(t.action_ids) for t in b.turns) for b in leaves],
+            mode, [len(b) for b in branches_per_tree], lengths,
             [b.turns[-1].truncated for b in leaves], [b.tool_calls for b in leaves], [b.tool_failures for b in leaves],
         )
         metrics["tree/leaves_per_tree"].append(self._mean_over_ranks([t.num_leaves for t in trees]))

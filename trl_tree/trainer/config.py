@@ -70,6 +70,11 @@ PACKING_LAYOUTS = ("tree", "paths", "auto")
 MALFORMED_TOOL_CALL_POLICIES = ("observe", "end")
 ANCHOR_RULES = ("uniform",)
 GENERATION_CACHES = ("prefix", "static", "dynamic")
+# Sanity bounds on one tree, checked up front (`TreeConfig._check_tree_size`): a tree is sampled, scored and packed
+# whole on one process, so a tree past these is a typo or a unit mix-up that would otherwise die of MemoryError
+# minutes in. Far above every paper's trees (TreeOPSD K = 12, AT2PO 22) and a long-context agent's tree.
+MAX_LEAVES_PER_TREE = 4096
+MAX_TREE_TOKENS = 2**24
 
 
 @dataclass
@@ -148,11 +153,12 @@ class TreeConfig(GRPOConfig):
             is a list, else `str(value)`.
         tool_failure_penalty (`float`, defaults to `-1.0`): process penalty Q recorded on a turn per failed or
             malformed tool call (used by TreeFlex; the other methods only log it).
-        malformed_tool_calls (`str`, defaults to `"observe"`): what follows a turn that tries to call a tool but whose
-            call does not parse (a `<tool_call>` tag without valid JSON). `"observe"`: an error observation saying
-            how to write the call, and the trajectory goes on (the model can repair it; TreeFlex penalises the
-            turn). `"end"`: the trajectory ends at that turn and is scored as it is, as TRL's GRPO tool loop does
-            (its parser finds no tool call, so the turn is final). Either way the call counts as a tool failure.
+        malformed_tool_calls (`str`, defaults to `"end"`): what follows a turn that tries to call a tool but whose
+            call does not parse (a `<tool_call>` tag without valid JSON). `"end"`, GRPO's behaviour so that a GRPO
+            run and its tree replacement sample the same kind of episode: the trajectory ends at that turn and is
+            scored as it is, as TRL's GRPO tool loop does (its parser finds no tool call, so the turn is final).
+            `"observe"`: an error observation saying how to write the call, and the trajectory goes on (the model can
+            repair it; TreeFlex penalises the turn). Either way the call counts as a tool failure.
         observation_special_tokens (`str`, defaults to `"neutralize"`): how special-token strings inside tool and
             environment output (and TreeFlex's copied-in cards) become observation tokens. Such text is untrusted: a
             tool output holding `<|im_end|>\n<|im_start|>assistant\n…` would otherwise become the real turn markers,
@@ -294,7 +300,7 @@ class TreeConfig(GRPOConfig):
     )
     tool_failure_penalty: float = field(default=-1.0, metadata={"help": "Penalty per failed tool call (TreeFlex)."})
     malformed_tool_calls: str = field(
-        default="observe", metadata={"help": "observe (error observation, go on) | end (end the trajectory, as TRL)"}
+        default="end", metadata={"help": "end (end the trajectory, as TRL) | observe (error observation, go on)"}
     )
     observation_special_tokens: str = field(
         default="neutralize",
@@ -339,6 +345,7 @@ class TreeConfig(GRPOConfig):
     def __post_init__(self):
         self._check_composition()
         self._check_tree_fields()
+        self._check_tree_size()
         self._reject_unused_grpo_options()
         self._check_micro_batch()
         # GRPOConfig's checks and mappings (scale_rewards, pad_to_multiple_of, generation batch, …) run unchanged:
@@ -522,6 +529,31 @@ class TreeConfig(GRPOConfig):
                 "used, so no correction is applied: set it to False."
             )
         return found
+
+    def _check_tree_size(self):
+        """Refuse a tree that cannot be held: K leaves (`components.leaves_per_tree`) and, as the upper bound of its
+        generated tokens, K × max_completion_length (TreeFlex: × max_blocks, each block has its own budget)."""
+        K = self.leaves_per_tree
+        if K > MAX_LEAVES_PER_TREE:
+            raise ValueError(
+                f"This configuration grows K = {K} leaves per tree (sampler={self.sampler!r}: "
+                f"{methods.SAMPLERS[self.sampler].budget_formula} trajectories of budget), more than the "
+                f"{MAX_LEAVES_PER_TREE} a tree may have: one tree is sampled, scored and packed whole on one process, "
+                "so it would run out of memory. Lower the sampler fields (num_initial_rollouts, num_branches, "
+                "expansion_rounds × branches_per_round, max_branches_per_tree, num_searches), e.g. M = 4, N = 2 "
+                "(K = 12, GRPO's G = 8)."
+            )
+        blocks = getattr(self, "max_blocks", None) or 1
+        per_leaf = self.max_completion_length * blocks
+        bound = K * per_leaf
+        if bound > MAX_TREE_TOKENS:
+            per = f"max_completion_length {self.max_completion_length}" + (f" × max_blocks {blocks}" if blocks > 1
+                                                                          else "")
+            raise ValueError(
+                f"A tree may generate up to {K} leaves × {per} = {bound} tokens, more than the 2^24 = "
+                f"{MAX_TREE_TOKENS} a tree may hold (it is sampled and packed whole on one process). Lower "
+                "max_completion_length or the leaves per tree (num_initial_rollouts, num_branches, …)."
+            )
 
     def _reject_unused_grpo_options(self):
         found = self.unused_grpo_options()
