@@ -71,6 +71,7 @@ from trl_tree.packing import PackedTrees, packed_token_logps
 
 LOSS_OF = {"treeopsd": "treeopsd", "treepo": "treepo", "clip": "grpo"}
 SCHEDULES = ("revisit", "disjoint")
+LOG_PANELS = {"abs_s_mean": 0.01, "abs_s_max": 0.01, "heldout_kl": 1e-3}  # panel -> symlog's linear range
 # the quantities plotted, one panel each (JSON key -> axis label)
 PANELS = {
     "gap_mean": "mean signed gap to q (toward target)",
@@ -103,6 +104,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny model, 2 trees, 2 blocks, one learning rate")
     p.add_argument("--output", default=None, help="JSON path; run files and cached trees go next to it")
     p.add_argument("--plot", default=None, help="PNG path (default: the output's, with .png)")
+    p.add_argument("--report_only", action="store_true",
+                   help="train nothing: the table, JSON and PNG of the run files next to --output (an unfinished "
+                        "grid, e.g. between sittings)")
     args = p.parse_args(argv)
     if args.quick:
         args.model, args.prompts, args.trees, args.blocks, args.lr_scales, args.heldout = "tiny", 2, 2, 2, "1", 1
@@ -312,6 +316,8 @@ def held_out_examples(task, tokenizer, count: int) -> list[tuple[list[int], list
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.report_only:
+        return report_present_runs(args)
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -342,6 +348,32 @@ def main(argv=None):
     report(results, args, trees, sampling_seconds)
 
 
+def report_present_runs(args) -> None:
+    """`--report_only`: the report of the run files present for the requested grid, saying which are missing."""
+    if not args.output:
+        raise SystemExit("--report_only reads the run files next to --output; pass --output.")
+    runs_dir = Path(args.output).with_name(Path(args.output).stem + ".runs")
+    cache = runs_dir / f"trees-seed{args.seed}.pt"
+    if not cache.is_file():
+        raise SystemExit(f"No sampled trees at {cache}: run without --report_only first.")
+    saved = torch.load(cache, weights_only=False)
+    results = {}
+    for schedule in args.schedules:
+        for method in args.methods:
+            for scale in args.lr_scales:
+                path = runs_dir / f"{schedule}-{method}-lr{scale:g}x.json"
+                if not path.is_file():
+                    print(f"[{schedule} {method} {scale:g}x] missing: {path}", flush=True)
+                    continue
+                run = json.loads(path.read_text())
+                if run["settings"] != run_settings(args):
+                    raise SystemExit(f"{path} was made with other settings ({run['settings']}).")
+                results.setdefault(schedule, {}).setdefault(method, {})[f"{scale:g}x"] = run["points"]
+    if not results:
+        raise SystemExit(f"No run files for this grid in {runs_dir}.")
+    report(results, args, chosen_trees(saved["trees"], args.trees), saved["sampling_seconds"])
+
+
 def one_run(trainer, base_args, trees, method, scale, schedule, heldout, args, theta_old, runs_dir):
     """One (schedule, method, learning rate): from its run file when a sitting made it with these settings."""
     path = runs_dir / f"{schedule}-{method}-lr{scale:g}x.json" if runs_dir else None
@@ -364,7 +396,7 @@ def one_run(trainer, base_args, trees, method, scale, schedule, heldout, args, t
 def run_settings(args) -> dict:
     """What a run's numbers depend on (not which runs to make, nor where to write)."""
     return {k: v for k, v in vars(args).items() if k not in ("methods", "schedules", "lr_scales", "output", "plot",
-                                                              "threads", "quick")}
+                                                              "threads", "quick", "report_only")}
 
 
 def sampling_settings(args) -> dict:
@@ -456,6 +488,8 @@ def plot(results: dict, path: str, caption: str) -> None:
                             linestyle=("-", "--", ":", "-.")[i % 4], marker="o", markersize=3, label=f"{method} {lr}")
             if key == "gap_mean":
                 ax.axhline(0.0, color="grey", linewidth=0.8)
+            if key in LOG_PANELS:  # fixed credit's drift grows by orders of magnitude; 0 at θ_old stays drawable
+                ax.set_yscale("symlog", linthresh=LOG_PANELS[key])
             ax.set_title(f"{schedule}: {label}", fontsize=8)
             ax.set_xlabel("optimizer block", fontsize=8)
             ax.tick_params(labelsize=7)

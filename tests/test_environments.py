@@ -2,9 +2,15 @@
 nothing branches; instances are pooled across batches as GRPOTrainer pools them (`environment_branching`)."""
 
 import copy
+import dataclasses
 import itertools
+import os
+import random
+import warnings
 
+import numpy as np
 import pytest
+import torch
 from transformers import TrainerCallback
 
 from tests.remote_env import RemoteCounterEnv, SessionServer, TicketEnv
@@ -241,7 +247,6 @@ def _open_session() -> str:
 
 class _ServerCounter:
     """A client whose counter lives on the server, under a key: a deep copy copies the key, not the session."""
-
     def _key(self) -> str:
         raise NotImplementedError
 
@@ -264,7 +269,6 @@ class _ServerCounter:
 
 class RestSessionEnv(_ServerCounter):
     """A REST client: a base URL and the session id the server handed out (plain strings, remote state)."""
-
     def __init__(self):
         self.base_url, self.session_id = "http://counter.invalid", None
 
@@ -277,7 +281,6 @@ class RestSessionEnv(_ServerCounter):
 
 class _Handle:
     """A handle on a server-side session, of a class nothing knows about."""
-
     def __init__(self, key):
         self.key = key
 
@@ -295,7 +298,6 @@ class HandleSessionEnv(_ServerCounter):
 
 class RequestsSessionEnv(_ServerCounter):
     """An HTTP client: a `requests.Session` (deep-copyable) and a token naming the server-side session."""
-
     def __init__(self):
         import requests
 
@@ -338,11 +340,6 @@ def test_auto_does_not_copy_clients_of_remote_state_every_leaf_sees_its_own_call
 
 def test_a_plain_local_environment_is_still_copied_under_auto(tmp_path):
     """Plain data (scalars, containers, a dataclass, random.Random, arrays, tensors) copies cheaply: no replay."""
-    import dataclasses
-    import random
-
-    import numpy as np
-    import torch
 
     @dataclasses.dataclass
     class Meta:
@@ -415,11 +412,6 @@ class RandomWorldEnv:
     example draws its secret word so): the observation does not show the secret, the tool outputs depend on it."""
 
     def reset(self, **kwargs):
-        import random
-
-        import numpy as np
-        import torch
-
         self.n = random.randrange(1000) + int(np.random.randint(1000)) + int(torch.randint(1000, ()))
         return "Find the counter."
 
@@ -432,18 +424,11 @@ class RandomWorldEnv:
         Returns:
             The counter's new value.
         """
-        import random
-
-        import numpy as np
-        import torch
-
         self.n += amount + random.randrange(10) + int(np.random.randint(10)) + int(torch.randint(10, ()))
         return str(self.n)
 
 
 def test_replay_reproduces_what_reset_and_tools_draw_from_the_global_generators(tmp_path):
-    import warnings
-
     finals = []
 
     def final_counter(completions, environments, **kwargs):
@@ -460,11 +445,6 @@ def test_replay_reproduces_what_reset_and_tools_draw_from_the_global_generators(
 
 
 def test_replay_leaves_the_callers_random_state_as_it_was():
-    import random
-
-    import numpy as np
-    import torch
-
     from trl_tree.rollout.env import capture_random_state
 
     def run_call(call, tools):
@@ -488,7 +468,6 @@ def test_replay_leaves_the_callers_random_state_as_it_was():
 
 class UrandomEnv:
     """Divergence no process state can prevent: every call draws from the OS."""
-
     def reset(self, **kwargs):
         self.n = 0
 
@@ -501,8 +480,6 @@ class UrandomEnv:
         Returns:
             The counter's new value.
         """
-        import os
-
         self.n += amount + int.from_bytes(os.urandom(4), "little")
         return str(self.n)
 
@@ -541,9 +518,8 @@ def test_replay_divergence_is_validated(tmp_path):
         config(TreeOPSDConfig, tmp_path, replay_divergence="ignore")
 
 
-class BrokenForkEnv:
-    """A plain counter whose fork() fails (e.g. the server cannot snapshot a session)."""
-
+class PlainCounterEnv:
+    """A counter with an `add(amount)` tool, all of its state plain local data."""
     def __init__(self):
         self.n = 0
 
@@ -562,6 +538,9 @@ class BrokenForkEnv:
         self.n += amount
         return str(self.n)
 
+
+class BrokenForkEnv(PlainCounterEnv):
+    """A plain counter whose fork() fails (e.g. the server cannot snapshot a session)."""
     def fork(self):
         raise RuntimeError("the server cannot snapshot this session")
 
