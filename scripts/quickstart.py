@@ -1,7 +1,7 @@
 """The README's Quickstart command lines, read from the README itself.
 
-Why a script: `.ci/run` runs these lines exactly as a new user would paste them, so the README cannot promise one
-install and CI test another. `tests/test_quickstart.py` checks the block's shape (two lines: the main job, the tests).
+Why a script: `.ci/run` runs these lines verbatim, as a new user would paste them, and compares its copy with this
+script's output before running it, so the README cannot promise one install and CI test another. `tests/test_quickstart.py` checks the block's shape (two lines: the main job, the tests).
 
 Usage: python scripts/quickstart.py [README]     prints one command line per line
 """

@@ -1,6 +1,6 @@
-"""The README's Quickstart is what CI runs: `.ci/run` reads the two command lines from the README (never a copy of
-them) and runs them in a fresh virtual environment, so a package that only the machine has cannot hide a missing
-install step, and the README and CI cannot drift apart."""
+"""The README's Quickstart is what CI runs: `.ci/run` holds the two command lines verbatim, checks them against the
+README before running them, and runs them in a fresh virtual environment, so a package that only the machine has
+cannot hide a missing install step, and the README and CI cannot drift apart."""
 
 import importlib.util
 import re
@@ -23,18 +23,22 @@ def test_the_quickstart_is_two_lines_the_main_job_then_the_tests():
     assert main_job.startswith("pip install") and tests.startswith("pip install")  # each installs what it needs
 
 
-def test_ci_runs_the_lines_read_from_the_readme_in_a_fresh_venv():
-    assert "python scripts/quickstart.py" in CI_RUN
-    assert 'bash -euo pipefail -c "$line"' in CI_RUN
+def test_ci_runs_the_readmes_lines_verbatim_in_a_fresh_venv_and_checks_them_against_it():
+    in_venv = CI_RUN[CI_RUN.index("python3 -m venv") : CI_RUN.index("\ndeactivate")]
+    for line in quickstart.quickstart_lines((ROOT / "README.md").read_text()):
+        assert f"'{line}'" in in_venv  # the very text a user pastes, inside the fresh environment
+    assert "python scripts/quickstart.py" in in_venv  # and .ci/run stops if its copy drifts from the README
+    assert 'bash -euo pipefail -c "$line"' in in_venv
     venv = re.search(r"^python3 -m venv (.+)$", CI_RUN, flags=re.M)
     assert venv is not None and "--system-site-packages" not in venv.group(1)
-    assert CI_RUN.index("python3 -m venv") < CI_RUN.index("python scripts/quickstart.py") < CI_RUN.index("\ndeactivate")
 
 
 def test_ci_installs_nothing_for_the_main_environment_beyond_the_readme():
     before_deactivate = CI_RUN[: CI_RUN.index("\ndeactivate")]
-    installs = re.findall(r"pip install[^\n]*", before_deactivate)
-    assert installs == ["pip install -q --upgrade pip"]  # the README's own lines install everything else
+    readme_lines = quickstart.quickstart_lines((ROOT / "README.md").read_text())
+    installs = [line for line in re.findall(r"[^\n]*pip install[^\n]*", before_deactivate)
+                if line.strip().strip("'") not in readme_lines]
+    assert installs == ["python -m pip install -q --upgrade pip"]  # the README's own lines install everything else
 
 
 @pytest.mark.parametrize(
