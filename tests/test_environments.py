@@ -117,25 +117,7 @@ def test_remote_session_environment_branches_by_replay_and_trains(tmp_path, serv
 def test_no_fork_or_copy_when_nothing_branches_or_branches_replay(tmp_path, overrides):
     copies = []
 
-    class CopyCountingEnv:
-        def __init__(self):
-            self.n = 0
-
-        def reset(self, **kwargs):
-            self.n = 0
-
-        def add(self, amount: int) -> str:
-            """Adds an amount to the counter.
-
-            Args:
-                amount: how much to add.
-
-            Returns:
-                The counter's new value.
-            """
-            self.n += amount
-            return str(self.n)
-
+    class CopyCountingEnv(PlainCounterEnv):
         def fork(self):
             copies.append("fork")
             other = CopyCountingEnv()
