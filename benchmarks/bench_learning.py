@@ -164,9 +164,12 @@ class HeldOutEvaluation(TrainerCallback):
         self.token_budget = token_budget
         self.curve: list[dict] = []
         self.started = time.perf_counter()
+        self.started_cpu, self.eval_cpu = time.process_time(), 0.0
 
     def evaluate(self, generation_batches: int):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
+        # the CPU seconds training has cost so far, evaluations excluded: the x axis of EM against compute
+        train_cpu = start_cpu - self.started_cpu - self.eval_cpu
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)
         batches = self.meter.batches
         point = {"generation_batches": generation_batches,
@@ -174,7 +177,8 @@ class HeldOutEvaluation(TrainerCallback):
                  "leaves": sum(b.leaves for b in batches),
                  **heldout_metrics(model, self.trainer.processing_class, self.task, self.settings,
                                    cached_as=self.start_path if generation_batches == 0 else None),
-                 "eval_seconds": time.perf_counter() - start}
+                 "eval_seconds": time.perf_counter() - start, "train_cpu_seconds": train_cpu}
+        self.eval_cpu += time.process_time() - start_cpu
         self.curve.append(point)
         print(f"  batch {generation_batches:>3}  tokens {point['rollout_tokens']:>7}  EM {point['exact_match']:.3f}  "
               f"F1 {point['f1']:.3f}  format {point['format_rate']:.2f}  reward {point['reward']:.3f}", flush=True)
@@ -221,6 +225,10 @@ def heldout_metrics(model, tokenizer, task, settings, cached_as: str | None = No
                **{k: v for k, v in result.summary().items() if k != "num_questions"}}
     if cache is not None:
         write_json(cache, metrics)
+    # per question, in test-row order: what a paired comparison of two runs on the same held-out questions needs
+    # (not cached: the warm start's point needs no pairing, and an old cache entry stays valid)
+    metrics["per_question"] = {"exact_match": [r["exact_match"] for r in sorted(records, key=lambda r: r["index"])],
+                               "reward": [float(x) for x in task_reward]}
     return metrics
 
 
@@ -391,6 +399,56 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
     return summary
 
 
+# Which paired differences the report shows, when both methods have runs: the flagship against each alternative
+PAIRS = (("treeopsd", "treepo"), ("treeopsd", "grpo"), ("treepo", "grpo"))
+
+
+def paired_difference(a_runs: list[dict], b_runs: list[dict], metric: str = "exact_match", resamples: int = 10_000,
+                      seed: int = 0) -> dict | None:
+    """A − B on the same held-out questions after training: the mean per-question difference over the seeds both
+    ran (seed s of A paired with seed s of B: the same data order and warm start), with a 95 % bootstrap interval
+    that resamples seeds and, within each replicate, questions (both with replacement; the same questions for every
+    seed, since every seed answers the same held-out set). Pairing removes the questions' own difficulty from the
+    noise, which a difference of two independent means keeps. None when no seed has per-question outcomes in both."""
+    import numpy as np
+
+    def outcomes(runs):
+        return {r["seed"]: r["curve"][-1]["per_question"][metric] for r in runs
+                if "per_question" in r["curve"][-1]}
+
+    a, b = outcomes(a_runs), outcomes(b_runs)
+    seeds = sorted(set(a) & set(b))
+    if not seeds:
+        return None
+    d = np.array([np.subtract(a[s], b[s], dtype=float) for s in seeds])  # [seeds, questions]
+    rng = np.random.default_rng(seed)
+    pick_seeds = rng.integers(0, len(seeds), size=(resamples, len(seeds)))
+    pick_questions = rng.integers(0, d.shape[1], size=(resamples, d.shape[1]))
+    replicates = d[pick_seeds[:, :, None], pick_questions[:, None, :]].mean(axis=(1, 2))
+    low, high = np.quantile(replicates, [0.025, 0.975])
+    return {"mean": float(d.mean()), "ci95": [float(low), float(high)], "seeds": seeds, "questions": d.shape[1],
+            "a_better": int((d > 0).sum()), "b_better": int((d < 0).sum())}
+
+
+def paired_differences(runs: dict[str, list[dict]], metric: str) -> dict[str, dict]:
+    found = {}
+    for a, b in PAIRS:
+        if a in runs and b in runs:
+            difference = paired_difference(runs[a], runs[b], metric)
+            if difference is not None:
+                found[f"{a} - {b}"] = difference
+    return found
+
+
+def _x_cpu_minutes(run: dict, i: int) -> float:
+    """Training CPU minutes at evaluation point i; runs recorded before points carried it: 0 at the start, the run's
+    whole CPU time (its evaluations included) at the end."""
+    point = run["curve"][i]
+    if "train_cpu_seconds" in point:
+        return point["train_cpu_seconds"] / 60
+    return 0.0 if i == 0 else run.get("train_cpu_seconds", float("nan")) / 60
+
+
 def plot(runs: dict[str, list[dict]], path: str, title: str, metric: str = "exact_match") -> None:
     """`metric` (held-out EM, or the task's reward) against rollout tokens: the mean over seeds at each evaluation
     point, ± one std shaded."""
@@ -402,19 +460,22 @@ def plot(runs: dict[str, list[dict]], path: str, title: str, metric: str = "exac
     except ImportError:
         print("matplotlib is not installed (pip install 'trl-tree[plot]'): no plot written.", flush=True)
         return
-    figure, axes = plt.subplots(figsize=(6, 4))
-    for method, seeds in runs.items():
-        points = min(len(r["curve"]) for r in seeds)
-        tokens = [statistics.fmean(r["curve"][i]["rollout_tokens"] for r in seeds) for i in range(points)]
-        stats = [mean_std([r["curve"][i][metric] for r in seeds]) for i in range(points)]
-        mean = [m for m, _ in stats]
-        label = f"{method} ({len(seeds)} seed{'s' if len(seeds) > 1 else ''})"
-        axes.plot(tokens, mean, marker="o", label=label)
-        axes.fill_between(tokens, [m - s for m, s in stats], [m + s for m, s in stats], alpha=0.2)
-    axes.set_xlabel("rollout tokens sampled")
-    axes.set_ylabel({"exact_match": "held-out exact match (greedy)"}.get(metric, f"held-out {metric} (greedy)"))
-    axes.set_title(textwrap.fill(title, 75), fontsize=9)
-    axes.legend()
+    figure, panels = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    x_axes = (("rollout tokens sampled", lambda r, i: r["curve"][i]["rollout_tokens"]),
+              ("training CPU minutes (one thread; evaluations excluded)", _x_cpu_minutes))
+    for axes, (x_label, x_of) in zip(panels, x_axes):
+        for method, seeds in runs.items():
+            points = min(len(r["curve"]) for r in seeds)
+            xs = [statistics.fmean(x_of(r, i) for r in seeds) for i in range(points)]
+            stats = [mean_std([r["curve"][i][metric] for r in seeds]) for i in range(points)]
+            mean = [m for m, _ in stats]
+            label = f"{method} ({len(seeds)} seed{'s' if len(seeds) > 1 else ''})"
+            axes.plot(xs, mean, marker="o", label=label)
+            axes.fill_between(xs, [m - s for m, s in stats], [m + s for m, s in stats], alpha=0.2)
+        axes.set_xlabel(x_label)
+    panels[0].set_ylabel({"exact_match": "held-out exact match (greedy)"}.get(metric, f"held-out {metric} (greedy)"))
+    figure.suptitle(textwrap.fill(title, 130), fontsize=9)
+    panels[0].legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     print(f"wrote {path}", flush=True)
@@ -500,6 +561,16 @@ def report(runs: dict[str, list[dict]], args, model_path: str) -> None:
     caption = (f"Held-out greedy answers to {args.num_test} questions ({args.task}, {args.model}), seeds {seeds}, "
                f"mean ± std, after {args.generation_batches} generation batches of {args.prompts} prompts")
     table = markdown_table(rows, list(rows[0]))
+    metric = headline_metric(args.task)
+    differences = paired_differences(runs, metric)
+    if differences:
+        paired_rows = [{"A − B": name.replace(" - ", " − "), "seeds": ",".join(map(str, d["seeds"])),
+                        "questions": d["questions"], f"paired {metric} difference": f"{d['mean']:+.3f}",
+                        "95 % bootstrap interval": f"[{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]",
+                        "questions A better / B better (summed over seeds)": f"{d['a_better']} / {d['b_better']}"}
+                       for name, d in differences.items()]
+        table += ("\n\nPaired on the same held-out questions after training (seed s against seed s; the interval "
+                  "resamples seeds and questions):\n\n" + markdown_table(paired_rows, list(paired_rows[0])))
     print(f"\n{caption}\n\n{table}")
     model_name = {"tiny": "tiny Qwen3", "smollm2": "SmolLM2-135M-Instruct"}[args.model]
     title = (f"{task_title}, {model_name}; P={args.prompts}, E={args.blocks}, G={args.group_size} vs "
@@ -513,7 +584,8 @@ def report(runs: dict[str, list[dict]], args, model_path: str) -> None:
         results = {m: {str(r["seed"]): {k: r.get(k) for k in ("heldout_before", "heldout_after", "rollout_tokens")}
                        for r in seeds_} for m, seeds_ in runs.items()}
         write_json(args.output, {"config": {**vars(args), "model_path": model_path}, "environment": environment(),
-                                 "results": results, "summary": summary, "runs": runs})
+                                 "results": results, "summary": summary, "paired_differences": differences,
+                                 "runs": runs})
 
 
 def _pm(summary: dict, name: str, digits: int = 3) -> str:

@@ -18,3 +18,25 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def benchmark_script(monkeypatch):
+    """`benchmark_script("bench_blocks")`: a script under `benchmarks/` as a module (the scripts import `common` from
+    their folder), fresh for this test and gone after it."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parent.parent / "benchmarks"
+    monkeypatch.syspath_prepend(str(folder))
+    names = ("common", "bench_learning", "bench_blocks")
+
+    def load(name: str):
+        for cached in names:
+            monkeypatch.delitem(sys.modules, cached, raising=False)
+        return importlib.import_module(name)
+
+    yield load
+    for cached in names:
+        sys.modules.pop(cached, None)

@@ -5,7 +5,6 @@ holds on every run: at θ_old every turn's log-ratio and the held-out KL are exa
 turn past its teacher as negative, and the JSON has one point per block for every schedule, method and learning rate.
 """
 
-import importlib
 import json
 import os
 import subprocess
@@ -20,15 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
-def bench_blocks(monkeypatch):
-    """The script as a module (the benchmarks are scripts that import `common` from their folder), for this test."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    for name in ("common", "bench_learning", "bench_blocks"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
-    module = importlib.import_module("bench_blocks")
-    yield module
-    for name in ("common", "bench_learning", "bench_blocks"):
-        sys.modules.pop(name, None)
+def bench_blocks(benchmark_script):
+    return benchmark_script("bench_blocks")
 
 
 def test_the_signed_gap_is_positive_short_of_the_teacher_and_negative_past_it(bench_blocks):

@@ -87,6 +87,36 @@ def test_bench_learning_quick_writes_curves_and_a_summary_per_method(tmp_path, t
         assert {"exact_match", "f1", "format_rate", "reward", "rollout_tokens"} <= set(curve[-1])
         for key in ("final_exact_match_mean", "final_exact_match_std", "final_reward_mean", "rollout_tokens_mean"):
             assert isinstance(result["summary"][method][key], float)
+        assert len(curve[-1]["per_question"]["exact_match"]) == len(curve[-1]["per_question"]["reward"]) == 2
+        assert curve[-1]["train_cpu_seconds"] >= curve[0]["train_cpu_seconds"] >= 0
+    assert set(result["paired_differences"]) == {"treeopsd - treepo", "treeopsd - grpo", "treepo - grpo"}
+
+
+def _runs(outcomes_per_seed: dict[int, list[float]]) -> list[dict]:
+    return [{"seed": s, "curve": [{}, {"per_question": {"exact_match": o}}]} for s, o in outcomes_per_seed.items()]
+
+
+@pytest.fixture
+def bench_learning(benchmark_script):
+    return benchmark_script("bench_learning")
+
+
+def test_the_paired_difference_is_the_per_question_mean_over_shared_seeds_with_a_bootstrap_interval(bench_learning):
+    same = _runs({0: [1, 0, 1, 0], 1: [0, 0, 1, 1]})
+    d = bench_learning.paired_difference(same, same)
+    assert d["mean"] == 0 and d["ci95"] == [0, 0] and d["a_better"] == d["b_better"] == 0
+    # A wins one question more on seed 1 only; seed 2 of A has no partner and is left out
+    a = _runs({0: [1, 0, 1, 0], 1: [1, 0, 1, 1], 2: [1, 1, 1, 1]})
+    d = bench_learning.paired_difference(a, same)
+    assert d["seeds"] == [0, 1] and d["questions"] == 4 and d["mean"] == 1 / 8 and (d["a_better"], d["b_better"]) == (1, 0)
+    assert 0 <= d["ci95"][0] <= d["mean"] <= d["ci95"][1] <= 0.5
+    # pairing: a constant shift on questions of very different difficulty has a tight interval
+    hard_and_easy = _runs({0: [0.0] * 50 + [1.0] * 50})
+    better = _runs({0: [1.0] * 50 + [1.0] * 50})
+    d = bench_learning.paired_difference(better, hard_and_easy)
+    assert d["mean"] == 0.5 and 0.35 < d["ci95"][0] < 0.5 < d["ci95"][1] < 0.65
+    # runs recorded before per-question outcomes existed: nothing to pair
+    assert bench_learning.paired_difference([{"seed": 0, "curve": [{}, {}]}], same) is None
 
 
 def test_bench_learning_smollm2_path_writes_each_run_at_once_and_skips_it_later(tmp_path):

@@ -82,7 +82,7 @@ def test_each_method_launches_its_script_which_trains_with_its_trainer(method, m
 @pytest.mark.parametrize("method", METHODS)
 def test_offline_defaults_share_treeopsds_tree_budget(method):
     """At most 12 leaves per prompt (4 complete trajectories + 8 continuations), whatever the method's own defaults
-    (AT2PO's M = 10, L = 2, K = 6 would be 22)."""
+    (AT2PO's M = 2, L = 2, K = 6 would be 14)."""
     _, training_args, _ = hotpot.parse_args(method, [])
     assert training_args.num_initial_rollouts == 4 and training_args.leaves_per_tree == 12
     assert training_args.max_steps == hotpot.OFFLINE_TRAINING_DEFAULTS["max_steps"]

@@ -136,10 +136,10 @@ def test_the_clipped_losses_keep_epsilon_and_epsilon_high(loss, tmp_path):
 def test_a_num_generations_that_no_m_gives_lists_the_settings_that_do(tmp_path):
     with pytest.raises(ValueError, match="num_generations=7") as error:  # N given: kept, so no M reaches G
         TreeOPSDConfig(output_dir=str(tmp_path), num_generations=7, num_branches=2, **CPU)
-    listed = [pair.split(" = ")[1] for pair in str(error.value).split("G = 7: ")[1].split(". Set")[0].split(", (M")]
-    assert listed and "(7, 0)" in listed[0]
-    for pair in listed:  # every listed (M, N) indeed gives G = 7
-        m, n = (int(x) for x in pair.strip("()").split(", "))
+    listed = str(error.value).split("G = 7: ")[1].split(". Set")[0].split("; ")
+    assert listed and "num_initial_rollouts=7, num_branches=0" in listed
+    for option in listed:  # every listed (M, N) indeed gives G = 7
+        m, n = (int(kv.split("=")[1]) for kv in option.split(", "))
         assert TreeOPSDConfig(output_dir=str(tmp_path), num_initial_rollouts=m, num_branches=n,
                               per_device_train_batch_size=7, **CPU).num_generations == 7
 
@@ -175,7 +175,7 @@ def test_num_generations_sets_m_for_each_sampler(tmp_path):
         assert args.num_initial_rollouts == M and args.num_generations == 8
     # neither set: each preset keeps its documented M, G follows, and an unset micro-batch is one tree
     args = AT2POConfig(output_dir=str(tmp_path), **CPU)
-    assert (args.num_initial_rollouts, args.num_generations, args.per_device_train_batch_size) == (10, 16, 16)
+    assert (args.num_initial_rollouts, args.num_generations, args.per_device_train_batch_size) == (2, 8, 8)
     assert TreeOPSDConfig(output_dir=str(tmp_path), **CPU).per_device_train_batch_size == 8  # GRPO's default
 
 
@@ -293,9 +293,9 @@ def test_num_generations_alone_chooses_an_m_and_n_that_reach_it(G, expected, tmp
 
 
 def test_a_user_given_n_or_an_unreachable_g_keeps_the_error_listing_what_works(tmp_path):
-    with pytest.raises(ValueError, match=r"num_generations=3 .*Settings that give G = 3: .*\(2, 1\)"):
+    with pytest.raises(ValueError, match=r"num_generations=3 .*Settings that give G = 3: .*num_initial_rollouts=2, num_branches=1;"):
         TreeOPSDConfig(output_dir=str(tmp_path), num_generations=3, num_branches=2, **CPU)
-    with pytest.raises(ValueError, match=r"num_generations=4 .*\(M, N\) = \(4, 0\)"):
+    with pytest.raises(ValueError, match=r"num_generations=4 .*num_initial_rollouts=4, num_branches=0"):
         TreeOPSDConfig(output_dir=str(tmp_path), num_generations=4, num_branches=1, **CPU)
     with pytest.raises(ValueError, match="No setting of num_initial_rollouts gives G = 1"):
         TreeOPSDConfig(output_dir=str(tmp_path), num_generations=1, **CPU)
@@ -304,26 +304,73 @@ def test_a_user_given_n_or_an_unreachable_g_keeps_the_error_listing_what_works(t
     assert TreeOPSDConfig.num_generations_for() == 8
 
 
-def test_a_group_wider_than_the_micro_batch_names_grpos_semantics_and_the_equivalent_tree_settings(tmp_path):
-    """GRPO lets a group of G = 6 span two micro-batches of 3 (its generation batch holds whole groups); a tree is
-    trained in one forward and cannot be split, so the error names that and the settings that train the same
-    prompts per generation batch and per optimizer step, one whole tree per micro-batch, and those settings work."""
-    fields = dict(num_generations=6, per_device_train_batch_size=3, steps_per_generation=4,
-                  gradient_accumulation_steps=2)
+@pytest.mark.parametrize("G", [2, 4, 8, 3, 6, 16])
+def test_an_unset_batch_size_trains_grpos_prompts_per_step(G, tmp_path):
+    """TRL's agent examples set num_generations=4 and leave the batch size alone: GRPO then trains 8 / G = 2 prompts
+    per step, and so must a tree config (each prompt one tree). Where GRPO's default 8 fails GRPO's own check (G does
+    not divide 8), the tree config trains one tree per micro-batch."""
+    fields = dict(num_generations=G)
+    args = TreeOPSDConfig(output_dir=str(tmp_path), **fields, **CPU)
+    if 8 % G == 0:
+        grpo = GRPOConfig(output_dir=str(tmp_path), num_generations=G, **CPU)
+        assert args.per_device_train_batch_size == grpo.per_device_train_batch_size == 8
+        assert args.prompts_per_generation == grpo.generation_batch_size // G == 8 // G
+    else:
+        with pytest.raises(ValueError):
+            GRPOConfig(output_dir=str(tmp_path), num_generations=G, **CPU)
+        assert args.per_device_train_batch_size == G and args.trees_per_micro_batch == 1
+
+
+@pytest.mark.parametrize("config_cls", [TreeOPSDConfig, TreePOConfig, AT2POConfig, TreeAdvConfig])
+def test_every_tree_method_budgets_grpos_default_g_when_nothing_is_set(config_cls, tmp_path):
+    assert config_cls(output_dir=str(tmp_path), **CPU).num_generations == GRPOConfig(
+        output_dir=str(tmp_path), **CPU).num_generations == 8
+
+
+def test_an_unreachable_at2po_g_lists_expansion_settings_that_reach_it_and_each_works(tmp_path):
+    """G = 4 cannot be reached with AT2PO's L = 2 rounds of K = 6 branches (already 6 trajectories): the error lists
+    (M, L, K) that cost exactly G = 4, as init-expand's lists (M, N), and each listed setting builds with G = 4."""
+    with pytest.raises(ValueError, match="Settings that give G = 4: ") as error:
+        AT2POConfig(output_dir=str(tmp_path), num_generations=4, **CPU)
+    listed = str(error.value).split("Settings that give G = 4: ")[1].split(". Set those")[0].split("; ")
+    settings = [dict((k, int(v)) for k, v in (kv.split("=") for kv in option.split(", ")))
+                for option in listed if option != "and more"]
+    assert settings and all(set(s) == {"num_initial_rollouts", "expansion_rounds", "branches_per_round"}
+                            for s in settings)
+    for setting in settings:
+        assert AT2POConfig(output_dir=str(tmp_path), num_generations=4, **setting, **CPU).num_generations == 4
+
+
+@pytest.mark.parametrize(("fields", "expected"), [
+    # TRL's test_training_num_generations_larger_than_batch_size: a group of 6 spans two micro-batches of 3
+    (dict(num_generations=6, per_device_train_batch_size=3, gradient_accumulation_steps=2), (6, 1, 1)),
+    (dict(num_generations=6, per_device_train_batch_size=3, steps_per_generation=4, gradient_accumulation_steps=2),
+     (6, 1, 2)),
+])
+def test_a_group_wider_than_the_micro_batch_trains_grpos_prompts_per_step_one_whole_tree_each(
+        fields, expected, tmp_path, caplog):
+    """GRPO lets a group of G completions span micro-batches when the optimizer step and the generation batch hold
+    whole groups. A tree is trained in one forward, so the config trains one whole tree per micro-batch with
+    proportionally less accumulation: the same prompts per optimizer step and per generation batch, said at start-up."""
     grpo = GRPOConfig(output_dir=str(tmp_path), **fields, **CPU)
-    with pytest.raises(ValueError, match="per_device_train_batch_size=6, gradient_accumulation_steps=1, "
-                       "steps_per_generation=2") as error:
-        TreeOPSDConfig(output_dir=str(tmp_path), **fields, **CPU)
-    assert "generation batch" in str(error.value) and "cannot be split" in str(error.value)
-    args = TreeOPSDConfig(output_dir=str(tmp_path), num_generations=6, per_device_train_batch_size=6,
-                          gradient_accumulation_steps=1, steps_per_generation=2, **CPU)
+    with caplog.at_level("WARNING", logger="trl_tree.trainer.config"):
+        args = TreeOPSDConfig(output_dir=str(tmp_path), **fields, **CPU)
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.steps_per_generation) == expected
+    assert "a tree cannot be split" in caplog.text
     assert args.generation_batch_size == grpo.generation_batch_size
+    G = fields["num_generations"]
     assert (args.trees_per_micro_batch * args.gradient_accumulation_steps
-            == grpo.per_device_train_batch_size * grpo.gradient_accumulation_steps // 6)
-    # a generation batch that GRPO too refuses (3 × 1 completions, half a group) gets only the multiple-of-G advice
-    with pytest.raises(ValueError, match="must be a multiple of num_generations") as error:
+            == grpo.per_device_train_batch_size * grpo.gradient_accumulation_steps // G)
+    assert (args.steps_per_generation // args.gradient_accumulation_steps
+            == grpo.steps_per_generation // grpo.gradient_accumulation_steps)  # optimizer steps per generation batch
+
+
+def test_a_micro_batch_holding_part_of_a_group_that_grpo_refuses_too_is_an_error(tmp_path):
+    """A generation batch of 3 × 1 completions is half a group: GRPO refuses it, and so does the tree config."""
+    with pytest.raises(ValueError):
+        GRPOConfig(output_dir=str(tmp_path), num_generations=6, per_device_train_batch_size=3, **CPU)
+    with pytest.raises(ValueError, match="must be a multiple of num_generations"):
         TreeOPSDConfig(output_dir=str(tmp_path), num_generations=6, per_device_train_batch_size=3, **CPU)
-    assert "gradient_accumulation_steps=" not in str(error.value)
 
 
 def _by_length(completions, **kwargs):

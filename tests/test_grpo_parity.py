@@ -281,6 +281,25 @@ def test_num_generations_and_batch_size_carry_over(trainer_cls, model_path, tmp_
     assert len(prompts_seen) == 1
 
 
+@trainers()
+def test_num_generations_larger_than_the_batch_size_trains(trainer_cls, model_path, tmp_path):
+    """Ported from TRL's test_training_num_generations_larger_than_batch_size: a group of 6 spans two micro-batches
+    of 3 with gradient accumulation 2; both trainers train one prompt per optimizer step."""
+    prompts_per_step = []
+
+    def recording_reward(prompts, completions, **kwargs):
+        prompts_per_step.append(len({p[-1]["content"] for p in prompts}))
+        return length_reward(completions)
+
+    args = make_args(trainer_cls, tmp_path, num_generations=6, per_device_train_batch_size=3,
+                     gradient_accumulation_steps=2)
+    trainer = trainer_cls(
+        model=model_path, reward_funcs=recording_reward, args=args, train_dataset=conversational_dataset()
+    )
+    train_and_check_every_parameter_changed(trainer)
+    assert prompts_per_step and set(prompts_per_step) == {1}
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Reward functions and reward models
 # ---------------------------------------------------------------------------------------------------------------------

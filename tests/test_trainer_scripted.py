@@ -282,7 +282,8 @@ def test_a_reward_function_that_raises_or_returns_inf_is_named_with_the_sample(t
         ({"target_radius": 0.0}, "0 < ρ < 1/2"),
         ({"num_iterations": 2}, "steps_per_generation = E × gradient_accumulation_steps"),
         ({"beta": 0.04}, "beta=0.0"),
-        ({"num_generations": 8}, r"num_initial_rollouts=2 costs 3\. Settings that give G = 8: \(M, N\) = \(8, 0\)"),
+        ({"num_generations": 8}, r"num_initial_rollouts=2 costs 3\. Settings that give G = 8: num_initial_rollouts=5, num_branches=1; "
+                               r"num_initial_rollouts=8, num_branches=0"),
         ({"packing": "flat"}, "packing must be one of"),
         ({"malformed_tool_calls": "retry"}, "malformed_tool_calls must be one of"),
         ({"max_turn_tokens": 0}, "max_turn_tokens must be a positive number"),

@@ -19,7 +19,7 @@ file. The script's arguments, and the import paths they name, are checked before
 In the HotpotQA form every method trains the same search agent (`trl_tree.scripts.hotpot`): same data, retriever,
 reward, warm start and before/after evaluation; only the config and trainer class differ. Their offline defaults share
 one tree budget, at most 12 leaves per prompt (4 complete trajectories and 8 continuations): TreeOPSD/TreePO (M, N) =
-(4, 2), AT2PO M = 4 with 2 rounds of 4 branches (its library default, M = 10 and 2 rounds of 6, would be 22 leaves),
+(4, 2), AT2PO M = 4 with 2 rounds of 4 branches (its library default, M = 2 and 2 rounds of 6, costs the same G = 8 in 14 leaves),
 TreeAdv 4 trees of at most 1 + 2 leaves (the recipe `trl_tree/recipes/hotpot_offline.yaml`).
 
 `view` is no training method and runs in this process, without accelerate: it reads the data that a run with

@@ -63,6 +63,8 @@ class Sampler:
         leaves: K, leaves per tree (at most, when `variable_leaves`).
         budget: the expected cost of one tree in complete trajectories (what GRPO's G buys per prompt).
         budget_formula: `budget` as the error messages write it.
+        shape_fields: the other fields that change the budget (init_expand's N; entropy_guided's L and K): what an
+            error for an unreachable G varies to list settings that reach it.
         needs_entropies: `(args) -> bool`: whether it reads per-token entropies from generation.
         unit: "tree", or "group" for TreeFlex's groups of complete searches.
     """
@@ -74,6 +76,7 @@ class Sampler:
     leaves: Callable[[Any], int]
     budget: Callable[[Any], Fraction]
     budget_formula: str
+    shape_fields: tuple[str, ...] = ()
     needs_entropies: Callable[[Any], bool] = lambda args: False
     variable_leaves: bool = False
     unit: str = "tree"
@@ -273,6 +276,7 @@ _M = {"num_initial_rollouts": "M: complete trajectories sampled per prompt"}
     leaves=lambda a: a.num_initial_rollouts * (a.num_branches + 1),
     budget=lambda a: a.num_initial_rollouts * (1 + Fraction(a.num_branches, 2)),
     budget_formula="M(1 + N/2)",
+    shape_fields=("num_branches",),
 )
 def _init_expand(args, loop, seed):
     """TreeOPSD: M complete trajectories, then N continuations of each from uniformly drawn turns (K = M(N + 1))."""
@@ -310,6 +314,7 @@ def _flat(args, loop, seed):
     leaves=lambda a: a.num_initial_rollouts + a.expansion_rounds * a.branches_per_round,
     budget=lambda a: a.num_initial_rollouts + Fraction(a.expansion_rounds * a.branches_per_round, 2),
     budget_formula="M + L·K/2 (L = expansion_rounds, K = branches_per_round)",
+    shape_fields=("expansion_rounds", "branches_per_round"),
     needs_entropies=lambda a: a.expansion_mode == "entropy",  # A2 node scores
 )
 def _entropy_guided(args, loop, seed):
@@ -337,6 +342,7 @@ def _entropy_guided(args, loop, seed):
     leaves=lambda a: a.num_initial_rollouts * (1 + a.max_branches_per_tree),
     budget=lambda a: a.num_initial_rollouts * (1 + Fraction(a.max_branches_per_tree, 2)),
     budget_formula="M(1 + b/2) (b = max_branches_per_tree)",
+    shape_fields=("max_branches_per_tree",),
     needs_entropies=lambda a: True,  # branch points are high-entropy tokens
     variable_leaves=True,
 )

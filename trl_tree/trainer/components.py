@@ -11,6 +11,7 @@ module answers, from that table, what a configuration costs and how many leaves 
 
 from __future__ import annotations
 
+import itertools
 import math
 from fractions import Fraction
 from types import SimpleNamespace
@@ -88,17 +89,21 @@ def branches_for_generations(args, num_generations: int, preferred: int) -> tupl
 
 
 def valid_budgets(args, num_generations: int, limit: int = 8) -> list[str]:
-    """Settings of the sampler's budget fields that give G, for error messages (init_expand: every (M, N))."""
-    field = budget_field(args)
-    if args.sampler != "init_expand":
-        value = budget_for_generations(args, num_generations)
-        return [] if value is None else [f"{field}={value}"]
-    found = []
-    for n in range(0, 2 * num_generations + 1):
-        m = budget_for_generations(replace_fields(args, num_branches=n), num_generations)
-        if m is not None and m * (n + 1) >= 2:
-            found.append(f"(M, N) = ({m}, {n})")
-    return found[:limit] + (["…"] if len(found) > limit else [])
+    """Settings that give G, for error messages: the budget field's value with the sampler's other fields as they
+    are, then the values it takes as its `shape_fields` vary (each from 0 or 1 to 2G; trees keep K ≥ 2 leaves)."""
+    sampler = methods.SAMPLERS[args.sampler]
+    field, found = budget_field(args), []
+    shapes = [range(0 if name == "num_branches" else 1, 2 * num_generations + 1) for name in sampler.shape_fields]
+    current = tuple(getattr(args, name) for name in sampler.shape_fields)
+    for values in [current, *(v for v in itertools.product(*shapes) if v != current)]:
+        candidate = replace_fields(args, **dict(zip(sampler.shape_fields, values)))
+        value = budget_for_generations(candidate, num_generations)
+        if value is None or sampler.leaves(replace_fields(candidate, **{field: value})) < 2:
+            continue
+        found.append(", ".join(f"{name}={v}" for name, v in ((field, value), *zip(sampler.shape_fields, values))))
+        if len(found) > limit:
+            return found[:limit] + ["and more"]
+    return found
 
 
 def replace_fields(args, **changes):

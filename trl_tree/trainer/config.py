@@ -36,6 +36,8 @@ from ..rollout.special_tokens import check_observation_special_tokens
 logger = logging.getLogger(__name__)
 
 _GRPO_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+# GRPO's completions per micro-batch when unset (8 in TRL 1.x): the tree configs default to the same prompts per step
+GRPO_DEFAULT_BATCH_SIZE = _GRPO_DEFAULTS["per_device_train_batch_size"]
 # GRPO options without an effect on any tree trainer, and what to use instead (`TreeConfig.unused_grpo_options`)
 _REJECTED_ADVICE = {
     "loss_type": "the aggregation is the chosen `loss`'s own (treeopsd/treepo: token mean per tree; atpo/grpo/"
@@ -227,10 +229,13 @@ class TreeConfig(GRPOConfig):
             when no M reaches G with the default N (see `num_branches`). Set with M or N: they must agree. An error lists the settings that give the G asked for.
         per_device_train_batch_size, generation_batch_size: count trajectories of budget, as GRPO counts completions:
             a micro-batch holds per_device_train_batch_size / G whole trees (a whole number ≥ 1), a generation batch
-            generation_batch_size / G prompts. GRPO also accepts a size below G (a group spans micro-batches); a tree
-            cannot be split, so that is an error naming the settings with one tree per micro-batch and more
-            accumulation that train the same prompts per step. A GRPO config so trains the same prompts per step. Unset,
-            per_device_train_batch_size is G: one tree per micro-batch (GRPO's default 8 with its default G = 8).
+            generation_batch_size / G prompts. GRPO also accepts a size below G (a group spans micro-batches) when the
+            optimizer step and the generation batch hold whole groups; a tree cannot be split, so such a config
+            trains one whole tree per micro-batch with proportionally less accumulation (said at start-up): the same
+            prompts per optimizer step and per generation batch, the same steps. A GRPO config so trains the same
+            prompts per step. Unset,
+            per_device_train_batch_size is GRPO's 8 when G divides 8 (G = 4: two trees per micro-batch, GRPO's two
+            prompts per step), else G (one tree; GRPO's 8 fails its own check for such a G).
         per_device_eval_batch_size: the same for evaluation (GRPO's loader repeats each prompt G times; one tree is
             grown per prompt), so it must be a multiple of G when evaluating. `num_generations_eval` must stay unset
             (or equal G): evaluation grows the training trees.
@@ -330,8 +335,8 @@ class TreeConfig(GRPOConfig):
         default=None, metadata={"help": "G: rollout budget per prompt in complete trajectories (default: from M, N)."}
     )
     per_device_train_batch_size: int | None = field(
-        default=None, metadata={"help": "Trajectories of budget per micro-batch per device, a multiple of G (default G:"
-                                " one tree)."}
+        default=None, metadata={"help": "Trajectories of budget per micro-batch per device, a multiple of G (default "
+                                "GRPO's 8 when G divides it, the same 8 / G prompts per step; else G: one tree)."}
     )
     vllm_importance_sampling_correction: bool = field(
         default=False, metadata={"help": "Not applied: π_old is recomputed by the training model (False with vLLM)."}
@@ -432,7 +437,7 @@ class TreeConfig(GRPOConfig):
         raise ValueError(
             f"num_generations={G} is the rollout budget per prompt in complete trajectories; for sampler="
             f"{self.sampler!r} a tree costs {budget_formula(self.sampler)} (rounded up), and {given}. "
-            + (f"Settings that give G = {G}: {', '.join(options)}. " if options else
+            + (f"Settings that give G = {G}: {'; '.join(options)}. " if options else
                f"No setting of {name} gives G = {G} with the other sampler fields as they are. ")
             + f"Set those, or leave num_generations unset to derive it from {name}."
         )
@@ -441,7 +446,10 @@ class TreeConfig(GRPOConfig):
         """Trees stay whole in a micro-batch: per_device_train_batch_size must be a multiple of G (and so must
         per_device_eval_batch_size when evaluating: GRPO's loader gives each evaluation prompt G rows)."""
         if self.per_device_train_batch_size is None:
-            self.per_device_train_batch_size = self.num_generations
+            # GRPO's default 8 completions per micro-batch, i.e. the same 8 / G prompts per step as GRPO, wherever
+            # that holds whole trees; otherwise one tree (GRPO's 8 with such a G fails its own generation-batch check)
+            G = self.num_generations
+            self.per_device_train_batch_size = GRPO_DEFAULT_BATCH_SIZE if GRPO_DEFAULT_BATCH_SIZE % G == 0 else G
         G, size = self.num_generations, self.per_device_train_batch_size
         if self.num_generations_eval not in (None, G):
             raise ValueError(
@@ -457,32 +465,36 @@ class TreeConfig(GRPOConfig):
             )
         if size >= G and size % G == 0:
             return
+        accumulation = self.gradient_accumulation_steps
+        per_generation = self.steps_per_generation or accumulation
+        if self.generation_batch_size is None and (size * accumulation) % G == 0 and (size * per_generation) % G == 0:
+            # GRPO accepts this: a group of G completions spans micro-batches as long as the optimizer step and the
+            # generation batch hold whole groups. A tree is trained in one packed forward and cannot be split, so the
+            # same prompts per optimizer step and per generation batch train as one whole tree per micro-batch with
+            # proportionally less accumulation: the same optimizer steps, schedule and logs; the micro-batch (and its
+            # memory) is one tree.
+            self.per_device_train_batch_size = G
+            self.gradient_accumulation_steps = size * accumulation // G
+            if self.steps_per_generation is not None:
+                self.steps_per_generation = size * per_generation // G
+            logger.warning(
+                f"per_device_train_batch_size={size} is below num_generations={G}: GRPO spreads a group over "
+                f"micro-batches, a tree cannot be split, so each micro-batch is one whole tree "
+                f"(per_device_train_batch_size={G}, gradient_accumulation_steps={self.gradient_accumulation_steps}"
+                + (f", steps_per_generation={self.steps_per_generation}" if self.steps_per_generation else "")
+                + f"): the same {size * accumulation // G} prompt(s) per optimizer step and "
+                f"{size * per_generation // G} per generation batch as GRPO's settings."
+            )
+            return
         below, above = (size // G) * G, (size // G + 1) * G
         nearest = f"{above}" if below == 0 else f"{below} or {above}"
         divisors = [d for d in range(2, size + 1) if size % d == 0]
-        # GRPO accepts such a size when its groups are whole per generation batch (a group spans micro-batches). A
-        # tree is trained in one packed forward, so it cannot be split; when the optimizer step and the generation
-        # batch do hold whole trees, one tree per micro-batch with more accumulation trains exactly those prompts.
-        accumulation = self.gradient_accumulation_steps
-        per_generation = self.steps_per_generation or accumulation
-        equivalent = ""
-        if self.generation_batch_size is None and (size * accumulation) % G == 0 and (size * per_generation) % G == 0:
-            equivalent = (
-                f" GRPO accepts it because a group of G completions may span micro-batches as long as its generation "
-                f"batch (per_device_train_batch_size × steps_per_generation = {size * per_generation}) holds whole "
-                "groups; a tree is trained in one packed forward and cannot be split across micro-batches. The same "
-                f"prompts per optimizer step ({size * accumulation // G}) and per generation batch "
-                f"({size * per_generation // G}) train with one whole tree per micro-batch: "
-                f"per_device_train_batch_size={G}, gradient_accumulation_steps={size * accumulation // G}, "
-                f"steps_per_generation={size * per_generation // G}."
-            )
         raise ValueError(
             f"per_device_train_batch_size ({size}) counts trajectories, as in GRPO: a micro-batch holds "
             f"per_device_train_batch_size / num_generations whole trees, so it must be a multiple of num_generations "
             f"({G}). Set per_device_train_batch_size to {nearest}"
             + (f", or choose sampler fields whose num_generations divides {size} (one of {divisors})." if divisors
                else ".")
-            + equivalent
         )
 
     def _apply_tool_calling_iterations(self):
@@ -693,10 +705,11 @@ class TreePOConfig(TreeConfig):
 
 @dataclass
 class AT2POConfig(TreeConfig):
-    """Configuration of `AT2POTrainer`: entropy-guided expansion (M = 10 initial trajectories, L = 2 rounds of K = 6
+    """Configuration of `AT2POTrainer`: entropy-guided expansion (M = 2 initial trajectories, L = 2 rounds of K = 6
     branches), turn credit by a softmax over child entropies (A4) on population-standardised leaves (A3), and the
     ATPO loss (per-turn geometric-mean ratio, per-turn clip, GRPO's path aggregation; A5). Its default budget is
-    G = M + L·K/2 = 16 trajectories; a GRPO config's `num_generations` = 8 gives M = 2 with the same rounds.
+    GRPO's default G = M + L·K/2 = 8 trajectories per prompt, so that a GRPO config with nothing set compares like
+    with like; the paper's M = 10 (`num_initial_rollouts=10`) costs G = 16.
 
     The paper's ablations are switches: `expansion_mode="random"`, `loss="grpo"` (token-level ratio and clip),
     `credit="path"` (turn credit off), `credit="child_mean"` / `"leaf_mean"` (other backups)."""
@@ -706,9 +719,10 @@ class AT2POConfig(TreeConfig):
     loss: str = field(default="atpo", metadata={"help": "treeopsd | treepo | atpo | grpo"})
     reward_std: str = field(default="population", metadata={"help": "sample (ddof=1) | population (ddof=0, +1e-6)"})
     num_initial_rollouts: int | None = field(
-        default=None, metadata={"help": "M: initial trajectories per prompt (default 10, or from num_generations)."}
+        default=None, metadata={"help": "M: initial trajectories per prompt (default 2: G = 8 as GRPO's; the paper's "
+                                "10 gives G = 16; or from num_generations)."}
     )
-    default_num_initial_rollouts: ClassVar[int] = 10
+    default_num_initial_rollouts: ClassVar[int] = 2
 
 
 def harnesses() -> tuple[str, ...]:
