@@ -462,7 +462,7 @@ def plot(runs: dict[str, list[dict]], path: str, title: str, metric: str = "exac
         return
     figure, panels = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     x_axes = (("rollout tokens sampled", lambda r, i: r["curve"][i]["rollout_tokens"]),
-              ("training CPU minutes (one thread; evaluations excluded)", _x_cpu_minutes))
+              ("training CPU minutes (one thread)", _x_cpu_minutes))
     for axes, (x_label, x_of) in zip(panels, x_axes):
         for method, seeds in runs.items():
             points = min(len(r["curve"]) for r in seeds)
