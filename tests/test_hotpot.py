@@ -30,6 +30,7 @@ from trl_tree.envs.hotpot import (
     load_hotpot_examples,
     make_search_tool,
     search_env_factory,
+    top_k_by_score,
 )
 from trl_tree.envs.synthetic import make_synthetic_hotpot
 from trl_tree.rollout.env import ToolFatalError, run_tool_call
@@ -198,6 +199,37 @@ def test_bm25_index_is_reused_from_disk_for_the_same_corpus(corpus, tmp_path, mo
     assert second.search(["Zorblax", corpus[5]["title"]], 3) == first.search(["Zorblax", corpus[5]["title"]], 3)
     monkeypatch.undo()
     assert not BM25Retriever(corpus[:-1], cache_dir=tmp_path).from_cache  # another corpus, another index
+
+
+def test_top_k_by_score_is_highest_first_with_ties_in_index_order():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        scores = rng.integers(0, 4, size=int(rng.integers(1, 30))).astype(np.float32)  # many ties
+        k = int(rng.integers(1, 8))
+        reference = sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:k]
+        assert top_k_by_score(scores, k) == reference
+
+
+def test_bm25_ties_are_broken_by_corpus_order_whatever_order_a_partition_leaves_them(monkeypatch):
+    """Equal BM25 scores are common on templated corpora (174 of the synthetic task's 248 questions tie at its
+    top-2 boundary), and numpy's partition orders equal keys differently on CPUs with and without AVX-512: the
+    same query gave other passages, so other observations and another warm start, on another machine."""
+    import numpy as np
+
+    corpus = [{"id": str(i), "title": f"Twin {i}", "text": "the river flows past the mill"} for i in range(6)]
+    retriever = BM25Retriever(corpus, use_cache=False)
+    expected = [["0", "1", "2"]]
+    assert [[h["id"] for h in hits] for hits in retriever.search(["river mill"], topk=3)] == expected
+
+    real_partition = np.partition
+
+    def reversed_ties(a, kth, *args, **kwargs):  # another machine's tie order: the same values, other positions
+        return real_partition(a[::-1], kth, *args, **kwargs)
+
+    monkeypatch.setattr(np, "partition", reversed_ties)
+    assert [[h["id"] for h in hits] for hits in retriever.search(["river mill"], topk=3)] == expected
 
 
 class BagOfWordsEncoder:

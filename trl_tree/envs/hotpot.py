@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+import numpy as np
+
 from ..rollout.env import MAX_OBSERVATION_CHARS, ToolFatalError
 
 logger = logging.getLogger(__name__)
@@ -420,13 +422,32 @@ class BM25Retriever:
             shutil.rmtree(staging, ignore_errors=True)
 
     def search(self, queries: list[str], topk: int = DEFAULT_TOPK) -> list[list[dict[str, Any]]]:
-        """Top-``topk`` passages per query; passages sharing no term with the query (score 0) are left out."""
+        """Top-``topk`` passages per query, ties broken by corpus order; passages sharing no term with the query
+        (score 0) are left out.
+
+        ``bm25s.BM25.retrieve`` breaks ties in whatever order ``numpy.argpartition`` leaves them, which depends on
+        the CPU (its AVX-512 path orders equal keys differently) and the NumPy release: on templated corpora most
+        queries tie at the top-k boundary, so the same corpus and query gave different observations, and different
+        warm starts, on different machines. The scores are bm25s's; only the selection is ours."""
         k = min(topk, len(self.corpus))
-        doc_ids, scores = self._index.retrieve(self._tokenize(queries, return_ids=False), k=k, show_progress=False)
-        return [
-            [_hit(self.corpus[i], s) for i, s in zip(row_ids, row_scores) if s > 0]
-            for row_ids, row_scores in zip(doc_ids.tolist(), scores.tolist())
-        ]
+        hits = []
+        for tokens in self._tokenize(queries, return_ids=False):
+            scores = self._index.get_scores(tokens) if tokens else np.zeros(len(self.corpus), dtype=np.float32)
+            hits.append([_hit(self.corpus[i], scores[i]) for i in top_k_by_score(scores, k) if scores[i] > 0])
+        return hits
+
+
+def top_k_by_score(scores: np.ndarray, k: int) -> list[int]:
+    """Indices of the ``k`` highest scores, highest first, equal scores in index order: the same answer on every
+    machine, whatever order a partition leaves ties in. O(n): a partition finds the k-th score (a value, which does not
+    depend on tie order), then only the scores at or above it are sorted."""
+    if k <= 0 or len(scores) == 0:
+        return []
+    k = min(k, len(scores))
+    kth = np.partition(scores, len(scores) - k)[len(scores) - k]
+    candidates = np.flatnonzero(scores >= kth)
+    order = np.lexsort((candidates, -scores[candidates]))  # last key first: score descending, then index
+    return candidates[order][:k].tolist()
 
 
 def _load_sentence_transformer(model_name: str, device: str | None):
@@ -480,16 +501,10 @@ class DenseRetriever:
         return vectors / np.maximum(norms, 1e-12)
 
     def search(self, queries: list[str], topk: int = DEFAULT_TOPK) -> list[list[dict[str, Any]]]:
-        """Top-``topk`` passages per query by cosine similarity."""
-        import numpy as np
-
+        """Top-``topk`` passages per query by cosine similarity (ties in corpus order, as BM25's)."""
         scores = self._encode([self.query_prefix + q for q in queries]) @ self._embeddings.T
         k = min(topk, len(self.corpus))
-        results = []
-        for row in scores:
-            best = np.argsort(-row, kind="stable")[:k]
-            results.append([_hit(self.corpus[i], row[i]) for i in best])
-        return results
+        return [[_hit(self.corpus[i], row[i]) for i in top_k_by_score(row, k)] for row in scores]
 
 
 def _parse_remote_hit(entry: dict[str, Any]) -> dict[str, Any]:
