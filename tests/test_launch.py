@@ -82,3 +82,34 @@ def test_deepspeed_zero_on_cpu(tmp_path, stage):
     config = tmp_path / "ds.yaml"
     config.write_text(DEEPSPEED.format(stage=stage, processes=2))
     _check(_launch(tmp_path, ["--config_file", str(config)]), world=2)
+
+
+def _recording_trainer(calls):
+    """A TreeOPSDTrainer with only what `end` touches: the accelerator's barrier, cleanup and teardown, recorded."""
+    from types import SimpleNamespace
+
+    from trl_tree import TreeOPSDTrainer
+
+    trainer = object.__new__(TreeOPSDTrainer)
+    trainer.model, trainer.model_wrapped = "model", "ddp(model)"
+    trainer.accelerator = SimpleNamespace(
+        wait_for_everyone=lambda: calls.append("wait"),
+        free_memory=lambda: calls.append(("free", trainer.model_wrapped)),
+        end_training=lambda: calls.append("end"),
+    )
+    return trainer
+
+
+def test_end_waits_for_every_process_and_drops_the_ddp_wrapper_before_the_group_goes():
+    calls = []
+    _recording_trainer(calls).end()
+    assert calls == ["wait", ("free", "model"), "end"]
+
+
+def test_end_works_on_a_transformers_without_trainer_end(monkeypatch):
+    import transformers
+
+    monkeypatch.delattr(transformers.Trainer, "end", raising=False)
+    calls = []
+    _recording_trainer(calls).end()
+    assert calls == ["wait", ("free", "model"), "end"]

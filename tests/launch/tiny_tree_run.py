@@ -6,7 +6,6 @@ Usage: accelerate launch [--multi_gpu --num_processes 2 | --config_file ds.yaml]
 Writes OUT/report-rank{r}.json per rank: world size, whether every trainable parameter changed, the logged metric names.
 """
 
-import gc
 import json
 import os
 import sys
@@ -141,13 +140,7 @@ def main():
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"report-rank{report['rank']}.json"), "w") as f:
         json.dump(report, f)
-    # Tear down in order: wait for every rank, drop the DDP reducer (it holds Gloo work objects), then the group.
-    # Leaving Gloo's worker threads to interpreter finalisation aborted a rank at exit (SIGABRT) now and then.
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        del trainer
-        gc.collect()
-        torch.distributed.destroy_process_group()
+    trainer.end()  # what every script ends with: all ranks wait, the DDP reducer goes, then the process group
 
 
 if __name__ == "__main__":

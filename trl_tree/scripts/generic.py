@@ -242,8 +242,7 @@ def main(script_args: TreeScriptArguments, training_args, model_args: ModelConfi
     trainer.accelerator.print(f"[trl-tree] {trainer_class.__name__}: model saved to {training_args.output_dir}")
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
-    if hasattr(trainer, "end"):  # transformers >= 5.18: finish the trackers, destroy the process group
-        trainer.end()
+    trainer.end()  # every process waits for the others, then the trackers finish and the process group goes
     return trainer
 
 

@@ -548,8 +548,7 @@ def main(script_args: HotpotScriptArguments, training_args, model_args: ModelCon
         trainer.push_to_hub(dataset_name=dataset_label)
     if state.is_main_process:
         _print_summary(summary)
-    if hasattr(trainer, "end"):
-        trainer.end()
+    trainer.end()  # every process waits for the others, then the trackers finish and the process group goes
     return summary
 
 
