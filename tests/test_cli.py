@@ -1,6 +1,7 @@
 """The `trl-tree` console command: help for every method, a clear error otherwise, and what it hands accelerate."""
 
 import json
+import re
 import runpy
 import shutil
 import subprocess
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from trl_tree import cli
+from trl_tree import cli, methods
 from trl_tree.scripts import hotpot
 
 REPO = Path(__file__).resolve().parent.parent
@@ -31,27 +32,104 @@ def test_top_level_help_lists_the_methods(capsys):
     assert "no `treeflex` command" in cli.__doc__
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_each_method_prints_its_training_arguments(method, capsys):
+@pytest.fixture(autouse=True)
+def _own_help_cache(tmp_path, monkeypatch):
+    """Each test reads and writes the help cache (`cli.help_cache_file`) of its own, empty cache folder."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+def _help(argv, capsys) -> str:
     with pytest.raises(SystemExit) as exit_info:
-        cli.main([method, "--help"])
+        cli.main(argv)
     assert exit_info.value.code == 0
-    out = capsys.readouterr().out
-    assert f"trl-tree {method}" in out
-    for option in (
-        "--num_initial_rollouts",
-        "--num_branches",
-        "--max_turns",
-        "--dataset_name",
-        "--retriever",
-        "--warm_start_steps",
-        "--use_peft",
-        "--model_name_or_path",
-    ):
-        assert option in out
-    own = {"at2po": ["--expansion_rounds", "--branches_per_round"], "treeadv": ["--entropy_threshold"]}
-    for option in own.get(method, []):
-        assert option in out
+    return capsys.readouterr().out
+
+
+def _options(text: str) -> list[str]:
+    """The `--options` a help text lists at the start of its lines, in order."""
+    return re.findall(r"^\s+(--[a-z_]+)", text, flags=re.M)
+
+
+@pytest.mark.parametrize("form", [[], ["--reward_funcs", "x.y"]], ids=["hotpot", "generic"])
+@pytest.mark.parametrize("method", METHODS)
+def test_short_help_lists_the_methods_own_fields_first_grouped_and_always_the_reward_options(method, form, capsys):
+    """`trl-tree <method> --help`: the fields the method's sampler, credit and loss read (the method table) open it,
+    group by group; the reward, tools and environment options are there whether or not one is given; every option
+    it lists is a real one (in `--help-all`), and it is a small part of `--help-all`."""
+    out = _help([method, *form, "--help"], capsys)
+    full = _help([method, *form, "--help-all"], capsys)
+    entry = methods.METHODS[method]
+    components = [("sampler", methods.SAMPLERS[entry.sampler]), ("credit", methods.CREDITS[entry.credit]),
+                  ("loss", methods.LOSSES[entry.loss])]  # fmt: skip
+    own = list(dict.fromkeys(f"--{n}" for kind, c in components for n in (kind, *c.fields)))
+    listed = _options(out)
+    assert listed[: len(own)] == own
+    titles = [f"tree sampler ({entry.sampler})", f"credit ({entry.credit})", f"loss ({entry.loss})", "rewards, tools"]
+    positions = [out.index(f"\n\n{title}") for title in titles]  # a section title follows a blank line
+    assert positions == sorted(positions)
+    for option in ("--reward_funcs", "--tools", "--environment_factory", "--dataset_name", "--model_name_or_path"):
+        assert option in listed
+    assert "--help-all" in out and f"trl-tree {method}" in out
+    notes = {"--accelerate_config", "--num_processes", "--help", "--help-all", "--config"}  # not dataclass fields
+    assert set(listed) - notes <= set(_options(full))
+    assert ("--retriever" in listed) == (form == [])  # the example's own options only in the example's form
+    assert len(out.splitlines()) * 5 < len(full.splitlines())
+
+
+@pytest.mark.parametrize("form", [[], ["--tools", "x.y"]], ids=["hotpot", "generic"])
+def test_help_all_lists_every_option_of_both_forms(form, capsys):
+    from trl_tree.scripts import generic
+
+    full = _help(["treeadv", *form, "--help-all"], capsys)
+    every = {
+        s for parser in (generic.make_parser("treeadv"), hotpot.make_parser("treeadv")) for action in parser._actions
+        for s in action.option_strings if s.startswith("--") and "-" not in s[2:]
+    }  # fmt: skip
+    assert every <= set(re.findall(r"--[a-z_0-9]+", full))
+
+
+def test_every_option_the_short_help_names_is_a_field_of_a_script():
+    """The hand-picked groups of the short help (rewards and data, common training, the example's) name real fields:
+    a renamed field fails here, not as a silently shorter help."""
+    from trl_tree.scripts import generic
+
+    fields = {a.dest for p in (generic.make_parser("treepo"), hotpot.make_parser("treepo")) for a in p._actions}
+    for names in (cli.DATA_OPTIONS, cli.TRAINING_OPTIONS, cli.EXAMPLE_OPTIONS):
+        assert set(names) <= fields
+
+
+def test_help_is_cached_and_the_cached_text_is_the_built_one(tmp_path, monkeypatch, capsys):
+    """The second `--help` reads the text the first wrote (under a key of the code it comes from); an unusable cache
+    folder changes nothing but the speed; a `--config` file's help is never cached (its values are the defaults)."""
+    first = _help(["at2po", "--help"], capsys)
+    path = cli.help_cache_file("at2po", ["--help"], full=False)
+    assert path.is_file() and path.read_text() == first == cli.help_text("at2po", ["--help"])
+    path.write_text("from the cache\n")
+    assert _help(["at2po", "--help"], capsys) == "from the cache\n"
+    assert cli.help_cache_file("at2po", ["--help"], full=True) != path
+    assert cli.help_cache_file("treepo", ["--help"], full=False) != path
+    assert cli.help_cache_file("at2po", ["--reward_funcs", "x.y", "--help"], full=False) != path
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("expansion_rounds: 3\n")
+    assert cli.help_cache_file("at2po", ["--config", str(recipe), "--help"], full=False) is None
+    assert "(default: 3)" in _help(["at2po", "--config", str(recipe), "--help"], capsys)
+
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the cache folder would be")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
+    assert _help(["at2po", "--help"], capsys) == first
+
+
+def test_help_starts_neither_accelerate_nor_the_data_libraries():
+    """`--help` imports what its text needs (the method's config class), not the launcher or the data stack."""
+    code = (
+        "import sys; from trl_tree import cli\n"
+        "try:\n    cli.main(['treeopsd', '--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('accelerate.commands.launch', 'datasets', 'trl_tree.envs') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -98,12 +176,112 @@ def test_an_unknown_command_names_the_valid_ones(capsys):
     assert "unknown command 'grpo'" in err and "treeopsd, treepo, at2po, treeadv" in err
 
 
-def test_a_typo_in_a_script_argument_fails_before_anything_is_launched(monkeypatch):
+def _refused(monkeypatch, capsys, argv) -> str:
+    """The error `trl-tree` gives for `argv` (exit status 2, nothing launched)."""
     launched = []
     monkeypatch.setattr("accelerate.commands.launch.launch_command", launched.append)
-    with pytest.raises(SystemExit):
-        cli.main(["treeopsd", "--num_branchez", "3"])
-    assert not launched
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2 and not launched
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--num_branchez", "3"], "unknown option '--num_branchez' (did you mean '--num_branches'?)"),
+        (["--num-branchez", "3"], "unknown option '--num_branchez' (did you mean '--num_branches'?)"),
+        (["--max_stepz=3"], "(did you mean '--max_steps'?)"),
+        (["--entropy_treshold", "1"], "(did you mean '--entropy_threshold'?)"),
+        (["--reward_funcs", "x.y", "--retriever", "bm25"], "'--retriever' is an option of the HotpotQA example"),
+        (["--max_steps", "1", "stray"], "unexpected argument 'stray'"),
+    ],
+)
+def test_an_unknown_option_fails_before_the_launch_naming_the_closest(monkeypatch, capsys, argv, message):
+    err = _refused(monkeypatch, capsys, ["treeadv", *argv])
+    assert message in err and "--help" in err  # and where to look
+    assert len(err.splitlines()) == 1  # not the parsers' usage of every option
+
+
+@pytest.mark.parametrize(
+    ("recipe", "message"),
+    [
+        ("num_branchez: 3\n", "unknown key 'num_branchez' (did you mean 'num_branches'?)"),
+        ("learning_rte: 0.1\nmax_steps: 2\n", "unknown key 'learning_rte' (did you mean 'learning_rate'?)"),
+        ("num_processes: 2\n",
+         "'num_processes' is an option of `accelerate launch`, not of the script: give it on the command line"),
+        ("reward_funcs: [x.y]\nretriever: bm25\n", "'retriever' is an option of the HotpotQA example"),
+        ("tree_budget: 3\nfoo: 1\n", "unknown key 'tree_budget'; unknown key 'foo'. Fix or remove them"),
+    ],
+    ids=["typo", "typo-among-good-keys", "accelerate-key", "other-form", "no-close-name"],
+)
+def test_an_unknown_config_key_fails_before_the_launch_naming_the_closest_field(
+    tmp_path, monkeypatch, capsys, recipe, message
+):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(recipe)
+    err = _refused(monkeypatch, capsys, ["treepo", "--config", str(path)])
+    assert f"--config {path}: " in err and message in err and "--help-all" in err
+
+
+def test_every_key_of_the_shipped_recipes_is_known(monkeypatch):
+    """The invariant beside the errors above: the paper's recipe and the offline one pass the key check (the
+    offline recipe's `methods:` is its own per-method table, read by `hotpot.offline_defaults`)."""
+    import yaml
+
+    from trl_tree.scripts import hotpot as example
+
+    for recipe in (REPO / "examples" / "recipes").glob("*.yaml"):
+        argv = ["--config", str(recipe)]
+        assert cli.config_key_problems("treeopsd", argv, example, example.make_parser("treeopsd")) is None
+    offline = yaml.safe_load((REPO / "trl_tree" / "recipes" / "hotpot_offline.yaml").read_text())
+    fields = {a.dest for a in example.make_parser("at2po")._actions}
+    assert set(offline) - {"methods"} <= fields
+    assert {k for m in offline["methods"].values() for k in m} <= fields
+
+
+@pytest.mark.parametrize(
+    "data",
+    [["--dataset_name", "my_org/my_prompts"], ["--dataset_name=data.jsonl", "--model_name_or_path", "m"],
+     ["--dataset-name", "data.jsonl"]],
+    ids=["hub-id", "local-file", "dash-spelling"],
+)  # fmt: skip
+def test_user_data_without_a_reward_is_refused_before_the_launch_saying_what_to_pass(monkeypatch, capsys, data):
+    """Not the HotpotQA example on someone else's data (which failed much later on a missing 'question' column)."""
+    err = _refused(monkeypatch, capsys, ["treepo", *data])
+    assert "without a reward" in err and "--reward_funcs" in err and "accuracy_reward" in err
+    assert "--tools" in err and "--environment_factory" in err and "hotpotqa/hotpot_qa" in err
+
+
+def test_user_data_in_a_config_file_without_a_reward_is_refused(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "recipe.yaml"
+    path.write_text("dataset_name: my_org/my_prompts\nmax_steps: 3\n")
+    assert "--dataset_name my_org/my_prompts is given without a reward" in _refused(
+        monkeypatch, capsys, ["treepo", "--config", str(path)]
+    )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [[], ["--max_steps", "2"], ["--dataset_name", "hotpotqa/hotpot_qa", "--num_eval", "0"],
+     ["--dataset_name", "./my_hotpot_copy", "--retriever", "bm25"], ["--model_name_or_path", "some/model"]],
+    ids=["offline", "offline-option", "hotpotqa", "local-copy-with-an-example-option", "own-model-offline-data"],
+)  # fmt: skip
+def test_the_hotpotqa_example_still_launches_on_its_own_data(monkeypatch, argv):
+    """The invariant beside the refusal: the example runs, unchanged, when its data is meant."""
+    launched = []
+    monkeypatch.setattr("accelerate.commands.launch.launch_command", launched.append)
+    assert cli.main(["treeopsd", *argv]) == 0
+    (args,) = launched
+    assert Path(args.training_script).name == "treeopsd.py" and args.training_script_args == argv
+
+
+def test_the_papers_recipe_is_the_hotpotqa_example():
+    from trl_tree.scripts import script_for
+
+    recipe = REPO / "examples" / "recipes" / "treeopsd_hotpot_qwen3_4b.yaml"
+    assert script_for(["--config", str(recipe)]) is hotpot
+    assert script_for(["--config", str(recipe), "--dataset_name", "./local_hotpot"]) is hotpot  # its own options
 
 
 def test_script_arguments_go_to_the_script_and_the_rest_to_accelerate(monkeypatch):

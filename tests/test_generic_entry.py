@@ -2,6 +2,7 @@
 `--config` YAML, clear errors for bad import paths, and the accelerate configs found in an installed layout."""
 
 import json
+import re
 import runpy
 import subprocess
 import sys
@@ -123,7 +124,7 @@ def test_without_a_reward_tools_or_environment_the_command_is_the_hotpotqa_examp
     [
         ("--reward_funcs", "no_such_module.f1", "cannot import 'no_such_module'"),
         ("--reward_funcs", "my_task.missing", "module 'my_task' has no attribute 'missing'"),
-        ("--reward_funcs", "f1", "is not an import path"),
+        ("--reward_funcs", "f1", "'f1' is neither one of TRL's reward names (accuracy_reward, "),
         ("--tools", "my_task.not_callable", "must be a function or a list of functions"),
         ("--environment_factory", "my_task.nope", "has no attribute 'nope'"),
     ],
@@ -162,14 +163,83 @@ def test_a_local_data_file_of_an_unknown_kind_is_named(user_dir):
         generic.load_data(script_args, dataset_args)
 
 
-def test_help_of_the_hotpotqa_example_points_to_the_generic_form(capsys):
+def test_help_of_either_form_lists_the_reward_options_and_only_the_examples_its_own(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     with pytest.raises(SystemExit):
         cli.main(["treepo", "--help"])
-    assert "--reward_funcs my_pkg.rewards.f1" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--reward_funcs accuracy_reward" in out and "--environment_factory" in out and "--retriever" in out
     with pytest.raises(SystemExit):
         cli.main(["treepo", "--reward_funcs", "x.y", "--help"])
     out = capsys.readouterr().out
     assert "--environment_factory" in out and "--tools" in out and "--retriever" not in out
+
+
+def test_the_selecting_arguments_are_fields_of_the_generic_script():
+    from dataclasses import fields
+
+    assert set(generic.SELECTING_ARGUMENTS) <= {f.name for f in fields(generic.TreeScriptArguments)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# TRL's short reward names
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_trls_short_reward_names_are_the_functions_trl_grpo_trains_with():
+    """Each short name `trl grpo` takes gives the function (or the factory's product) TRL's own `main` would use: a
+    plain name is `trl.rewards`' function itself, and the overlong punishment has TRL's parameters."""
+    import trl.rewards
+
+    from trl_tree import trl_internals
+
+    names = trl_internals.grpo_reward_names()
+    assert {"accuracy_reward", "think_format_reward", "get_soft_overlong_punishment"} <= set(names)
+    for name in names:
+        function = generic.reward_function(name)
+        assert callable(function)
+        if name != "get_soft_overlong_punishment":
+            assert function is getattr(trl.rewards, name)
+    punishment = generic.reward_function("get_soft_overlong_punishment")
+    assert (punishment.max_completion_len, punishment.soft_punish_cache) == (1280, 256)  # trl/scripts/grpo.py's
+    assert generic.reward_function("trl.rewards.accuracy_reward") is trl.rewards.accuracy_reward  # paths still work
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [("accuracy_rewards", "Did you mean 'accuracy_reward'?"), ("think_format", "Did you mean 'think_format_reward'?"),
+     ("bleu", "nor an import path")],
+)  # fmt: skip
+def test_an_unknown_short_reward_name_lists_trls_names(name, message):
+    from trl_tree import trl_internals
+
+    with pytest.raises(ValueError, match=re.escape(message)) as error:
+        generic.reward_function(name)
+    assert all(known in str(error.value) for known in trl_internals.grpo_reward_names())
+
+
+def test_a_short_reward_name_goes_to_the_script_as_given(user_dir, monkeypatch):
+    argv = ["treepo", "--model_name_or_path", "m", "--dataset_name", "data.jsonl", "--reward_funcs", "accuracy_reward",
+            "think_format_reward", "my_task.short_answer"]  # fmt: skip
+    _, script_args = _launched(monkeypatch, argv)
+    assert script_args == argv[1:]
+    parsed, *_ = generic.parse_args("treepo", script_args)
+    names = [getattr(f, "__name__", "") for f in generic.load_reward_funcs(parsed)]
+    assert names == ["accuracy_reward", "think_format_reward", "short_answer"]
+
+
+def test_without_trls_names_a_short_name_says_to_give_the_import_path(monkeypatch):
+    from trl_tree import trl_internals
+
+    monkeypatch.setattr(trl_internals, "REWARD_NAMES", ("trl.scripts.grpo", "main", "no_such_registry"))
+    trl_internals._reward_registry.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=r"cannot be read from the installed TRL.*'trl\.rewards\.accuracy_"):
+            generic.reward_function("accuracy_reward")
+        assert "trl.rewards.accuracy_reward" in generic.reward_names_text()
+    finally:
+        monkeypatch.undo()
+        trl_internals._reward_registry.cache_clear()
 
 
 def _installed_copy(site: Path) -> Path:

@@ -66,3 +66,23 @@ def test_overridden_methods_are_only_called_on_the_trainer_itself():
     for name in trl_internals.OVERRIDDEN:
         other = [hit for hit in _uses_outside_the_module(name) if f"self.{name}" not in hit]
         assert other == [], name
+
+
+def test_trl_grpos_short_reward_names_are_read_from_the_installed_trl():
+    """`REWARD_NAMES`: the dict of short reward names that `trl grpo`'s `main` builds is found, and every name in it
+    resolves to a callable of `trl.rewards` (a TRL release that moves or reshapes it fails here)."""
+    assert trl_internals.reward_name_problems() == ()
+    assert trl_internals.grpo_reward_names()[0] == "accuracy_reward"
+
+
+def test_a_trl_without_the_short_reward_names_is_reported_naming_where_they_were(monkeypatch):
+    monkeypatch.setattr(trl_internals, "REWARD_NAMES", ("trl.scripts.grpo", "main", "renamed_registry"))
+    trl_internals._reward_registry.cache_clear()
+    try:
+        (problem,) = trl_internals.reward_name_problems()
+        assert "renamed_registry" in problem and "trl.scripts.grpo.main" in problem
+        with pytest.raises(LookupError):
+            trl_internals.grpo_reward_names()
+    finally:
+        monkeypatch.undo()
+        trl_internals._reward_registry.cache_clear()

@@ -8,6 +8,8 @@ below and used only through this module:
   called, so they are checked with the parameter names TRL calls them with.
 - `CALLED`: private methods the tree trainers call, with the parameters they pass.
 - `ATTRIBUTES`: attributes set by `GRPOTrainer.__init__` that the tree trainers read or write (the accessors below).
+- `REWARD_NAMES`: where `trl grpo` maps its short reward names (`--reward_funcs accuracy_reward`), which
+  `trl-tree --reward_funcs` takes too (`grpo_reward_names`, `grpo_reward`; checked by `reward_name_problems`).
 
 `check_installed()` compares all of them with the installed TRL and transformers and raises one error naming every
 mismatch and the TRL version trl-tree was written against. `TreeTrainer.__init__` calls it and `tests/
@@ -17,9 +19,12 @@ user's training run.
 
 from __future__ import annotations
 
+import ast
 import functools
+import importlib
 import inspect
 import re
+import textwrap
 from typing import Any
 
 TESTED_TRL = "1.16"
@@ -61,6 +66,11 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
     "async_loop": ("GRPOTrainer", "the background event loop of async tools and reward functions"),
     "_train_batch_size": ("Trainer", "the dataloader's batch size (prompts for the tree trainers)"),
 }
+
+# (module, function, local variable): TRL keeps the dict of its short reward names local to `trl grpo`'s `main`, with
+# no public accessor. trl-tree reads that dict from the function's source instead of copying it, so the names (and
+# the parameters, such as `get_soft_overlong_punishment`'s) stay those of the installed `trl grpo`.
+REWARD_NAMES = ("trl.scripts.grpo", "main", "reward_funcs_registry")
 
 
 # ----------------------------------------------------------------------------------------------------- checking
@@ -243,3 +253,76 @@ def render_tool_suffix(processing_class, chat_template, chat_template_kwargs: di
     )
     messages = observation_messages(processing_class, tool_messages, special_tokens)
     return list(GRPOTrainer._get_tool_suffix_ids(owner, messages))
+
+
+# ------------------------------------------------------------------------------------ `trl grpo`'s reward names
+
+
+@functools.lru_cache(maxsize=1)
+def _reward_registry() -> tuple[dict[str, ast.expr], dict[str, tuple[str, str]]]:
+    """(short name -> the expression of its value, local name -> (module, name) it is imported from) of `REWARD_NAMES`.
+    A `LookupError` says what is missing when the installed TRL no longer builds the dict in this form."""
+    module_name, function_name, variable = REWARD_NAMES
+    where = f"`{variable}` in {module_name}.{function_name}"
+    try:
+        function = getattr(importlib.import_module(module_name), function_name)
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    except (ImportError, AttributeError, OSError, SyntaxError) as error:
+        raise LookupError(f"cannot read {where}: {error}") from error
+    imported = {
+        alias.asname or alias.name: (node.module, alias.name)
+        for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module and not node.level
+        for alias in node.names
+    }
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict) and any(
+            isinstance(target, ast.Name) and target.id == variable for target in node.targets
+        ):
+            keys = [key.value if isinstance(key, ast.Constant) else None for key in node.value.keys]
+            if not all(isinstance(key, str) for key in keys):
+                raise LookupError(f"{where} has keys that are not strings")
+            return dict(zip(keys, node.value.values)), imported
+    raise LookupError(f"the installed TRL has no {where}")
+
+
+def grpo_reward_names() -> tuple[str, ...]:
+    """The short names `trl grpo --reward_funcs` takes (accuracy_reward, think_format_reward, ...), in TRL's order."""
+    return tuple(_reward_registry()[0])
+
+
+def grpo_reward(name: str):
+    """The reward function `trl grpo --reward_funcs NAME` trains with: a function of `trl.rewards`, or what a factory
+    of it returns for the literal arguments TRL passes (`get_soft_overlong_punishment(max_completion_len=1280,
+    ...)`)."""
+    values, imported = _reward_registry()
+    value = values[name]
+    call = value if isinstance(value, ast.Call) else None
+    target = call.func if call is not None else value
+    if not isinstance(target, ast.Name) or target.id not in imported:
+        raise LookupError(f"{REWARD_NAMES[0]}: the value of {name!r} is not an imported function or a call of one")
+    module, attribute = imported[target.id]
+    function = getattr(importlib.import_module(module), attribute)
+    if call is None:
+        return function
+    try:
+        args = [ast.literal_eval(a) for a in call.args]
+        kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+    except ValueError as error:
+        raise LookupError(f"{REWARD_NAMES[0]}: {name!r} is built with arguments that are not literals") from error
+    return function(*args, **kwargs)
+
+
+def reward_name_problems() -> tuple[str, ...]:
+    """What keeps `trl grpo`'s short reward names from being read from the installed TRL (empty when they all are)."""
+    try:
+        names = grpo_reward_names()
+    except LookupError as error:
+        return (str(error),)
+    problems = []
+    for name in names:
+        try:
+            if not callable(grpo_reward(name)):
+                problems.append(f"{name!r} is not callable")
+        except (LookupError, ImportError, AttributeError, TypeError) as error:
+            problems.append(f"{name!r}: {error}")
+    return tuple(problems) if names else ("no names",)

@@ -9,8 +9,9 @@ Everything is named on the command line or in the `--config` YAML, as in TRL's `
 - the data: `--dataset_name` (a Hub id, a local folder, or a local `.json` / `.jsonl` / `.csv` / `.parquet` file),
   or a `datasets:` mixture in the YAML (TRL's `DatasetMixtureConfig`); a `prompt` column, plus any columns the
   reward functions read;
-- the reward: `--reward_funcs` (import paths such as `trl.rewards.accuracy_reward` or `my_pkg.rewards.f1`) and/or
-  `--reward_model_name_or_path`;
+- the reward: `--reward_funcs` (TRL's short names as `trl grpo` takes them, such as `accuracy_reward` or
+  `think_format_reward`, read from the installed TRL by `trl_tree.trl_internals.grpo_reward`; or import paths such
+  as `trl.rewards.accuracy_reward` or `my_pkg.rewards.f1`) and/or `--reward_model_name_or_path`;
 - tool use: `--tools` (import paths of functions, or of lists of functions) or `--environment_factory` (the import
   path of a class or function that returns a fresh environment), passed to the trainer as `tools=` and
   `environment_factory=`;
@@ -20,11 +21,13 @@ A module given by import path is looked up from the working directory too (as `t
 `my_rewards.py` next to where the command runs is `--reward_funcs my_rewards.f1`.
 
 `trl_tree.scripts.script_for` sends a command line here when it names a reward, tools or an environment; without
-any, `trl-tree <method>` runs the HotpotQA example (`trl_tree.scripts.hotpot`).
+any, `trl-tree <method>` runs the HotpotQA example (`trl_tree.scripts.hotpot`) on its own data, and other data is an
+error that says what to pass (`trl_tree.scripts.NoRewardError`).
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
 import sys
@@ -34,6 +37,7 @@ from typing import Any
 
 from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
 
+from trl_tree.scripts import SELECTING_ARGUMENTS  # noqa: F401  (its fields that select it: `script_for`)
 from trl_tree.scripts.hotpot import machine_defaults, method_config, trainer_class_for
 
 # local data files, by suffix: the `datasets` builder that reads them
@@ -46,8 +50,9 @@ class TreeScriptArguments(ScriptArguments):
 
     Args:
         reward_funcs (`list[str]`, *optional*):
-            Import paths of reward functions (`module.function`), as in `trl grpo`; TRL's own are under
-            `trl.rewards` (e.g. `trl.rewards.accuracy_reward`).
+            Reward functions as `trl grpo` takes them: TRL's short names (`accuracy_reward`,
+            `think_format_reward`, ...: `trl_tree.trl_internals.grpo_reward_names()`) or import paths
+            (`module.function`, e.g. `trl.rewards.accuracy_reward` or `my_pkg.rewards.f1`).
         reward_model_name_or_path (`str`, *optional*):
             A reward model (Hub id or local folder), used with or instead of `reward_funcs`.
         tools (`list[str]`, *optional*):
@@ -59,7 +64,10 @@ class TreeScriptArguments(ScriptArguments):
 
     reward_funcs: list[str] | None = field(
         default=None,
-        metadata={"help": "Reward functions by import path, e.g. 'trl.rewards.accuracy_reward' 'my_pkg.rewards.f1'."},
+        metadata={
+            "help": "Reward functions: TRL's short names as `trl grpo` takes them (e.g. accuracy_reward, "
+            "think_format_reward) or import paths (e.g. my_pkg.rewards.f1)."
+        },
     )
     reward_model_name_or_path: str | None = field(
         default=None, metadata={"help": "Reward model id or local path (with or instead of --reward_funcs)."}
@@ -71,10 +79,6 @@ class TreeScriptArguments(ScriptArguments):
     environment_factory: str | None = field(
         default=None, metadata={"help": "Environment class or factory by import path, e.g. 'my_pkg.env.Env'."}
     )
-
-
-# the arguments that make a command line this script's rather than the HotpotQA example's (`script_for`)
-SELECTING_ARGUMENTS = ("reward_funcs", "reward_model_name_or_path", "tools", "environment_factory")
 
 
 def make_parser(method: str = "treeopsd", prog: str | None = None) -> TrlParser:
@@ -122,17 +126,51 @@ def import_object(path: str, argument: str) -> Any:
     return getattr(module, name)
 
 
-def load_reward_funcs(script_args: TreeScriptArguments) -> list:
-    """The reward model (by name, loaded by the trainer) and the reward functions (imported), in that order."""
-    rewards: list = [script_args.reward_model_name_or_path] if script_args.reward_model_name_or_path else []
-    for path in script_args.reward_funcs or []:
-        function = import_object(path, "--reward_funcs")
+def reward_names_text() -> str:
+    """TRL's short reward names for a message, or what to write instead when the installed TRL's cannot be read."""
+    from trl_tree import trl_internals
+
+    try:
+        return "one of TRL's " + ", ".join(trl_internals.grpo_reward_names())
+    except LookupError:
+        return "an import path of TRL's, e.g. trl.rewards.accuracy_reward"
+
+
+def reward_function(name: str):
+    """`--reward_funcs NAME` as `trl grpo` reads it: one of TRL's short names (which have no dot), else an import path.
+    An unknown short name is a ValueError listing TRL's, and the closest one."""
+    from trl_tree import trl_internals
+
+    if "." in name:
+        function = import_object(name, "--reward_funcs")
         if not callable(function):
-            raise ValueError(f"--reward_funcs: {path!r} is a {type(function).__name__}, not a function.")
-        rewards.append(function)
+            raise ValueError(f"--reward_funcs: {name!r} is a {type(function).__name__}, not a function.")
+        return function
+    try:
+        names = trl_internals.grpo_reward_names()
+    except LookupError as error:
+        raise ValueError(
+            f"--reward_funcs: {name!r} is not an import path ('package.module.name'), and TRL's short reward names "
+            f"cannot be read from the installed TRL ({error}); give the import path, e.g. 'trl.rewards.{name}'."
+        ) from error
+    if name in names:
+        return trl_internals.grpo_reward(name)
+    close = difflib.get_close_matches(name, names, n=1)
+    raise ValueError(
+        f"--reward_funcs: {name!r} is neither one of TRL's reward names ({', '.join(names)}) nor an import path "
+        "'package.module.name' (e.g. 'my_rewards.f1' for a my_rewards.py in the working directory)."
+        + (f" Did you mean {close[0]!r}?" if close else "")
+    )
+
+
+def load_reward_funcs(script_args: TreeScriptArguments) -> list:
+    """The reward model (by name, loaded by the trainer) and the reward functions, in that order."""
+    rewards: list = [script_args.reward_model_name_or_path] if script_args.reward_model_name_or_path else []
+    rewards += [reward_function(name) for name in script_args.reward_funcs or []]
     if not rewards:
         raise ValueError(
-            "No reward: give --reward_funcs (import paths of reward functions) and/or --reward_model_name_or_path."
+            "No reward: give --reward_funcs (TRL's short names such as accuracy_reward, or import paths of reward "
+            "functions) and/or --reward_model_name_or_path."
         )
     return rewards
 
