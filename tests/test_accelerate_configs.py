@@ -89,3 +89,11 @@ def test_multi_cpu_config_starts_two_processes(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     # two ranks share one pipe, so their lines can interleave: find the reports anywhere in the output
     assert sorted(re.findall(r"rank \d of \d", out.stdout)) == ["rank 0 of 2", "rank 1 of 2"]
+
+
+def test_the_repositorys_top_level_accelerate_configs_are_the_packages_files():
+    """TRL users launch with `--config_file accelerate_configs/NAME.yaml` from the repository: that folder is the
+    package's (one source), not a copy that can drift."""
+    top = CONFIGS.parent.parent / "accelerate_configs"
+    assert top.resolve() == CONFIGS.resolve()
+    assert {p.name for p in top.glob("*.yaml")} == {p.name for p in CONFIGS.glob("*.yaml")}
