@@ -9,9 +9,16 @@ A developer check, not a test (CI needs no browser; tests/test_tree_view.py chec
                                                                                  # for one generation batch with
                                                                                  # log_completions=True, then shoot
                                                                                  # (treeopsd, at2po, treeadv, treeflex)
+    python scripts/screenshot_tree_view.py RUN_DIR --index --out index.png     # the run's index page
 
 Then open the PNG and look: the tree's shape, the merged leaves (×m), the credit chips, the folded long texts, the
-prompt list. `--prompt N` clicks the N-th prompt of the list before the shot; `--height` makes the window taller.
+prompt list. `--prompt N` clicks the N-th prompt of the list before the shot, `--click next-failed` (or
+next-rewarded, best-leaf, show-tpl, f-mixed, f-failed) clicks one of the page's controls, `--search TEXT` types into
+its search box; `--height` makes the window taller, `--width 700 --height 420` is about what a tracker's frame shows.
+
+The tiny run trains at the Quickstart's learning rate (`trl_tree/recipes/hotpot_offline.yaml`, 1e-4), not the
+tests' 1e-2: at 1e-2 one generation batch collapses every turn's p = σ(s) to about 0 or 1, so the page would show
+an update no real run makes. `--learning-rate` picks another (TreeOPSD's default is 1e-6: Δp of about 1e-5).
 
 Chromium: Debian's package (`apt-get install -y chromium`) or any Chrome on PATH; `--chromium PATH` picks one.
 """
@@ -19,6 +26,7 @@ Chromium: Debian's package (`apt-get install -y chromium`) or any Chrome on PATH
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -29,7 +37,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--hide-scrollbars")
+         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--hide-scrollbars",
+         "--virtual-time-budget=2000")  # the page's script and a scroll it makes settle before the shot
 
 
 def find_browser(explicit: str | None) -> str:
@@ -42,20 +51,33 @@ def find_browser(explicit: str | None) -> str:
 
 def newest_page(target: Path) -> Path:
     """The page to shoot: an .html file as it is; a .json or a run directory rendered again (newest page)."""
-    from trl_tree.tree_view import render_run
+    from trl_tree.tree_view import INDEX, render_run
 
     if target.suffix == ".html":
         return target
-    pages = render_run(target)
-    return max(pages, key=lambda p: (p.stat().st_mtime, p.name))
+    pages = [p for p in render_run(target) if p.stem != INDEX]  # render_run returns the index last
+    return max(pages, key=lambda p: (int("".join(c for c in p.stem if c.isdigit()) or 0), p.stem.startswith("step")))
 
 
-def with_prompt_selected(page: Path, prompt: int) -> Path:
-    """A copy of the page that shows prompt N (the page's own prompt list, clicked by a line of script)."""
+CLICKS = {  # --click NAME: the control it clicks
+    "next-rewarded": "#next-rewarded", "next-failed": "#next-failed", "best-leaf": "section.prompt.active .leaflink",
+    "show-tpl": "#show-tpl", "f-mixed": "#f-mixed", "f-failed": "#f-failed",
+}
+
+
+def with_actions(page: Path, prompt: int = 0, clicks: tuple[str, ...] = (), search: str | None = None) -> Path:
+    """A copy of the page (beside it, so its links still work) that shows prompt N, then clicks the named controls
+    and types `search` into the search box, by a few lines of script added at its end (the page's own script runs
+    first)."""
+    lines = [f"var b=document.querySelectorAll('.navbtn')[{int(prompt)}];if(b){{b.click();}}"]
+    for name in clicks:
+        lines.append(f"var c=document.querySelector({json.dumps(CLICKS[name])});if(c){{c.click();}}")
+    if search is not None:
+        lines.append(f"var s=document.getElementById('search');if(s){{s.value={json.dumps(search)};"
+                     "s.dispatchEvent(new Event('input'));}")
     text = page.read_text(encoding="utf-8")
-    click = (f"<script>var b=document.querySelectorAll('.navbtn')[{prompt}];if(b){{b.click();}}</script></body>")
-    copy = page.with_name(f"{page.stem}.prompt{prompt}.html")
-    copy.write_text(text.replace("</body>", click, 1), encoding="utf-8")
+    copy = page.with_name(f"{page.stem}.shot.html")
+    copy.write_text(text.replace("</body>", "<script>" + "".join(lines) + "</script></body>", 1), encoding="utf-8")
     return copy
 
 
@@ -72,14 +94,25 @@ def screenshot(page: Path, out: Path, browser: str, width: int = 1400, height: i
     return out
 
 
-def tiny_run(method: str, out_dir: Path) -> Path:
-    """Train the warm-started tiny model (tests/launch/tiny_tree_run.py) for one generation batch of two prompts
-    with log_completions=True; returns the run directory."""
+def quickstart_learning_rate() -> float:
+    """The learning rate of the Quickstart's offline recipe (what `examples/train_hotpot.py` trains at)."""
+    import yaml
+
+    return float(yaml.safe_load((REPO / "trl_tree" / "recipes" / "hotpot_offline.yaml").read_text())["learning_rate"])
+
+
+def tiny_run(method: str, out_dir: Path, learning_rate: float | None = None, max_steps: int = 2) -> Path:
+    """Train the warm-started tiny model (tests/launch/tiny_tree_run.py) with log_completions=True for `max_steps`
+    optimizer steps (2: one generation batch of two prompts) at `learning_rate` (default: the Quickstart's);
+    returns the run directory."""
     sys.path.insert(0, str(REPO / "tests" / "launch"))
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from tiny_tree_run import build_trainer
 
-    trainer = build_trainer(str(out_dir), max_steps=2, method=method, log_completions=True)
+    trainer = build_trainer(str(out_dir), max_steps=max_steps, method=method, log_completions=True)
+    # build_trainer's 1e-2 is the launch tests' rate (parameters must visibly change in 2 steps); the optimizer is
+    # made in train(), so the demo's rate set here is the one it trains at
+    trainer.args.learning_rate = quickstart_learning_rate() if learning_rate is None else learning_rate
     trainer.train()
     return out_dir
 
@@ -90,20 +123,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny-run", choices=("treeopsd", "at2po", "treeadv", "treeflex"), default=None)
     parser.add_argument("--out", default="tree_view.png")
     parser.add_argument("--prompt", type=int, default=0, help="which prompt of the page to show")
+    parser.add_argument("--click", action="append", default=[], choices=sorted(CLICKS),
+                        help="click a control of the page before the shot (repeatable)")
+    parser.add_argument("--search", default=None, help="type this into the page's search box")
+    parser.add_argument("--index", action="store_true", help="shoot the run's index page instead")
+    parser.add_argument("--learning-rate", type=float, default=None,
+                        help="--tiny-run: the learning rate (default: the Quickstart's, 1e-4)")
+    parser.add_argument("--max-steps", type=int, default=2, help="--tiny-run: optimizer steps (2 per page)")
     parser.add_argument("--width", type=int, default=1400)
     parser.add_argument("--height", type=int, default=1000)
     parser.add_argument("--chromium", default=None)
     args = parser.parse_args(argv)
     browser = find_browser(args.chromium)
     if args.tiny_run:
-        target = tiny_run(args.tiny_run, Path(args.target or tempfile.mkdtemp(prefix=f"tree-view-{args.tiny_run}-")))
+        target = tiny_run(args.tiny_run, Path(args.target or tempfile.mkdtemp(prefix=f"tree-view-{args.tiny_run}-")),
+                          args.learning_rate, args.max_steps)
     elif args.target:
         target = Path(args.target)
     else:
         parser.error("give a page, a run directory, or --tiny-run METHOD")
     page = newest_page(target)
-    if args.prompt:
-        page = with_prompt_selected(page, args.prompt)
+    if args.index:
+        page = page.parent / "index.html"
+    if args.prompt or args.click or args.search is not None:
+        page = with_actions(page, args.prompt, tuple(args.click), args.search)
     shot = screenshot(page, Path(args.out), browser, args.width, args.height)
     print(f"page: {page}\nscreenshot: {shot}")
     return 0

@@ -1,12 +1,11 @@
 """The rollout-tree view (`trl_tree.tree_view`): with `log_completions` every method writes a page per generation batch
 whose content is the trainer's own tree and credit; `trl-tree view RUN_DIR` renders it again from the saved data;
-untrusted text cannot run code in the viewer's browser; huge trees are cut with a note; W&B and Trackio get the page
-where they take HTML."""
+untrusted text cannot run code in the viewer's browser; huge trees are cut with a note. The page's reading aids (the
+question, gold answer and reward spread in the prompt list, leaf colours, paths, Δp, the minimap, the run's index)
+are in tests/test_tree_view_page.py; W&B and Trackio for real in tests/test_tree_view_trackers.py."""
 
 import json
 import math
-import sys
-import types
 from html.parser import HTMLParser
 
 import pytest
@@ -373,46 +372,16 @@ def test_credit_of_another_tree_is_rejected_with_the_reason():
 # ------------------------------------------------------------------------------------------------------ trackers
 
 
-def _fake_module(name, monkeypatch, with_html=True, active=True):
-    logged = []
-    module = types.ModuleType(name)
-    module.run = object() if active else None
-    module.log = lambda values, **kwargs: logged.append(values)
-    if with_html:
-        class Html:
-            def __init__(self, data, inject=True):
-                self.html, self.inject = data.read(), inject
-
-        module.Html = Html
-    monkeypatch.setitem(sys.modules, name, module)
-    return logged
-
-
-def test_the_page_goes_to_wandb_and_trackio_where_they_take_html(monkeypatch):
-    wandb = _fake_module("wandb", monkeypatch)
-    trackio = _fake_module("trackio", monkeypatch)
-    assert tree_view_logging.log_page_to_trackers("<html>page</html>", ["wandb", "trackio"]) == ["wandb", "trackio"]
-    for logged in (wandb, trackio):
-        (entry,) = logged
-        assert entry["tree_view"].html == "<html>page</html>" and entry["tree_view"].inject is False
-    assert tree_view_logging.log_page_to_trackers("<html/>", ["tensorboard"]) == []
-
-
-def test_no_active_wandb_run_or_no_trackio_html_type_means_file_only(monkeypatch):
-    wandb = _fake_module("wandb", monkeypatch, active=False)
-    trackio = _fake_module("trackio", monkeypatch, with_html=False)
-    assert tree_view_logging.log_page_to_trackers("<html/>", "wandb") == []
-    assert tree_view_logging.log_page_to_trackers("<html/>", ["trackio"]) == []
-    assert wandb == [] and trackio == []
-
-
 def test_the_trainer_logs_each_finished_page_once_on_the_main_process(tmp_path, monkeypatch):
     sent = []
-    monkeypatch.setattr(tree_view_logging, "log_page_to_trackers", lambda page, report_to: sent.append(page))
+    monkeypatch.setattr(tree_view_logging, "log_page_to_trackers",
+                        lambda page, report_to, **kw: sent.append((page, kw)))
     trainer, _ = _tree_trainer(TreeOPSDTrainer, TreeOPSDConfig, tmp_path)
     trainer.train()  # logs at step 1 and at the end of training: the page goes out once
-    path, _, _ = _only_page(tmp_path)
-    assert sent == [path.read_text()]
+    path, data, _ = _only_page(tmp_path)
+    # the tracker's copy is the same page without the links to the files beside it (they are not beside it there)
+    assert sent == [(tv.render_page(data), {"step": 1, "caption": f"train step 1: {path}"})]
+    assert 'href="index.html"' in path.read_text() and 'href="index.html"' not in sent[0][0]
 
 
 def test_without_log_completions_nothing_is_collected_or_written(tmp_path):

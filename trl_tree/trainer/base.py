@@ -40,7 +40,7 @@ from ..tree_attention import TREE_SDPA
 from . import components, model_card, resume
 from . import metrics as tree_metrics
 from .config import TreeConfig
-from .tree_view_logging import TreeViewRecorder
+from .tree_view_logging import TreeViewRecorder, at_global_step
 
 logger = logging.getLogger(__name__)
 
@@ -426,6 +426,8 @@ class TreeTrainer(GRPOTrainer):
                 "pass environment_factory= when an environment's reset() provides the prompt."
             )
         prompts = [x.get("prompt", [{"role": "user", "content": ""}]) for x in inputs]
+        if self._tree_view is not None:  # the tree view shows each prompt's question and gold answer from its row
+            self._tree_view.note_rows(inputs)
         envs, handles = [None] * len(inputs), [None] * len(inputs)
         if self.environment_factories is not None:
             multi = trl_internals.multi_environment(self)
@@ -572,9 +574,10 @@ class TreeTrainer(GRPOTrainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """GRPOTrainer's `log` (metrics, and the completions table with `log_completions`), then the rollout-tree view
         of the last finished generation batch, saved and logged to the trackers (`trl_tree.tree_view`)."""
-        super().log(logs, start_time)
-        if self._tree_view is not None:
-            self._tree_view.write_ready()
+        with at_global_step(self):  # Trackio files everything of this log at the trainer's step, not at its own count
+            super().log(logs, start_time)
+            if self._tree_view is not None:
+                self._tree_view.write_ready()
 
     # ---------------------------------------------------------------- checkpoints
 

@@ -12,17 +12,26 @@ When and where, following how `GRPOTrainer.log` handles its completions table:
    forward is all the view costs in compute (about one π_old recompute per generation batch), and it runs only when
    `log_completions` is on. The records of all ranks are gathered;
 3. **save and log** (main process, at the next `log`, like the completions table): `output_dir/tree_view/
-   step_XXXXXX.json` (the data) and `.html` (the page), and the page to the trackers `report_to` names that take HTML:
-   W&B (`wandb.Html`, when a run is active) and Trackio (`trackio.Html`, in Trackio releases that have it; older ones
-   only get the file), under the key `tree_view`.
+   step_XXXXXX.json` (the data) and `.html` (the page), the run's `index.html`, and the page to the trackers
+   `report_to` names that take HTML: W&B (`wandb.Html`, when a run is active) and Trackio (`trackio.Html`, in Trackio
+   releases that have it; older ones only get the file), under the key `tree_view`, at the trainer's global step.
+
+**Tracker steps.** transformers' Trackio callback logs the scalars without `step=`, and so do GRPOTrainer's
+completions table and, before, this page: every `trackio.log` call advanced Trackio's own counter, so with
+`log_completions` one optimizer step took 2-3 Trackio steps (the pages of steps 2/4/6/8 landed at 5/10/15/20, an
+8-step run's scalars reached step ~20). `at_global_step` makes every Trackio log inside `TreeTrainer.log` default to
+`state.global_step`. W&B needs no step (its history step must only grow, and transformers plots against
+`train/global_step`); the page and the completions table get `train/global_step` in their row.
 
 An evaluation batch is not trained, so its page (`eval_step_XXXXXX`) has the credit but no "after" probabilities.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import io
+import json
 import sys
 from pathlib import Path
 
@@ -33,7 +42,15 @@ from .. import credit as credit_lib
 from .. import losses, methods, trl_internals
 from ..batch import LossInputs, TurnCredit
 from ..packing import PackedTrees, packed_token_logps
-from ..tree_view import VIEW_DIR, attach_turn_probabilities, flex_record, page_data, save_page, tree_record
+from ..tree_view import (
+    VIEW_DIR,
+    attach_turn_probabilities,
+    flex_record,
+    page_data,
+    render_page,
+    save_page,
+    tree_record,
+)
 
 TRACKER_KEY = "tree_view"
 
@@ -47,8 +64,16 @@ class TreeViewRecorder(TrainerCallback):
         self.trainer = trainer
         self.pending: tuple[list[dict], int] | None = None  # the training batch's records, the micro-step it began
         self.ready: dict | None = None  # the finished page data, written at the next log
+        self.rows: list[dict] = []  # the dataset rows of the batch being generated (question, gold answer)
 
     # ---------------------------------------------------------------- collect
+
+    def note_rows(self, rows: list[dict]) -> None:
+        """The dataset rows of the batch about to be generated, one per prompt (`TreeTrainer._prepare_roots`)."""
+        self.rows = list(rows)
+
+    def _rows(self, n: int) -> list[dict | None]:
+        return self.rows if len(self.rows) == n else [None] * n
 
     def record_trees(self, mode: str, prompts, trees, branches_per_tree, per_turn) -> None:
         decode = self._decode
@@ -57,14 +82,17 @@ class TreeViewRecorder(TrainerCallback):
         records = [
             tree_record(tree, credit, decode, prompt, leaf_rounds=[getattr(b, "round", 0) for b in branches],
                         reward_columns=cols, leaf_advantages=methods.leaf_advantages(tree, args).tolist(),
-                        with_entropy=self.trainer.needs_entropies)
-            for prompt, tree, branches, credit, cols in zip(prompts, trees, branches_per_tree, per_turn, columns)
+                        with_entropy=self.trainer.needs_entropies, row=row,
+                        turn_tools=[(getattr(b, "calls_per_turn", []), getattr(b, "failures_per_turn", []))
+                                    for b in branches])
+            for prompt, tree, branches, credit, cols, row in zip(prompts, trees, branches_per_tree, per_turn, columns,
+                                                                 self._rows(len(prompts)))
         ]
         self._record(mode, records)
 
     def record_flex(self, mode: str, prompts, groups, per_turn) -> None:
-        records = [flex_record(g, credit, self._decode, p, credit_lib.group_normalize(g.scores).tolist())
-                   for p, g, credit in zip(prompts, groups, per_turn)]
+        records = [flex_record(g, credit, self._decode, p, credit_lib.group_normalize(g.scores).tolist(), row=row)
+                   for p, g, credit, row in zip(prompts, groups, per_turn, self._rows(len(prompts)))]
         self._record(mode, records)
 
     def _decode(self, ids: list[int]) -> str:
@@ -124,7 +152,17 @@ class TreeViewRecorder(TrainerCallback):
         if type(trainer).__name__ == "TreeTrainer":
             method = f"Tree ({args.sampler} × {args.credit} × {args.loss})"
         return page_data(gather_object(records), step=trainer.state.global_step, method=method, mode=mode,
-                         credit=args.credit, after_note=note)
+                         credit=args.credit, after_note=note, special_tokens=self._special_tokens())
+
+    def _special_tokens(self) -> list[str]:
+        """The tokenizer's special tokens (the chat template's `<|im_start|>`, `<|im_end|>`, `<|endoftext|>`, …), which
+        the page hides in the texts it shows; added tokens that are not special (`<tool_call>`, `<think>`) stay."""
+        tok = trl_internals.tokenizer(self.trainer)
+        tokens = set(getattr(tok, "all_special_tokens", None) or [])
+        for added in (getattr(tok, "added_tokens_decoder", None) or {}).values():
+            if getattr(added, "special", False):
+                tokens.add(str(added.content))
+        return sorted(t for t in tokens if isinstance(t, str))
 
     # ---------------------------------------------------------------- save and log
 
@@ -135,7 +173,9 @@ class TreeViewRecorder(TrainerCallback):
             return None
         prefix = "eval_" if data["mode"] == "eval" else ""
         _, page_path = save_page(data, Path(self.trainer.args.output_dir) / VIEW_DIR, f"{prefix}step_{data['step']:06d}")
-        log_page_to_trackers(page_path.read_text(encoding="utf-8"), self.trainer.args.report_to)
+        # a tracker shows the page alone, so without the links to the steps beside it (not beside it there)
+        log_page_to_trackers(render_page(data), self.trainer.args.report_to, step=data["step"],
+                             caption=f"{data['mode']} step {data['step']}: {page_path}")
         return page_path
 
 
@@ -163,27 +203,97 @@ def _turn_probabilities(trainer, batch: dict) -> list[tuple[list, list, list]]:
     return out
 
 
-def log_page_to_trackers(page: str, report_to) -> list[str]:
-    """Log the page under `tree_view` to each tracker in `report_to` that takes HTML; returns the trackers logged to.
+def log_page_to_trackers(page: str, report_to, *, step: int, caption: str | None = None) -> list[str]:
+    """Log the page under `tree_view` at the trainer's global `step` to each tracker in `report_to` that takes HTML;
+    returns the trackers logged to.
 
     W&B: `wandb.Html` when `wandb` is importable and a run is active (as GRPOTrainer checks `wandb.run` for its
-    table). Trackio: `trackio.Html` where the installed Trackio has it; without it the saved file is the page. The page
-    goes in as a file-like object, so a tracker never mistakes it for a path, and without the tracker's injected
-    stylesheet (it is self-contained)."""
-    report_to = [report_to] if isinstance(report_to, str) else list(report_to or [])
+    table), in a row with `train/global_step` = `step`, the axis transformers' W&B callback plots every metric
+    against (W&B's own history step cannot be set: it must only grow, and the scalars' rows already moved it on).
+    Trackio: `trackio.Html` where the installed Trackio has it (without it the saved file is the page), at
+    `step=step`, with `caption` (where the full page is saved). The page goes in as a file-like object, so a tracker
+    never mistakes it for a path, and without the tracker's injected stylesheet (it is self-contained)."""
+    report_to = _names(report_to)
     logged = []
     if "wandb" in report_to:
         wandb = _module("wandb")
         if wandb is not None and getattr(wandb, "run", None) is not None:
-            wandb.log({TRACKER_KEY: wandb.Html(io.StringIO(page), inject=False)})
+            wandb.log({TRACKER_KEY: wandb.Html(io.StringIO(page), inject=False), GLOBAL_STEP: step})
             logged.append("wandb")
     if "trackio" in report_to:
         trackio = _module("trackio")
         html_type = getattr(trackio, "Html", None)
         if html_type is not None:
-            trackio.log({TRACKER_KEY: html_type(io.StringIO(page), inject=False)})
+            try:
+                value = html_type(io.StringIO(page), inject=False, caption=caption)
+            except TypeError:  # a Trackio release whose Html takes no caption
+                value = html_type(io.StringIO(page), inject=False)
+            trackio.log({TRACKER_KEY: value}, step=step)
             logged.append("trackio")
     return logged
+
+
+GLOBAL_STEP = "train/global_step"  # transformers' W&B callback: the step metric of every logged key ("*")
+
+
+def _names(report_to) -> list[str]:
+    return [report_to] if isinstance(report_to, str) else list(report_to or [])
+
+
+@contextlib.contextmanager
+def at_global_step(trainer):
+    """Inside, every Trackio log that names no step is filed at `trainer.state.global_step`, and every W&B log
+    without `train/global_step` gets it, so that the scalars (transformers' callbacks log without a step), the
+    completions table and the tree page of one `TreeTrainer.log` all sit at the trainer's step.
+
+    transformers' Trackio callback calls `trackio.log(...)` without `step=`, GRPOTrainer's completions table too:
+    each call advanced Trackio's counter by one, so with `log_completions` the counter ran 2-3 times ahead of the
+    trainer. Both look `log` up on the module at call time, so the module's `log` is wrapped for the duration of the
+    call and put back after (also on an error). For W&B, GRPOTrainer's completions table of tool-calling completions
+    cannot be built at all (`wandb.Table` rejects a column of message lists with tool calls: "Data row contained
+    incompatible types", which stopped training): the buffered completions go to W&B as JSON text instead."""
+    report_to = _names(trainer.args.report_to)
+    step = trainer.state.global_step
+    restore = []
+    trackio = sys.modules.get("trackio") if "trackio" in report_to else None
+    if trackio is not None and callable(getattr(trackio, "log", None)):
+        trackio_log = trackio.log
+
+        def log_at_step(metrics, step=None, **kwargs):
+            return trackio_log(metrics, step=trainer.state.global_step if step is None else step, **kwargs)
+
+        trackio.log = log_at_step
+        restore.append((trackio, trackio_log))
+    wandb = sys.modules.get("wandb") if "wandb" in report_to else None
+    if wandb is not None and getattr(wandb, "run", None) is not None and callable(getattr(wandb, "log", None)):
+        wandb_log = wandb.log
+
+        def log_with_step(data, *args, **kwargs):
+            if isinstance(data, dict) and GLOBAL_STEP not in data:
+                data = {**data, GLOBAL_STEP: step}
+            return wandb_log(data, *args, **kwargs)
+
+        wandb.log = log_with_step
+        restore.append((wandb, wandb_log))
+        _completions_as_text(trainer)
+    try:
+        yield
+    finally:
+        for module, original in restore:
+            module.log = original
+
+
+def _completions_as_text(trainer) -> None:
+    """GRPOTrainer's buffered prompts and completions as JSON text where they are chat messages: W&B's table takes
+    text, but no column of message lists whose messages have different fields (tool calls, tool names)."""
+    logs = trl_internals.completion_logs(trainer)
+    for key in ("prompt", "completion"):
+        column = logs.get(key) if isinstance(logs, dict) else None
+        if column is None or not any(isinstance(v, (list, dict)) for v in column):
+            continue
+        texts = [v if isinstance(v, str) else json.dumps(v, ensure_ascii=False, default=str) for v in column]
+        column.clear()
+        column.extend(texts)
 
 
 def _module(name: str):

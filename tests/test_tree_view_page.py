@@ -1,0 +1,425 @@
+"""What the rollout-tree page shows a person opening it instead of the logs (issue #25): `trl-tree view OUTPUT_DIR`
+finds the run's pages; the prompt list starts with the question (not the shared instruction), the gold answer, the
+reward spread and the best and worst leaf; leaves are coloured by reward and a click highlights a path; a sibling is
+told apart from a chain's continuation, with where it first differs, and a minimap shows the whole tree; TreeOPSD's
+Δp is signed, precise and counted toward / away / unchanged; template tokens are hidden (kept in the data); one index
+per run links every step and prompt. Each test checks properties of the page's data and HTML, not a snapshot."""
+
+import importlib.util
+import json
+import re
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.scripted import arithmetic_dataset, config, contains_answer, scripted_engine, tiny
+from tests.test_trainer_scripted import REPLIES
+from trl_tree import RolloutTree, TreeOPSDConfig, TreeOPSDTrainer, Turn, cli
+from trl_tree import tree_view as tv
+from trl_tree.envs.hotpot import build_prompt
+from trl_tree.testing import calculator
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class _Dom(HTMLParser):
+    """The page as a browser parses it: every element with its attributes, parent and text; `.tpl` spans (hidden by
+    the page's CSS) are tracked so that `visible_text` leaves them out."""
+
+    VOID = {"meta", "input", "br", "img", "hr", "link", "line", "circle"}
+
+    def __init__(self, text: str):
+        super().__init__(convert_charrefs=True)
+        self.root = {"tag": "#root", "attrs": {}, "children": [], "text": [], "parent": None}
+        self.stack, self.elements = [self.root], []
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        el = {"tag": tag, "attrs": dict(attrs), "children": [], "text": [], "parent": self.stack[-1]}
+        self.stack[-1]["children"].append(el)
+        self.elements.append(el)
+        if tag not in self.VOID:
+            self.stack.append(el)
+
+    def handle_startendtag(self, tag, attrs):
+        self.handle_starttag(tag, attrs)
+        if tag not in self.VOID:
+            self.stack.pop()
+
+    def handle_endtag(self, tag):
+        for i in range(len(self.stack) - 1, 0, -1):
+            if self.stack[i]["tag"] == tag:
+                del self.stack[i:]
+                return
+
+    def handle_data(self, data):
+        self.stack[-1]["children"].append(data)
+
+    @staticmethod
+    def classes(el) -> list[str]:
+        return (el["attrs"].get("class") or "").split()
+
+    def find(self, tag=None, cls=None, **attrs) -> list[dict]:
+        return [el for el in self.elements if (tag is None or el["tag"] == tag)
+                and (cls is None or cls in self.classes(el))
+                and all(el["attrs"].get(k.replace("_", "-")) == v for k, v in attrs.items())]
+
+    @classmethod
+    def text(cls, el, visible=False) -> str:
+        out = []
+        for child in el["children"]:
+            if isinstance(child, str):
+                out.append(child)
+            elif not (visible and "tpl" in cls.classes(child)):
+                out.append(cls.text(child, visible))
+        return "".join(out)
+
+    @staticmethod
+    def within(el, ancestor_cls) -> dict | None:
+        el = el["parent"]
+        while el is not None:
+            if ancestor_cls in _Dom.classes(el):
+                return el
+            el = el["parent"]
+        return None
+
+
+def _trainer(tmp_path, replies=REPLIES, dataset=None, **overrides):
+    model, tok = tiny()
+    args = config(TreeOPSDConfig, tmp_path, log_completions=True, **overrides)
+    trainer = TreeOPSDTrainer(model=model, reward_funcs=contains_answer, args=args,
+                              train_dataset=dataset or arithmetic_dataset(1), processing_class=tok,
+                              tools=[calculator])
+    trainer.generation_engine = scripted_engine(tok, replies)
+    return trainer
+
+
+def _chain_tree(texts, rewards, branches):
+    """A tree whose trajectories are paths of token ids (id = index into `texts`), with `rewards`."""
+    return RolloutTree.from_trajectories([0], [[Turn([i], [0.0], []) for i in path] for path in branches], rewards)
+
+
+def _decode(texts):
+    return lambda ids: "".join(texts[i] for i in ids)
+
+
+# ------------------------------------------------------------------------------------------------ 1. trl-tree view
+
+
+def test_view_of_an_output_dir_finds_its_tree_view_folder_and_skips_other_json(tmp_path, capsys):
+    out = tmp_path / "runs" / "treeopsd"
+    _trainer(out).train()
+    (out / "config.json").write_text('{"model_type": "qwen3"}')  # what a saved model leaves in output_dir
+    page = out / "tree_view" / "step_000001.html"
+    page.unlink()
+    assert cli.main(["view", str(out)]) == 0
+    printed = capsys.readouterr().out.split()
+    assert str(page) in printed and str(out / "tree_view" / "index.html") == printed[-1] and page.is_file()
+    # the tree_view folder itself, and the folder above the output_dir when it holds one run, work too
+    assert cli.main(["view", str(out / "tree_view")]) == 0
+    assert cli.main(["view", str(tmp_path / "runs")]) == 0
+    (tmp_path / "runs" / "other" / "tree_view").mkdir(parents=True)
+    (tmp_path / "runs" / "other" / "tree_view" / "step_000001.json").write_text((out / "tree_view" / "step_000001.json")
+                                                                               .read_text())
+    with pytest.raises(SystemExit, match="several runs"):
+        cli.main(["view", str(tmp_path / "runs")])
+
+
+def test_view_of_an_output_dir_without_pages_says_that_log_completions_is_needed(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "trainer_state.json").write_text("{}")
+    with pytest.raises(SystemExit) as error:
+        cli.main(["view", str(tmp_path)])
+    message = str(error.value)
+    assert "log_completions=True" in message and "config.json" not in message and str(tmp_path) in message
+    (tmp_path / "tree_view").mkdir()
+    with pytest.raises(SystemExit, match="holds no saved page yet"):
+        cli.main(["view", str(tmp_path)])
+    with pytest.raises(SystemExit, match="no such file or folder"):
+        cli.main(["view", str(tmp_path / "missing")])
+
+
+# ------------------------------------------------------------------------------------------------ 2. the prompt list
+
+
+def _hotpot_records():
+    """Two HotpotQA-style prompts (system message, then the shared Search-R1 instruction with the question at its
+    end) with mixed rewards, as the trainer records them with their dataset rows."""
+    texts = ["search A", "answer yes", "answer no", "search B", "answer Paris", "answer Rome"]
+    records = []
+    for question, gold, base in (("Is A older than B?", "yes", 0), ("Where is the Louvre?", "Paris", 3)):
+        tree = _chain_tree(texts, [1.0, 0.0, 0.0], [[base, base + 1], [base, base + 2], [base, base + 2]])
+        prompt = build_prompt(question)
+        records.append(tv.tree_record(tree, {"A": torch.zeros(tree.num_turns)}, _decode(texts), prompt,
+                                      row={"prompt": prompt, "answer": gold, "id": "x"}))
+    return records
+
+
+def test_each_prompt_in_the_list_starts_with_its_question_gold_answer_spread_and_best_and_worst_leaf():
+    records = _hotpot_records()
+    dom = _Dom(tv.render_page(tv.page_data(records, step=1, method="m")))
+    entries = dom.find("button", cls="navbtn")
+    for entry, question, gold in zip(entries, ("Is A older than B?", "Where is the Louvre?"), ("yes", "Paris")):
+        first = next(c for c in entry["children"] if isinstance(c, dict))
+        assert _Dom.text(first).strip() == f"#{entries.index(entry)} {question}"  # not "Answer the given question…"
+        text = _Dom.text(entry)
+        assert f"gold: {gold}" in text and "R 0…1, mean 0.333" in text
+        assert "best #1 (1) · worst #2 (0)" in text  # leaf #1 (reward 1) and #2 (the merged ×2 leaf, reward 0)
+        assert entry["attrs"]["data-mixed"] == "1"
+    section = dom.find("section", id="prompt-0")[0]
+    assert _Dom.text(dom.find("span", cls="qtext")[0]) == "Is A older than B?"
+    links = [el for el in dom.find("a", cls="leaflink") if _Dom.within(el, "facts") and el in _descendants(section)]
+    assert [el["attrs"]["href"] for el in links] == ["#n-0-1", "#n-0-2"]  # best, worst: anchors of their nodes
+    assert {"n-0-1", "n-0-2"} <= {el["attrs"].get("id") for el in dom.find("div", cls="node")}
+    assert "answer yes" in _Dom.text(links[0]["parent"])  # the best leaf's text
+
+
+def _descendants(el) -> list[dict]:
+    out = []
+    for child in el["children"]:
+        if isinstance(child, dict):
+            out += [child, *_descendants(child)]
+    return out
+
+
+def test_the_trainer_records_the_question_and_gold_answer_of_the_dataset_row(tmp_path):
+    _trainer(tmp_path).train()
+    (record,) = json.loads((tmp_path / "tree_view" / "step_000001.json").read_text())["prompts"]
+    assert record["question"] == "What is 1+1?" and record["gold"] == "2" and record["gold_column"] == "answer"
+
+
+def test_a_page_saved_before_questions_were_recorded_shows_the_question_without_the_shared_instruction():
+    records = _hotpot_records()
+    for record in records:  # as an older run saved them: the prompt text only
+        for key in ("question", "gold", "gold_column"):
+            record.pop(key)
+    dom = _Dom(tv.render_page(tv.page_data(records, step=1, method="m")))
+    assert [_Dom.text(el) for el in dom.find("span", cls="qtext")] == ["Is A older than B?", "Where is the Louvre?"]
+    # no "Question:" marker either: the start every prompt shares is cut
+    shared = "Please think step by step and use the tools when you need them. "
+    assert tv._short_questions([shared + "What is 2+2?", shared + "Name a prime."]) == ["… What is 2+2?",
+                                                                                        "… Name a prime."]
+
+
+# ------------------------------------------------------------------------------------------------ 3. leaves and paths
+
+
+def test_leaves_are_coloured_by_reward_and_marked_rewarded_or_failed():
+    texts = ["root", "good", "bad", "half"]
+    tree = _chain_tree(texts, [1.0, 0.0, 0.25], [[0, 1], [0, 2], [0, 3]])
+    record = tv.tree_record(tree, {"A": torch.zeros(tree.num_turns)}, _decode(texts), "q")
+    dom = _Dom(tv.render_page(tv.page_data([record], step=1, method="m")))
+    leaves = {int(el["attrs"]["data-node"]): el for el in dom.find("div", cls="leaf")}
+    hue = {i: int(re.search(r"--rh:(\d+)", el["attrs"]["style"]).group(1)) for i, el in leaves.items()}
+    assert hue == {1: 120, 2: 0, 3: 30}  # a [0, 1] reward on its absolute scale: 0 red, 1 green
+    # rewarded: a positive reward at least the tree's mean (0.4167); failed: the others
+    assert {i: el["attrs"]["data-outcome"] for i, el in leaves.items()} == {1: "rewarded", 2: "failed", 3: "failed"}
+    assert all("data-outcome" not in el["attrs"] for el in dom.find("div", cls="node") if el not in leaves.values())
+    assert dom.find("button", id="next-rewarded") and dom.find("button", id="next-failed")
+
+
+def test_every_node_names_its_parent_so_a_click_can_highlight_the_root_to_leaf_path():
+    texts = [f"t{i}" for i in range(7)]
+    tree = _chain_tree(texts, [1.0, 0.0, 1.0, 0.0], [[0, 1, 2], [0, 1, 3], [0, 4, 5], [0, 4, 6]])
+    record = tv.tree_record(tree, {"A": torch.zeros(tree.num_turns)}, _decode(texts), "q")
+    dom = _Dom(tv.render_page(tv.page_data([record], step=1, method="m")))
+    parent = {int(el["attrs"]["data-node"]): int(el["attrs"]["data-parent"]) for el in dom.find("div", cls="node")}
+    for k, path in enumerate(tree.paths):  # walking data-parent from a leaf gives the tree's path, reversed
+        walk, node = [], tree.leaf_of[k]
+        while node != -1:
+            walk.append(node)
+            node = parent[node]
+        assert walk[::-1] == path
+    assert "data-parent" in tv._JS and "onpath" in tv._JS  # the script walks them and marks the path
+
+
+# ------------------------------------------------------------------------------------------------ 4. the shape
+
+
+def test_siblings_are_marked_and_show_where_they_first_differ_and_a_chain_is_not():
+    texts = ["search(x)", "The answer is 42.", "The answer is 7.", "thinking", "done"]
+    tree = _chain_tree(texts, [1.0, 0.0, 0.5], [[0, 1], [0, 2], [3, 4]])
+    record = tv.tree_record(tree, {"A": torch.zeros(tree.num_turns)}, _decode(texts), "q")
+    dom = _Dom(tv.render_page(tv.page_data([record], step=1, method="m")))
+    nodes = {int(el["attrs"]["data-node"]): el for el in dom.find("div", cls="node")}
+    badge = {i: _Dom.text(b) for i, el in nodes.items() for b in _descendants(el) if "sib" in _Dom.classes(b)}
+    # roots [search(x), thinking] are 2 siblings; under search(x) the two answers are; "done" continues a chain
+    by_text = {tree.turns[i].action_ids[0]: i for i in range(tree.num_turns)}
+    assert badge == {by_text[0]: "↳ 1/2", by_text[3]: "↳ 2/2", by_text[1]: "↳ 1/2", by_text[2]: "↳ 2/2"}
+    assert by_text[4] not in badge
+    shared = len("The answer is ")
+    for i in (by_text[1], by_text[2]):
+        text = _Dom.text(nodes[i])
+        assert f"action differs after {shared} chars" in text
+        marked = next(b for b in _descendants(nodes[i]) if b["tag"] == "mark")
+        assert _Dom.text(marked) == texts[tree.turns[i].action_ids[0]][shared:]  # the part that differs
+    assert "action differs after 0 chars" in _Dom.text(nodes[by_text[0]])
+
+
+def test_the_minimap_has_a_dot_per_shown_node_linked_to_it_and_an_edge_per_parent_child():
+    texts = [f"t{i}" for i in range(7)]
+    tree = _chain_tree(texts, [1.0, 0.0, 1.0, 0.0], [[0, 1, 2], [0, 1, 3], [0, 4, 5], [0, 4, 6]])
+    record = tv.tree_record(tree, {"A": torch.zeros(tree.num_turns)}, _decode(texts), "q")
+    dom = _Dom(tv.render_page(tv.page_data([record], step=1, method="m")))
+    (svg,) = dom.find("svg", cls="minimap")
+    links = [el for el in _descendants(svg) if el["tag"] == "a"]
+    assert sorted(int(a["attrs"]["data-ref"]) for a in links) == list(range(tree.num_turns))
+    assert all(a["attrs"]["href"] == f"#n-0-{a['attrs']['data-ref']}" for a in links)
+    lines = [el for el in _descendants(svg) if el["tag"] == "line"]
+    assert len(lines) == tree.num_turns - 1  # one root
+    branch_points = sum(len(t.children) > 1 for t in tree.turns)
+    assert sum("eb" in _Dom.classes(el) for el in lines) == sum(len(t.children) for t in tree.turns
+                                                                if len(t.children) > 1) and branch_points == 3
+
+
+# ------------------------------------------------------------------------------------------------ 5. TreeOPSD's Δp
+
+
+def _treeopsd_record(q, p_after):
+    texts = [f"t{i}" for i in range(len(q))]
+    tree = _chain_tree(texts, [1.0, 0.0] + [0.5] * (len(q) - 3), [[0, i] for i in range(1, len(q))])
+    record = tv.tree_record(tree, {"A": torch.zeros(tree.num_turns), "q": torch.tensor(q)}, _decode(texts), "q")
+    tv.attach_turn_probabilities(record, [0.0] * len(q), [0.0] * len(q), p_after)
+    return tree, record
+
+
+def test_delta_p_is_signed_precise_and_counted_toward_away_and_unchanged():
+    q = [0.7, 0.3, 0.6, 0.5, 0.55]
+    p = [0.5 + 2e-5, 0.5 + 0.0123, 0.5 + 1e-7, 0.5 - 3e-4, 0.62]  # toward (tiny), away, unchanged, away, past q
+    tree, record = _treeopsd_record(q, p)
+    dom = _Dom(tv.render_page(tv.page_data([record], step=1, method="TreeOPSD")))
+    nodes = {int(el["attrs"]["data-node"]): el for el in dom.find("div", cls="node")}
+    by_text = {tree.turns[i].action_ids[0]: i for i in range(tree.num_turns)}
+    expected = ["toward", "away", "unchanged", "away", "away"]  # q = ½ or overshooting q: farther from q than ½
+    for j, direction in enumerate(expected):
+        node = nodes[by_text[j]]
+        assert node["attrs"]["data-dir"] == direction
+        assert float(node["attrs"]["data-dp"]) == pytest.approx(p[j] - 0.5)
+    chips = {j: _Dom.text(next(b for b in _descendants(nodes[by_text[j]]) if "dir" in _Dom.classes(b)))
+             for j in range(len(q))}
+    assert chips[0].startswith("Δp +2.00e-05 ↑ toward q")  # 2e-5 is not "+0.000"
+    assert chips[1].startswith("Δp +0.0123 ↓ away from q") and chips[3].startswith("Δp -3.00e-04")
+    assert "p ½→0.500020" in _Dom.text(nodes[by_text[0]])
+    summary = _Dom.text(dom.find("p", cls="summary")[0])
+    assert "Δp of 5 trained turns: 1 toward q, 3 away, 1 unchanged" in summary
+    legend = _Dom.text(dom.find("details", cls="legend")[0])
+    assert "moves toward q" not in legend and "closer to q than ½ was" in legend
+
+
+def test_the_trainer_page_counts_match_the_turns(tmp_path):
+    _trainer(tmp_path, target_radius=0.25).train()
+    dom = _Dom((tmp_path / "tree_view" / "step_000001.html").read_text())
+    dirs = [el["attrs"]["data-dir"] for el in dom.find("div", cls="node") if "data-dir" in el["attrs"]]
+    assert dirs and set(dirs) <= {"toward", "away", "unchanged"}
+    counts = {d: dirs.count(d) for d in ("toward", "away", "unchanged")}
+    summary = _Dom.text(dom.find("p", cls="summary")[0])
+    assert (f"{counts['toward']} toward q, {counts['away']} away, {counts['unchanged']} unchanged") in summary
+
+
+def test_the_screenshot_demo_trains_at_the_quickstart_learning_rate(monkeypatch, tmp_path):
+    spec = importlib.util.spec_from_file_location("screenshot_tree_view", REPO / "scripts" / "screenshot_tree_view.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    import yaml
+
+    recipe = yaml.safe_load((REPO / "trl_tree" / "recipes" / "hotpot_offline.yaml").read_text())
+    assert script.quickstart_learning_rate() == float(recipe["learning_rate"]) == 1e-4
+
+    class Trained:  # what tiny_run does with build_trainer's trainer: set the rate, then train
+        def __init__(self):
+            self.args = type("Args", (), {"learning_rate": 1e-2})()
+            self.rate_at_train = None
+
+        def train(self):
+            self.rate_at_train = self.args.learning_rate
+
+    made = []
+    fake = type(__import__("sys"))("tiny_tree_run")
+    fake.build_trainer = lambda out, **kw: made.append(Trained()) or made[-1]
+    monkeypatch.setitem(__import__("sys").modules, "tiny_tree_run", fake)
+    script.tiny_run("treeopsd", tmp_path)
+    assert made[0].rate_at_train == 1e-4
+
+
+# ------------------------------------------------------------------------------------------------ 6. template tokens
+
+
+def test_template_tokens_are_hidden_in_the_shown_texts_and_kept_in_the_data(tmp_path):
+    _trainer(tmp_path).train()
+    data = json.loads((tmp_path / "tree_view" / "step_000001.json").read_text())
+    assert {"<|im_start|>", "<|im_end|>", "<|endoftext|>"} <= set(data["special_tokens"])
+    assert "<|im_start|>" in "".join(n["observation"] for n in data["prompts"][0]["nodes"])  # kept in the data
+    dom = _Dom((tmp_path / "tree_view" / "step_000001.html").read_text())
+    shown = "".join(_Dom.text(el, visible=True) for el in dom.find("div", cls="node"))
+    assert "<tool_response>" in shown  # an added token that is no special token stays
+    assert not any(t in shown for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>"))
+    roles = {_Dom.text(el) for el in dom.find("span", cls="role")}
+    assert {"user", "assistant"} <= roles  # the role headers after <|im_start|>, as labels
+    assert dom.find("input", id="show-tpl") and "showtpl" in tv._JS
+    assert dom.find("details", cls="legend")  # the legend folds
+
+
+def test_a_tampered_special_token_list_cannot_hide_ordinary_text():
+    texts = ["a plain answer", "<|im_end|>"]
+    tree = _chain_tree(texts, [1.0], [[0, 1]])
+    record = tv.tree_record(tree, {"A": torch.zeros(tree.num_turns)}, _decode(texts), "q")
+    data = tv.page_data([record], step=1, method="m", special_tokens=["a", " ", "<|im_end|>", "plain"])
+    shown = "".join(_Dom.text(el, visible=True) for el in _Dom(tv.render_page(data)).find("div", cls="node"))
+    assert "a plain answer" in shown and "<|im_end|>" not in shown
+
+
+# ------------------------------------------------------------------------------------------------ 7. the run's index
+
+
+def test_the_run_index_lists_every_step_and_prompt_and_the_pages_link_prev_and_next(tmp_path):
+    replies = {k: v * 2 for k, v in REPLIES.items()}
+    _trainer(tmp_path, replies=replies, dataset=arithmetic_dataset(2), max_steps=2).train()
+    folder = tmp_path / "tree_view"
+    first, second = _Dom((folder / "step_000001.html").read_text()), _Dom((folder / "step_000002.html").read_text())
+    assert [a["attrs"]["href"] for a in first.find("a", rel="next")] == ["step_000002.html"]
+    assert not first.find("a", rel="prev") and not second.find("a", rel="next")
+    assert [a["attrs"]["href"] for a in second.find("a", rel="prev")] == ["step_000001.html"]
+    index = _Dom((folder / "index.html").read_text())
+    rows = index.find("tr", cls="row")
+    assert [a["attrs"]["href"] for row in rows for a in _descendants(row) if a["tag"] == "a"] == [
+        "step_000001.html#prompt-0", "step_000002.html#prompt-0"]
+    assert all("What is 1+1?" in _Dom.text(row) and row["attrs"]["data-mixed"] == "1" for row in rows)
+    assert index.find("input", id="search") and index.find("input", id="f-mixed") and index.find("input", id="f-failed")
+    # the step pages have the same filters and search box over their prompt list
+    assert first.find("input", id="search") and first.find("input", id="f-failed")
+    # re-rendering the run gives the same pages (links included)
+    before = {p.name: p.read_text() for p in folder.glob("*.html")}
+    tv.render_run(tmp_path)
+    assert {p.name: p.read_text() for p in folder.glob("*.html")} == before
+
+
+def test_the_failed_calls_filter_marks_prompts_with_failed_or_malformed_tool_calls():
+    texts = ["call", "answer", "bad call", "answer"]
+    tree = _chain_tree(texts, [1.0, 0.0], [[0, 1], [2, 3]])
+    tools = [([1, 0], [0, 0]), ([1, 0], [1, 0])]  # per trajectory: (calls, failures) per turn of its path
+    failing = tv.tree_record(tree, {"A": torch.zeros(tree.num_turns)}, _decode(texts), "q", turn_tools=tools)
+    fine = tv.tree_record(tree, {"A": torch.zeros(tree.num_turns)}, _decode(texts), "q",
+                          turn_tools=[(c, [0] * len(c)) for c, _ in tools])
+    dom = _Dom(tv.render_page(tv.page_data([failing, fine], step=1, method="m")))
+    assert [b["attrs"]["data-failed"] for b in dom.find("button", cls="navbtn")] == ["1", "0"]
+    assert "1 of 1 calls failed" in _Dom.text(dom.find("section", id="prompt-0")[0])
+
+
+def test_a_tampered_index_json_is_escaped_or_rebuilt(tmp_path):
+    _trainer(tmp_path).train()
+    folder = tmp_path / "tree_view"
+    index = json.loads((folder / "index.json").read_text())
+    index["pages"][0]["prompts"][0]["question"] = "<script>alert(1)</script>"
+    index["pages"][0]["name"] = 'x" onclick="alert(2)'
+    (folder / "index.json").write_text(json.dumps(index))
+    page = tv.render_index(tv._index_entries(folder))
+    dom = _Dom(page)
+    scripts = [el for el in dom.elements if el["tag"] == "script"]
+    assert [_Dom.text(el) for el in scripts] == [tv._JS]
+    assert not any(name.startswith("on") for el in dom.elements for name in el["attrs"])
+    assert "<script>alert(1)</script>" in _Dom.text(dom.root)  # shown as text
+    assert not any("onclick" in (a["attrs"].get("href") or "") for a in dom.find("a"))  # not a page name: no link
+    (folder / "index.json").write_text('{"format": "something else"}')  # damaged: rebuilt from the saved pages
+    assert [e["name"] for e in tv._index_entries(folder)] == ["step_000001"]
