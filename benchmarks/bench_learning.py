@@ -441,17 +441,18 @@ def paired_differences(runs: dict[str, list[dict]], metric: str) -> dict[str, di
 
 
 def _x_cpu_minutes(run: dict, i: int) -> float:
-    """Training CPU minutes at evaluation point i; runs recorded before points carried it: 0 at the start, the run's
-    whole CPU time (its evaluations included) at the end."""
-    point = run["curve"][i]
+    """Training CPU minutes at evaluation point i. Runs recorded before points carried it have only two: 0 at the
+    start and the run's whole CPU time (its evaluations included) at the end; their points between are NaN (not
+    drawn), not put at the end."""
+    point, last = run["curve"][i], len(run["curve"]) - 1
     if "train_cpu_seconds" in point:
         return point["train_cpu_seconds"] / 60
-    return 0.0 if i == 0 else run.get("train_cpu_seconds", float("nan")) / 60
+    return 0.0 if i == 0 else run.get("train_cpu_seconds", math.nan) / 60 if i == last else math.nan
 
 
 def plot(runs: dict[str, list[dict]], path: str, title: str, metric: str = "exact_match") -> None:
-    """`metric` (held-out EM, or the task's reward) against rollout tokens: the mean over seeds at each evaluation
-    point, ± one std shaded."""
+    """`metric` (held-out EM, or the task's reward) against rollout tokens and training CPU minutes: the mean over
+    seeds at each evaluation point, ± one std shaded (clipped to the metric's range, [0, 1])."""
     try:
         import matplotlib
 
@@ -466,12 +467,14 @@ def plot(runs: dict[str, list[dict]], path: str, title: str, metric: str = "exac
     for axes, (x_label, x_of) in zip(panels, x_axes):
         for method, seeds in runs.items():
             points = min(len(r["curve"]) for r in seeds)
-            xs = [statistics.fmean(x_of(r, i) for r in seeds) for i in range(points)]
-            stats = [mean_std([r["curve"][i][metric] for r in seeds]) for i in range(points)]
+            drawn = [i for i in range(points) if all(math.isfinite(x_of(r, i)) for r in seeds)]
+            xs = [statistics.fmean(x_of(r, i) for r in seeds) for i in drawn]
+            stats = [mean_std([r["curve"][i][metric] for r in seeds]) for i in drawn]
             mean = [m for m, _ in stats]
-            label = f"{method} ({len(seeds)} seed{'s' if len(seeds) > 1 else ''})"
-            axes.plot(xs, mean, marker="o", label=label)
-            axes.fill_between(xs, [m - s for m, s in stats], [m + s for m, s in stats], alpha=0.2)
+            band = f", mean ± 1 std over {len(seeds)} seeds" if len(seeds) > 1 else ", 1 seed"
+            (line,) = axes.plot(xs, mean, marker="o", label=f"{method}{band}")
+            axes.fill_between(xs, [max(0.0, m - s) for m, s in stats], [min(1.0, m + s) for m, s in stats],
+                              alpha=0.2, color=line.get_color())
         axes.set_xlabel(x_label)
     panels[0].set_ylabel({"exact_match": "held-out exact match (greedy)"}.get(metric, f"held-out {metric} (greedy)"))
     figure.suptitle(textwrap.fill(title, 130), fontsize=9)

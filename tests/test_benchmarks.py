@@ -119,6 +119,18 @@ def test_the_paired_difference_is_the_per_question_mean_over_shared_seeds_with_a
     assert bench_learning.paired_difference([{"seed": 0, "curve": [{}, {}]}], same) is None
 
 
+def test_a_run_recorded_without_cpu_per_point_is_drawn_at_its_ends_only(bench_learning):
+    """Older run files carry the run's CPU time, not each evaluation's: their middle points have no CPU position
+    (NaN, not drawn), instead of all being put at the run's end."""
+    import math
+
+    old = {"train_cpu_seconds": 600.0, "curve": [{}, {}, {}]}
+    assert [bench_learning._x_cpu_minutes(old, i) for i in (0, 2)] == [0.0, 10.0]
+    assert math.isnan(bench_learning._x_cpu_minutes(old, 1))
+    new = {"curve": [{"train_cpu_seconds": 0.0}, {"train_cpu_seconds": 120.0}]}
+    assert [bench_learning._x_cpu_minutes(new, i) for i in (0, 1)] == [0.0, 2.0]
+
+
 def test_bench_learning_smollm2_path_writes_each_run_at_once_and_skips_it_later(tmp_path):
     """The `--model smollm2` code path (LoRA warm start and RL, per-turn cap, 128-question defaults, per-run files)
     at toy size, with the tiny model standing in for SmolLM2 (a SmolLM2 run is minutes, not seconds, on 2 cores)."""
