@@ -32,3 +32,37 @@ def test_every_cited_section_and_convention_exists():
 def test_no_citation_of_a_design_file_outside_the_repository():
     stale = [p.name for p in _cited_files() if re.search(r"\bDESIGN\b", p.read_text())]
     assert stale == []
+
+
+README = ROOT / "README.md"
+
+
+def _readme_block(heading: str, language: str) -> str:
+    """The first fenced `language` block under the README's `## heading`."""
+    text = README.read_text()
+    section = text.split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    return section.split(f"```{language}\n", 1)[1].split("```", 1)[0]
+
+
+def test_every_picture_the_readme_embeds_is_in_the_repository():
+    """The README's pictures render on the repository page only if each image it names is committed there."""
+    images = re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", README.read_text())
+    assert images, "the README embeds no picture"
+    missing = [p for p in images if not p.startswith("http") and not (ROOT / p).is_file()]
+    assert missing == []
+
+
+def test_the_readmes_python_example_runs_offline_and_writes_the_tree_pages(tmp_path):
+    """The first Python a reader meets must run as it is, offline, and leave the pages it tells them to open."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "example.py"
+    script.write_text(_readme_block("Try it in Python", "python"))
+    env = {**__import__("os").environ, "TRL_EXPERIMENTAL_SILENCE": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "open treeopsd-tiny/tree_view/index.html" in proc.stdout
+    pages = tmp_path / "treeopsd-tiny" / "tree_view"
+    assert (pages / "index.html").is_file() and list(pages.glob("step_*.html"))
