@@ -67,7 +67,6 @@ from torch import Tensor
 from trl_tree import losses
 from trl_tree.batch import LossInputs, TurnCredit
 from trl_tree.methods import clip_epsilons
-from trl_tree.packing import PackedTrees, packed_token_logps
 
 LOSS_OF = {"treeopsd": "treeopsd", "treepo": "treepo", "clip": "grpo"}
 SCHEDULES = ("revisit", "disjoint")
@@ -206,12 +205,10 @@ def with_loss(trainer, base_args, method: str) -> None:
 
 
 def block_forward(trainer, model, batch: dict, grad: bool) -> LossInputs:
-    """One micro-batch's forward under the current model, flattened as the losses read it (`TreeTrainer._compute_loss`
-    builds the same `LossInputs`): with `grad`, the forward the block trains on."""
-    packed = PackedTrees.from_dict(batch)
+    """One micro-batch's forward under the current model, flattened as the losses read it (the trainer's own
+    `loss_inputs`): with `grad`, the forward the block trains on."""
     with torch.set_grad_enabled(grad):
-        logps, _ = packed_token_logps(model, packed, temperature=trainer.temperature)
-    return LossInputs.build(packed.turn_ids, logps, batch["old_logps"], TurnCredit.from_dict(batch))
+        return trainer.loss_inputs(model, batch)[0]
 
 
 def turn_measures(inputs: LossInputs, q: Tensor, epsilons: dict) -> dict[str, float]:

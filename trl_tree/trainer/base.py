@@ -543,15 +543,22 @@ class TreeTrainer(GRPOTrainer):
 
     # ---------------------------------------------------------------- loss
 
+    def loss_inputs(self, model, inputs: dict, compute_entropy: bool = False) -> tuple[LossInputs, torch.Tensor | None]:
+        """One packed forward of `model` over a micro-batch, flattened as the losses read it, and the tokens' entropies
+        (trained tokens only, each unique token once) with `compute_entropy`. The loss, the tree view's "after"
+        probabilities and the block benchmark all read the micro-batch through here."""
+        packed = PackedTrees.from_dict(inputs)
+        logps, entropy = packed_token_logps(model, packed, temperature=self.temperature, compute_entropy=compute_entropy)
+        batch = LossInputs.build(packed.turn_ids, logps, inputs["old_logps"], TurnCredit.from_dict(inputs))
+        return batch, entropy[packed.turn_ids >= 0] if entropy is not None else None
+
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
-        packed = PackedTrees.from_dict(inputs)
-        logps, entropy = packed_token_logps(model, packed, temperature=self.temperature, compute_entropy=True)
-        batch = LossInputs.build(packed.turn_ids, logps, inputs["old_logps"], TurnCredit.from_dict(inputs))
+        batch, entropy = self.loss_inputs(model, inputs, compute_entropy=True)
         loss = self.turn_loss(batch, mode)
         # GRPO's `entropy`: mean entropy of the trained tokens (each unique token once), from the training forward
         logged = trl_internals.metrics(self, mode)
-        logged["entropy"].append(self._mean_over_ranks(entropy[packed.turn_ids >= 0].detach()))
+        logged["entropy"].append(self._mean_over_ranks(entropy.detach()))
         if mode == "train":
             loss = loss / getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
         return loss

@@ -40,8 +40,6 @@ from transformers import TrainerCallback
 
 from .. import credit as credit_lib
 from .. import losses, methods, trl_internals
-from ..batch import LossInputs, TurnCredit
-from ..packing import PackedTrees, packed_token_logps
 from ..tree_view import (
     VIEW_DIR,
     attach_turn_probabilities,
@@ -182,10 +180,8 @@ class TreeViewRecorder(TrainerCallback):
 def _turn_probabilities(trainer, batch: dict) -> list[tuple[list, list, list]]:
     """Per unit (tree or TreeFlex group) of a micro-batch: per turn, the mean token log-prob under π_old and under the
     current weights, and σ(mean log-ratio); None for a turn with no trained token (masked). The micro-batch is
-    flattened as the loss flattens it (`LossInputs.build`)."""
-    packed = PackedTrees.from_dict(batch)
-    logps, _ = packed_token_logps(trainer.model, packed, temperature=trainer.temperature)
-    flat = LossInputs.build(packed.turn_ids, logps, batch["old_logps"], TurnCredit.from_dict(batch))
+    flattened as the loss flattens it (`TreeTrainer.loss_inputs`)."""
+    flat, _ = trainer.loss_inputs(trainer.model, batch)
     n, ids = flat.num_turns, flat.turn_ids
     tokens = losses.turn_token_counts(ids, n)
     old = losses.turn_sum(flat.old_logps.double(), ids, n) / tokens.clamp(min=1)
