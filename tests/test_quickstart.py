@@ -33,6 +33,31 @@ def test_ci_runs_the_readmes_lines_verbatim_in_a_fresh_venv_and_checks_them_agai
     assert venv is not None and "--system-site-packages" not in venv.group(1)
 
 
+def test_ci_stops_before_running_anything_when_its_copy_drifts_from_the_readme(tmp_path):
+    """The drift check itself, run as .ci/run runs it: equal lines pass; one changed README line stops CI."""
+    import shutil
+    import subprocess
+    import sys
+
+    check = CI_RUN[CI_RUN.index("quickstart=(") : CI_RUN.index("for line in")]
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "quickstart.py", tmp_path / "scripts" / "quickstart.py")
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    (shims / "python").symlink_to(sys.executable)  # .ci/run calls `python` inside its venv
+    env = {"PATH": f"{shims}:/usr/bin:/bin"}
+
+    def run_check(readme: str) -> subprocess.CompletedProcess:
+        (tmp_path / "README.md").write_text(readme)
+        return subprocess.run(["bash", "-euo", "pipefail", "-c", check], cwd=tmp_path, env=env, capture_output=True,
+                              text=True)
+
+    readme = (ROOT / "README.md").read_text()
+    assert run_check(readme).returncode == 0
+    drifted = run_check(readme.replace("accelerate launch examples/train_hotpot.py", "python examples/train_hotpot.py", 1))
+    assert drifted.returncode == 1 and "differ from the README" in drifted.stdout
+
+
 def test_ci_installs_nothing_for_the_main_environment_beyond_the_readme():
     before_deactivate = CI_RUN[: CI_RUN.index("\ndeactivate")]
     readme_lines = quickstart.quickstart_lines((ROOT / "README.md").read_text())
