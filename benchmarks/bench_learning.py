@@ -39,6 +39,7 @@ import hashlib
 import json
 import math
 import random
+import shutil
 import statistics
 import tempfile
 import textwrap
@@ -130,6 +131,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "16 unpacked SmolLM2 trajectories need ~18 GB; numerically the same either way)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 1 seed, 1 generation batch of 2 prompts, 2 test questions, no warm start")
+    p.add_argument("--tree_view", default=None, metavar="DIR",
+                   help="tree methods: save each run's rollout-tree pages (log_completions) under DIR/METHOD-seedS/")
     p.add_argument("--plot", default=None, help="write the EM-vs-rollout-tokens plot here (PNG)")
     p.add_argument("--output", default=None, help="write the results as JSON here")
     p.add_argument("--report_only", action="store_true",
@@ -255,9 +258,10 @@ def run(method: str, seed: int, model_path: str, task, args) -> dict:
     model, tokenizer = load_model(model_path)
     with tempfile.TemporaryDirectory() as output_dir:
         weights = {"reward_weights": [1.0, args.format_reward_weight]} if args.format_reward_weight else {}
+        view = {"log_completions": True, "num_completions_to_print": 0} if args.tree_view and method != "grpo" else {}
         peft = lora_config(args.lora_rank) if args.lora_rank else None
         trainer = build_trainer(method, model, tokenizer, task, budget, output_dir, peft_config=peft,
-                                gradient_checkpointing=args.gradient_checkpointing, **weights)
+                                gradient_checkpointing=args.gradient_checkpointing, **weights, **view)
         trainer.remove_callback(PrinterCallback)
         meter = BatchMeter(trainer)
         evaluation = HeldOutEvaluation(trainer, meter, task, agent_settings(args),
@@ -267,6 +271,10 @@ def run(method: str, seed: int, model_path: str, task, args) -> dict:
         started, started_cpu = time.perf_counter(), time.process_time()
         trainer.train()
         meter.memory.close()
+        if view:  # the temporary output folder goes: keep its pages
+            pages = Path(args.tree_view) / f"{method}-seed{seed}"
+            shutil.copytree(Path(output_dir) / "tree_view", pages, dirs_exist_ok=True)
+            print(f"[{method} seed {seed}] rollout-tree pages: {pages / 'index.html'}", flush=True)
     rewards = [e["reward"] for e in trainer.state.log_history if "reward" in e]
     metric, curve = headline_metric(args.task), evaluation.curve
     return {"method": method, "seed": seed, "heldout_metric": metric, "heldout_before": curve[0][metric],
@@ -286,7 +294,8 @@ def run_file(output: str, method: str, seed: int) -> Path:
 
 # Arguments that do not change a run's numbers: which runs to make, where to write, threads, and gradient
 # checkpointing (recomputed activations are the same activations)
-NOT_RESULT_ARGUMENTS = {"methods", "seeds", "output", "plot", "threads", "gradient_checkpointing", "report_only"}
+NOT_RESULT_ARGUMENTS = {"methods", "seeds", "output", "plot", "threads", "gradient_checkpointing", "report_only",
+                        "tree_view"}  # the pages cost one no-grad forward a batch and change no sample or step
 
 
 def checked_run(path: Path, args) -> dict:

@@ -92,6 +92,15 @@ def test_bench_learning_quick_writes_curves_and_a_summary_per_method(tmp_path, t
     assert set(result["paired_differences"]) == {"treeopsd - treepo", "treeopsd - grpo", "treepo - grpo"}
 
 
+def test_bench_learning_keeps_each_tree_runs_pages_with_tree_view(tmp_path):
+    """`--tree_view DIR`: the runs train in a temporary folder; their rollout-tree pages are kept, one folder a run."""
+    run_benchmark("bench_learning.py", "--quick", "--methods", "grpo,treeopsd", "--tree_view", str(tmp_path / "view"),
+                  tmp_path=tmp_path)
+    assert (tmp_path / "view" / "treeopsd-seed0" / "index.html").is_file()
+    assert list((tmp_path / "view" / "treeopsd-seed0").glob("step_*.html"))
+    assert not (tmp_path / "view" / "grpo-seed0").exists()  # GRPOTrainer writes no tree pages
+
+
 def _runs(outcomes_per_seed: dict[int, list[float]]) -> list[dict]:
     return [{"seed": s, "curve": [{}, {"per_question": {"exact_match": o}}]} for s, o in outcomes_per_seed.items()]
 
