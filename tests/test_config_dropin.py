@@ -59,6 +59,15 @@ def test_a_grpo_recipe_builds_every_tree_config_unchanged(config_cls, tmp_path):
     assert args.prompts_per_generation == grpo.generation_batch_size // grpo.num_generations
 
 
+@pytest.mark.parametrize("config_cls", [TreeOPSDConfig, TreePOConfig, AT2POConfig, TreeAdvConfig])
+def test_log_completions_prints_a_bounded_sample_unless_asked_for_every_row(config_cls, tmp_path):
+    """A tree batch has a completions-table row per leaf: GRPO's default (None, every row) printed 70k lines and
+    made training 3x slower. The tree configs print TRL's `num_completions_to_print` rows, 8 unless set."""
+    assert config_cls(output_dir=str(tmp_path), log_completions=True, **CPU).num_completions_to_print == 8
+    every = config_cls(output_dir=str(tmp_path), log_completions=True, num_completions_to_print=None, **CPU)
+    assert every.num_completions_to_print is None
+
+
 def test_treeflex_takes_the_recipe_as_its_group_and_rejects_the_per_trajectory_tool_cap(tmp_path):
     recipe = {k: v for k, v in GRPO_RECIPE.items() if k != "max_tool_calling_iterations"}
     args = TreeFlexConfig(output_dir=str(tmp_path), **recipe)

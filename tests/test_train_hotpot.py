@@ -60,7 +60,23 @@ def test_offline_run_reports_em_and_f1_before_and_after_and_saves_the_model(offl
 def test_offline_run_prints_both_evaluations_the_reward_curve_and_the_model_folder(offline_run):
     out, printed, _ = offline_run
     assert "before training: EM" in printed and "after  training: EM" in printed and "F1" in printed
-    assert "reward curve:" in printed and f"model saved to {out / 'model'}" in printed
+    assert "training reward" in printed and f"model saved to {out / 'model'}" in printed
+
+
+def test_offline_run_writes_the_tree_view_and_ends_by_printing_its_page(offline_run):
+    out, printed, summary = offline_run
+    page = out / "model" / "tree_view" / "index.html"
+    assert summary["tree_view"] == str(page) and page.is_file()
+    assert printed.rstrip().splitlines()[-1].startswith(f"rollout trees: open {page}")
+
+
+def test_the_reward_summary_compares_the_first_and_last_thirds_not_two_points():
+    from trl_tree.scripts.hotpot import describe_reward_curve as describe
+
+    line = describe([0.28, 0.29, 0.40, 0.28])  # first and last point equal, the curve was not flat
+    assert "0.28 0.29 0.40 0.28" in line and "first third 0.285" in line and "last third 0.340" in line
+    assert "(+0.055)" in line
+    assert "first third" not in describe([0.5, 0.6]) and describe([]) == "no training reward was logged"
 
 
 def test_eval_hotpot_scores_the_saved_model_like_the_training_run(offline_run, tmp_path):

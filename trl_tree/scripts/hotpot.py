@@ -360,6 +360,27 @@ def reward_curve(log_history: list[dict[str, Any]]) -> list[float]:
     return [float(entry["reward"]) for entry in log_history if "reward" in entry]
 
 
+def describe_reward_curve(curve: list[float]) -> str:
+    """One line on a training-reward curve that means what it says: the means of its first and last thirds (a single
+    first or last point of a noisy curve says little), and the curve itself when it is short."""
+    if not curve:
+        return "no training reward was logged"
+    points = " ".join(f"{r:.2f}" for r in curve)
+    if len(curve) < 3:
+        return f"training reward per logged step: {points}"
+    third = -(-len(curve) // 3)  # rounded up: 4 points give halves, not a single first and last point
+    first, last = sum(curve[:third]) / third, sum(curve[-third:]) / third
+    shown = f": {points}" if len(curve) <= 24 else f" ({len(curve)} logged steps)"
+    return (f"training reward{shown}; mean of the first third {first:.3f}, of the last third {last:.3f} "
+            f"({last - first:+.3f})")
+
+
+def tree_view_index(output_dir: str) -> str | None:
+    """The run's rollout-tree index page (written with log_completions), or None."""
+    path = os.path.join(output_dir, "tree_view", "index.html")
+    return path if os.path.isfile(path) else None
+
+
 def _format_eval(name: str, result) -> str:
     return (
         f"{name:<12} EM {result.exact_match:6.3f}   F1 {result.f1:6.3f}   well-formed {result.format_rate:5.2f}   "
@@ -540,6 +561,7 @@ def main(script_args: HotpotScriptArguments, training_args, model_args: ModelCon
 
     summary["settings"] = run_settings(script_args, training_args, train_examples, held_out)
     summary["output_dir"] = training_args.output_dir
+    summary["tree_view"] = tree_view_index(training_args.output_dir)
     summary["seconds"] = round(time.time() - started, 1)
     if state.is_main_process:
         with open(os.path.join(training_args.output_dir, RESULTS_FILE), "w") as f:
@@ -556,17 +578,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
     curve = summary.get("reward_curve") or []
     lines = ["", f"===== {summary['method']} on {summary['dataset']} ====="]
     if curve:
-        lines.append(
-            "training reward per generation batch (mean over its tree leaves; each batch has new questions): "
-            + " ".join(f"{r:.2f}" for r in curve)
-        )
-        summary_line = f"reward curve: first {curve[0]:.3f}, last {curve[-1]:.3f}"
-        if len(curve) >= 8:
-            k = len(curve) // 4
-            summary_line += (
-                f"; mean of the first {k}: {sum(curve[:k]) / k:.3f}, of the last {k}: {sum(curve[-k:]) / k:.3f}"
-            )
-        lines.append(summary_line)
+        lines.append(describe_reward_curve(curve) + " (each point: the mean over its trees' leaves)")
         if max(curve) == 0.0:
             lines.append(
                 "note: no leaf of any tree earned a reward, so every tree's rewards were equal and its turn credit "
@@ -585,8 +597,14 @@ def _print_summary(summary: dict[str, Any]) -> None:
                     f"({r['num_questions']} {what} questions, greedy)"
                 )
         if prefix + "before" in summary and prefix + "after" in summary:
-            gained = summary[prefix + "after"]["exact_match"] - summary[prefix + "before"]["exact_match"]
-            lines.append(f"EM change on the same {what} questions: {gained:+.3f}")
+            before, after = summary[prefix + "before"], summary[prefix + "after"]
+            lines.append(f"EM change on the same {what} questions: {after['exact_match'] - before['exact_match']:+.3f}")
+            if after["format_rate"] < before["format_rate"] - 0.05:
+                lines.append(
+                    f"note: fewer {what} answers are well-formed after training ({before['format_rate']:.2f} -> "
+                    f"{after['format_rate']:.2f}): RL moved the policy away from the warm start's format on these "
+                    "questions; the tree-view pages show the malformed calls (filter: failed or malformed)."
+                )
     if summary.get("tiny_model"):
         lines.append(
             "note: the offline default trains a 2-layer tiny model for a few minutes; it memorises its training "
@@ -594,6 +612,9 @@ def _print_summary(summary: dict[str, Any]) -> None:
             "working end to end, not the method's gains (see examples/recipes/ for the paper's setting)."
         )
     lines.append(f"model saved to {summary['output_dir']} ({summary['seconds']:.0f}s in all)")
+    if summary.get("tree_view"):
+        lines.append(f"rollout trees: open {summary['tree_view']} in a browser "
+                     f"(`trl-tree view {summary['output_dir']}` renders them again)")
     print("\n".join(lines), flush=True)
 
 

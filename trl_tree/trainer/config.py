@@ -338,6 +338,10 @@ class TreeConfig(GRPOConfig):
         default=None, metadata={"help": "Trajectories of budget per micro-batch per device, a multiple of G (default "
                                 "GRPO's 8 when G divides it, the same 8 / G prompts per step; else G: one tree)."}
     )
+    num_completions_to_print: int | None = field(
+        default=8, metadata={"help": "Rows of the completions table printed with log_completions (GRPO: None, every "
+                             "row; a tree batch has a row per leaf: tens of thousands of lines). None prints all."}
+    )
     vllm_importance_sampling_correction: bool = field(
         default=False, metadata={"help": "Not applied: π_old is recomputed by the training model (False with vLLM)."}
     )
