@@ -272,9 +272,11 @@ def run(method: str, seed: int, model_path: str, task, args) -> dict:
         trainer.train()
         meter.memory.close()
         if view:  # the temporary output folder goes: keep its pages
+            from trl_tree.tree_view import INDEX, VIEW_DIR
+
             pages = Path(args.tree_view) / f"{method}-seed{seed}"
-            shutil.copytree(Path(output_dir) / "tree_view", pages, dirs_exist_ok=True)
-            print(f"[{method} seed {seed}] rollout-tree pages: {pages / 'index.html'}", flush=True)
+            shutil.copytree(Path(output_dir) / VIEW_DIR, pages, dirs_exist_ok=True)
+            print(f"[{method} seed {seed}] rollout-tree pages: {pages / f'{INDEX}.html'}", flush=True)
     rewards = [e["reward"] for e in trainer.state.log_history if "reward" in e]
     metric, curve = headline_metric(args.task), evaluation.curve
     return {"method": method, "seed": seed, "heldout_metric": metric, "heldout_before": curve[0][metric],

@@ -29,13 +29,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 _QUERY = re.compile(r'"query"\s*:\s*"((?:[^"\\]|\\.)*)"')
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 _TOOL = re.compile(r'"name"\s*:\s*"([^"]+)"')
 
 
 def action_label(action: str, width: int = 28) -> str:
     """What a turn did, in a few words: its search query, its answer, another tool's name, or 'malformed'."""
-    if m := _ANSWER.search(action):
+    from trl_tree.rewards import ANSWER_SPAN  # the answer the reward reads
+
+    if m := ANSWER_SPAN.search(action):
         return _short("answer: " + m.group(1).strip(), width)
     if "<tool_call>" in action:
         if m := _QUERY.search(action):

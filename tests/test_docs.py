@@ -1,7 +1,10 @@
 """Every design citation in the code and tests resolves inside the repository: `docs/design.md §N` names a section
 of that file, and each convention label cited beside it (T1–T7, A1–A5, D1–D4, F1–F4) is defined there."""
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,12 +57,9 @@ def test_every_picture_the_readme_embeds_is_in_the_repository():
 
 def test_the_readmes_python_example_runs_offline_and_writes_the_tree_pages(tmp_path):
     """The first Python a reader meets must run as it is, offline, and leave the pages it tells them to open."""
-    import subprocess
-    import sys
-
     script = tmp_path / "example.py"
     script.write_text(_readme_block("Try it in Python", "python"))
-    env = {**__import__("os").environ, "TRL_EXPERIMENTAL_SILENCE": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600,
                           env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

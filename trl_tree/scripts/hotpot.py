@@ -377,7 +377,9 @@ def describe_reward_curve(curve: list[float]) -> str:
 
 def tree_view_index(output_dir: str) -> str | None:
     """The run's rollout-tree index page (written with log_completions), or None."""
-    path = os.path.join(output_dir, "tree_view", "index.html")
+    from trl_tree.tree_view import INDEX, VIEW_DIR
+
+    path = os.path.join(output_dir, VIEW_DIR, f"{INDEX}.html")
     return path if os.path.isfile(path) else None
 
 
