@@ -1420,24 +1420,23 @@ def _shown(value) -> str:
     return text if len(text) <= 80 else text[:80] + "…"
 
 
-def _as_int(value, where: str) -> int | None:
+def _as_number(value, where: str, convert):
+    """`convert(value)`, None for None; a saved field that is no number is a damaged or edited file."""
     if value is None:
         return None
     try:
-        return int(value)
+        return convert(value)
     except (TypeError, ValueError, OverflowError):
         raise ValueError(f"{where} must be a number, got {_shown(value)}: the file was edited or is damaged; "
                          "render the data the run saved.") from None
+
+
+def _as_int(value, where: str) -> int | None:
+    return _as_number(value, where, int)
 
 
 def _as_float(value, where: str) -> float | None:
-    if value is None:
-        return None
-    try:
-        return _number(value)
-    except (TypeError, ValueError, OverflowError):
-        raise ValueError(f"{where} must be a number, got {_shown(value)}: the file was edited or is damaged; "
-                         "render the data the run saved.") from None
+    return _as_number(value, where, _number)
 
 
 def _as_list(value, where: str) -> list:
