@@ -5,7 +5,7 @@
   `<answer>…</answer>`). Each carries its dataset, held-out rows, tools, reward and the scripted conversations that
   warm-start a model.
 - **Models.** `warm_started_model` teaches a model the task's tool-call format with a short SFT
-  (`trl_tree.testing.warm_start`) and caches the result on disk, so every variant and every seed of a benchmark starts
+  (`trl_tree.warm_start.warm_start`) and caches the result on disk, so every variant and every seed of a benchmark starts
   from the same weights and the SFT is paid once.
 - **Trainers.** `build_trainer` makes GRPO with G completions per prompt, or a tree trainer with (M, N) trees, from one
   `Budget`: the same prompts per generation batch, the same E optimizer steps per generation batch, the same turn and
@@ -169,7 +169,9 @@ def make_task(name: str, num_train: int | None = None, num_test: int | None = No
 
 def cache_root() -> Path:
     """Where warm-started models and indexes are cached: `$TRL_TREE_CACHE/benchmarks` (as `trl_tree.testing`)."""
-    return Path(os.environ.get("TRL_TREE_CACHE") or Path.home() / ".cache" / "trl_tree") / "benchmarks"
+    from trl_tree.model_cache import cache_root as trl_tree_cache
+
+    return trl_tree_cache() / "benchmarks"
 
 
 def device() -> torch.device:
@@ -205,7 +207,9 @@ def warm_started_model(task: Task, model_name_or_path: str | None, steps: int, s
 
     With `lora_rank`, the SFT trains LoRA adapters (`lora_config`), merged into the weights before saving, so every
     method starts from the same plain model."""
-    from trl_tree.testing import save_model_atomically, tiny_model_path, warm_start
+    from trl_tree.model_cache import save_model_atomically
+    from trl_tree.testing import tiny_model_path
+    from trl_tree.warm_start import warm_start
 
     base = model_name_or_path or tiny_model_path()
     if steps <= 0:

@@ -195,6 +195,20 @@ def test_log_metric_and_log_extra_from_a_reward_function_reach_the_logs_as_in_gr
     assert column == [c[-1]["content"] for c in trainer._logs["completion"]] and len(column) == 4
 
 
+def test_the_completions_table_is_shown_once_per_step_not_again_with_the_end_of_training_summary(tmp_path,
+                                                                                                 monkeypatch):
+    import trl.trainer.grpo_trainer as grpo_module
+
+    shown = []
+    monkeypatch.setattr(grpo_module, "print_prompt_completions_sample",
+                        lambda *args, **kwargs: shown.append(args[4]))  # the step the table is titled with
+    replies = {key: texts * 2 for key, texts in REPLIES.items()}  # two generation batches' worth
+    trainer = _tree_trainer(tmp_path, replies=replies, log_completions=True, max_steps=2, logging_steps=1)
+    trainer.train()
+    assert shown == [1, 2]  # the final summary's log (at step 2 again) does not print step 2's rows twice
+    assert trainer.log_completions  # and the flag is back for whatever logs next
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # clip_ratio/* as GRPO defines them, on the tree's K root-to-leaf sequences
 # ---------------------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from trl_tree.scripts.hotpot import OFFLINE_TRAINING_DEFAULTS, parse_args
 
@@ -166,3 +167,28 @@ def test_lora_adapter_is_saved_against_the_warm_started_base(tmp_path):
     assert adapter["base_model_name_or_path"] == str((out / "warm_start_base").resolve())
     model, _ = load_model_for_eval(str(out))  # base + adapter, merged
     assert not hasattr(model, "peft_config") and summary["after"]["num_questions"] == 3
+
+
+def test_a_rerun_loads_the_warm_start_from_the_cache_with_the_same_weights(tmp_path, monkeypatch, capsys):
+    """Line 1 of the Quickstart pays for its warm start once: a rerun with the same inputs loads it."""
+    from accelerate import PartialState
+
+    from trl_tree.scripts import hotpot
+
+    monkeypatch.setenv("TRL_TREE_CACHE", str(tmp_path / "cache"))
+    argv = [*TINY, "--output_dir", str(tmp_path / "out"), "--bm25_cache_dir", str(tmp_path / "bm25")]
+    script_args, training_args, model_args = parse_args("treeopsd", argv)
+    train_examples, held_out = hotpot.load_questions(script_args)
+    search = hotpot.build_search_tool(script_args, training_args, train_examples + held_out)
+
+    def warm_started():
+        model, tokenizer = hotpot.load_model_and_tokenizer(model_args, training_args)
+        losses = hotpot.warm_start_policy(model, tokenizer, search, train_examples, script_args, training_args,
+                                          model_args, PartialState())
+        return model, losses, capsys.readouterr().out
+
+    first, first_losses, first_printed = warm_started()
+    second, second_losses, second_printed = warm_started()
+    assert "cached in" in first_printed and "loaded from" in second_printed
+    assert second_losses == first_losses
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))

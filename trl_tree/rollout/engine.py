@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -22,6 +23,15 @@ from .. import trl_internals
 from .prefix_cache import PrefixKVStore, left_padded, supports_reuse
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _without_trl_checkpointing_warning():
+    """TRL's `unwrap_model_for_generation` reads `model.is_gradient_checkpointing`, which transformers 5.23 renamed:
+    the FutureWarning is about TRL's code, nothing a user of this library can change, so it is not shown to them."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
 
 
 @dataclass
@@ -174,6 +184,7 @@ class HFEngine:
         device = trainer.accelerator.device
         budget = max(max_new_tokens)
         with (
+            _without_trl_checkpointing_warning(),
             unwrap_model_for_generation(
                 trainer.model_wrapped,
                 trainer.accelerator,

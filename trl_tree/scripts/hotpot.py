@@ -182,9 +182,19 @@ def _offline_recipe() -> dict[str, Any]:
     return yaml.safe_load(importlib.resources.files("trl_tree").joinpath("recipes", OFFLINE_RECIPE).read_text())
 
 
+def _checkpointing_key_for_this_transformers(recipe: dict[str, Any]) -> dict[str, Any]:
+    """transformers 5.23 renamed `gradient_checkpointing` to `activation_checkpointing` (the old name warns); the
+    recipe uses the new name, read as the old one where the installed transformers (>= 5.2 is supported) lacks it."""
+    from transformers import TrainingArguments
+
+    if "activation_checkpointing" in recipe and "activation_checkpointing" not in TrainingArguments.__dataclass_fields__:
+        recipe["gradient_checkpointing"] = recipe.pop("activation_checkpointing")
+    return recipe
+
+
 def _split_offline_recipe() -> tuple[dict[str, Any], dict[str, Any], dict[str, dict[str, Any]]]:
     """(script fields, training-config fields, per-method fields) of the offline recipe."""
-    recipe = _offline_recipe()
+    recipe = _checkpointing_key_for_this_transformers(_offline_recipe())
     methods = recipe.pop("methods")
     script_fields = {f.name for f in fields(HotpotScriptArguments)}
     script = {k: v for k, v in recipe.items() if k in script_fields}
@@ -405,27 +415,35 @@ def trainer_class_for(training_args) -> type:
 
 
 def warm_start_policy(model, tokenizer, search, train_examples, script_args, training_args, model_args, state):
-    """SFT on scripted search conversations of the training questions; returns the first and last loss."""
+    """SFT on scripted search conversations of the training questions, in place; returns the first and last loss.
+
+    Cached by everything that determines the weights (`trl_tree.warm_start.cached_warm_start`): a rerun with the
+    same model, questions, tool and warm-start settings loads the result instead of training again."""
     from trl_tree.envs import scripted_search_conversation
-    from trl_tree.testing import warm_start
+    from trl_tree.warm_start import cached_warm_start, model_fingerprint
 
     conversations = [scripted_search_conversation(e, search=search) for e in train_examples]
     started = time.time()
-    losses = warm_start(
+    result = cached_warm_start(
         model,
         tokenizer,
         conversations,
+        base=model_fingerprint(_model_path(model_args), model_args.model_revision),
         tools=[search],
         steps=script_args.warm_start_steps,
         lr=script_args.warm_start_lr,
         batch_size=script_args.warm_start_batch_size,
         seed=training_args.seed,
+        save=state.is_main_process,
+        progress=state.is_main_process,
     )
     if model_args.use_peft:
         _save_warm_started_base(model, tokenizer, training_args.output_dir, state)
+    losses = result.losses
+    how = f"loaded from {result.path}" if result.cached else f"{time.time() - started:.0f}s, cached in {result.path}"
     state.print(
         f"[trl-tree] warm start: {len(losses)} SFT steps on scripted search conversations, loss "
-        f"{losses[0]:.3f} -> {losses[-1]:.3f} ({time.time() - started:.0f}s)"
+        f"{losses[0]:.3f} -> {losses[-1]:.3f} ({how})"
     )
     return [losses[0], losses[-1]]
 

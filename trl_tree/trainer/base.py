@@ -16,6 +16,7 @@ presets of `TreeTrainer`. `generate_batch` is the public seam to one generation 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import logging
@@ -43,6 +44,19 @@ from .config import TreeConfig
 from .tree_view_logging import TreeViewRecorder, at_global_step
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _switched_off(obj, flag: str, when: bool):
+    """`obj.flag` is False inside the block if `when`, and restored after it."""
+    if not when:
+        yield
+        return
+    setattr(obj, flag, False)
+    try:
+        yield
+    finally:
+        setattr(obj, flag, True)
 
 
 class TreeTrainer(GRPOTrainer):
@@ -90,6 +104,7 @@ class TreeTrainer(GRPOTrainer):
         self._warn_if_budget_exceeds_positions()
         # the rollout-tree view (one page per generation batch), with the completions table of log_completions
         self._tree_view = TreeViewRecorder(self) if self.log_completions else None
+        self._completions_shown_at: int | None = None  # the step whose completions table `log` last showed
         if self._tree_view is not None:
             self.add_callback(self._tree_view)
 
@@ -580,8 +595,14 @@ class TreeTrainer(GRPOTrainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """GRPOTrainer's `log` (metrics, and the completions table with `log_completions`), then the rollout-tree view
-        of the last finished generation batch, saved and logged to the trackers (`trl_tree.tree_view`)."""
-        with at_global_step(self):  # Trackio files everything of this log at the trainer's step, not at its own count
+        of the last finished generation batch, saved and logged to the trackers (`trl_tree.tree_view`).
+
+        The completions table is shown once per step: GRPOTrainer prints (and logs) it again with the end-of-training
+        summary, which transformers logs at the last step's number, the same rows a second time."""
+        shown_already = self.log_completions and self.state.global_step == self._completions_shown_at
+        self._completions_shown_at = self.state.global_step
+        with at_global_step(self), _switched_off(self, "log_completions", shown_already):
+            # Trackio files everything of this log at the trainer's step, not at its own count
             super().log(logs, start_time)
             if self._tree_view is not None:
                 self._tree_view.write_ready()
