@@ -113,6 +113,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num_train", type=int, default=None, help="training questions (default: 200 search, 64 calculator)")
     p.add_argument("--num_test", type=int, default=None, help="held-out questions (default: 48 search, 32 calculator; "
                    "the search world is built from both counts, so changing them changes the cached warm start)")
+    p.add_argument("--num_eval", type=int, default=None,
+                   help="evaluate only the first N held-out questions (default: all --num_test): a quicker, noisier "
+                        "evaluation of the same world, so the cached warm start is reused")
     p.add_argument("--warm_start_steps", type=int, default=None,
                    help="SFT steps on scripted trajectories (cached; default: 600 search, 150 calculator; smollm2 10)")
     p.add_argument("--warm_start_lr", type=float, default=3e-3, help="learning rate of the warm start")
@@ -375,7 +378,8 @@ def warm_start_sweep(args, task, base: str | None) -> None:
         rows.append({"warm_start_steps": steps, **metrics, "eval_seconds": time.perf_counter() - started})
         print(markdown_table(rows[-1:], list(rows[-1])), flush=True)
     table = markdown_table(rows, list(rows[0]))
-    print(f"\nWarm starts, held-out greedy on {args.num_test} questions ({args.task}, {args.model})\n\n{table}")
+    print(f"\nWarm starts, held-out greedy on {args.num_eval or args.num_test} questions ({args.task}, {args.model})"
+          f"\n\n{table}")
     if args.output:
         write_json(args.output, {"config": vars(args), "environment": environment(), "warm_starts": rows})
 
@@ -500,6 +504,10 @@ def main(argv=None):
     if not torch.cuda.is_available():
         torch.set_num_threads(args.threads or 1)
     task = make_task(args.task, args.num_train, args.num_test, topk=args.topk)
+    if args.num_eval is not None:
+        if not 0 < args.num_eval <= len(task.test_rows):
+            raise SystemExit(f"--num_eval {args.num_eval}: choose 1 to {len(task.test_rows)} (--num_test)")
+        task.test_rows = task.test_rows[:args.num_eval]  # the corpus, built from every question, stays the same
     if args.format_reward_weight:
         task.reward_funcs = [*task.reward_funcs, format_reward]
     base = args.model_name_or_path
@@ -572,8 +580,8 @@ def report(runs: dict[str, list[dict]], args, model_path: str) -> None:
              "run CPU minutes": _pm(s, "run_cpu_minutes", digits=0)}
             for m, s in summary.items()]
     seeds = ",".join(str(s) for s in args.seeds)
-    caption = (f"Held-out greedy answers to {args.num_test} questions ({args.task}, {args.model}), seeds {seeds}, "
-               f"mean ± std, after {args.generation_batches} generation batches of {args.prompts} prompts")
+    caption = (f"Held-out greedy answers to {args.num_eval or args.num_test} questions ({args.task}, {args.model}), "
+               f"seeds {seeds}, mean ± std, after {args.generation_batches} generation batches of {args.prompts} prompts")
     table = markdown_table(rows, list(rows[0]))
     metric = headline_metric(args.task)
     differences = paired_differences(runs, metric)

@@ -101,6 +101,17 @@ def test_bench_learning_keeps_each_tree_runs_pages_with_tree_view(tmp_path):
     assert not (tmp_path / "view" / "grpo-seed0").exists()  # GRPOTrainer writes no tree pages
 
 
+def test_bench_learning_num_eval_evaluates_the_first_questions_of_the_same_world(tmp_path):
+    """`--num_eval N` (the quick SmolLM2 demo): fewer held-out questions, the same corpus and cached warm start."""
+    result = run_benchmark("bench_learning.py", "--quick", "--methods", "treeopsd", "--num_eval", "1",
+                           tmp_path=tmp_path)
+    curve = result["runs"]["treeopsd"][0]["curve"]
+    assert len(curve[-1]["per_question"]["exact_match"]) == 1  # --quick's 2 held-out questions, the first only
+    refused = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_learning.py"), "--quick", "--num_eval",
+                              "3"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert refused.returncode != 0 and "--num_eval 3: choose 1 to 2" in refused.stderr
+
+
 def _runs(outcomes_per_seed: dict[int, list[float]]) -> list[dict]:
     return [{"seed": s, "curve": [{}, {"per_question": {"exact_match": o}}]} for s, o in outcomes_per_seed.items()]
 
