@@ -75,6 +75,20 @@ def test_bench_generation_quick_compares_whole_turns_with_chunks(tmp_path):
     assert variants["chunks of 4"]["calls"] > variants["whole turns"]["calls"]
 
 
+def test_bench_memory_quick_reports_each_tree_size_and_a_capped_rerun_with_the_same_tokens(tmp_path):
+    result = run_benchmark("bench_memory.py", "--quick", tmp_path=tmp_path)
+    *uncapped, capped = result["rows"]
+    assert [(row["M"], row["N"]) for row in uncapped] == [(2, 1), (4, 1)]
+    for row in result["rows"]:
+        for key in ("store_peak_bytes", "call_peak_bytes", "prefilled_tokens", "sampling_python_peak_bytes",
+                    "packed_bytes", "saved_for_backward_bytes", "saved_in_attention_bytes", "step_rss_mib"):
+            assert isinstance(row[key], (int, float)), key
+        # the store holds each distinct root-to-leaf history once (less the last sampled token of each), no more
+        assert row["store_peak_tokens"] <= row["path_tokens"]
+    assert capped["cap_bytes"] is not None and capped["store_peak_bytes"] <= capped["cap_bytes"]
+    assert capped["same_tokens_as_uncapped"] is True
+
+
 @pytest.mark.parametrize("task", ["search", "calculator"])
 def test_bench_learning_quick_writes_curves_and_a_summary_per_method(tmp_path, task):
     result = run_benchmark("bench_learning.py", "--quick", "--task", task, "--plot", str(tmp_path / "plot.png"),

@@ -6,6 +6,10 @@ nothing are rejected together; `max_tool_calling_iterations`, `multi_objective_a
 `mask_truncated_completions` are honoured.
 """
 
+import itertools
+import time
+from types import SimpleNamespace
+
 import pytest
 import torch
 from datasets import Dataset
@@ -28,6 +32,7 @@ from trl_tree import (
     TreeOPSDConfig,
     TreeOPSDTrainer,
     TreePOConfig,
+    methods,
     trl_internals,
 )
 from trl_tree.testing import calculator
@@ -476,11 +481,64 @@ def test_a_completion_budget_that_cannot_fit_the_positions_warns_once(tmp_path, 
     assert caplog.text.count("leaves fewer than max_completion_length") == 1
 
 
-def test_a_tree_far_too_big_for_memory_is_refused_by_the_config_with_its_estimate(tmp_path):
-    """M = N = 10 000 is K = 100 010 000 leaves per tree: refused up front instead of a MemoryError after minutes."""
-    with pytest.raises(ValueError, match=r"K = 100010000 leaves per tree.*4096.*num_initial_rollouts"):
-        TreeOPSDConfig(output_dir=str(tmp_path), num_initial_rollouts=10_000, num_branches=10_000, **CPU)
-    with pytest.raises(ValueError, match=r"64 leaves × max_completion_length 524288 = 33554432 tokens.*2\^24"):
-        TreeOPSDConfig(output_dir=str(tmp_path), num_initial_rollouts=16, num_branches=3,
-                       max_completion_length=2**19, **CPU)
+@pytest.mark.parametrize(
+    "cls, fields, named",
+    [
+        # the probe that died of MemoryError after 88 s: K = M(N + 1) = 100 010 000 leaves
+        (TreeOPSDConfig, dict(num_initial_rollouts=10_000, num_branches=10_000),
+         ["num_initial_rollouts=10000, num_branches=10000", "K = 100,010,000 leaves", "M(1 + N/2) = 5.001e+07",
+          "100,010,000 × max_completion_length 512 = 51,205,120,000 tokens", "more than the 4096 leaves",
+          "4.7 TiB", "Lower num_initial_rollouts or num_branches"]),
+        # few leaves, but a token budget per leaf that no tree could hold
+        (TreeOPSDConfig, dict(num_initial_rollouts=16, num_branches=3, max_completion_length=2**19),
+         ["K = 64 leaves", "64 × max_completion_length 524288 = 33,554,432 tokens", "2^24 = 16,777,216 tokens",
+          "3.1 GiB", "or max_completion_length"]),
+        (AT2POConfig, dict(num_initial_rollouts=2, expansion_rounds=100, branches_per_round=100),
+         ["expansion_rounds=100, branches_per_round=100", "K = 10,002 leaves", "= 5,002 trajectories",
+          "Lower num_initial_rollouts or expansion_rounds or branches_per_round"]),
+        # TreeFlex: each of the K searches has max_blocks blocks of max_completion_length each
+        (TreeFlexConfig, dict(num_searches=64, max_blocks=8, max_completion_length=2**16),
+         ["num_searches=64", "64 × max_completion_length 65536 × max_blocks 8 = 33,554,432 tokens",
+          "or max_completion_length or max_blocks"]),
+        # G alone: refused before the budget arithmetic searches for an (M, N) that costs it
+        (TreeOPSDConfig, dict(num_generations=10**8 + 1),
+         ["num_generations=100,000,001", "at least K = 100,000,001 leaves", "Lower num_generations"]),
+    ],
+    ids=["M=N=10000", "long-leaves", "at2po", "treeflex", "huge-G"],
+)
+def test_a_tree_too_big_for_memory_is_refused_up_front_with_its_estimate(tmp_path, cls, fields, named):
+    """Every sampler's tree is sized by one check (`components.check_tree_size`) when the config is built, before any
+    model or generation: the error names the fields and their values, K, the trajectories of budget, the token
+    bound with its arithmetic, the host memory it implies at the least, and what to lower."""
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match="too large to hold") as error:
+        cls(output_dir=str(tmp_path), **fields, **CPU)
+    assert time.perf_counter() - started < 30  # not the 88 s to a MemoryError, nor a search over G's splits
+    message = str(error.value)
+    for part in named:
+        assert part in message, (part, message)
+    assert "keys and values" in message and "KB" in message  # what the model adds per token, with an example
+
+
+def test_trees_up_to_the_bounds_and_the_recipes_trees_are_accepted(tmp_path):
+    """The bounds are inclusive, and far above real trees: the paper's Qwen3-4B recipe (K = 12 leaves of 6,144
+    tokens), a G at half the leaf bound, and every method's defaults pass."""
     assert TreeOPSDConfig(output_dir=str(tmp_path), num_initial_rollouts=64, num_branches=63, **CPU)  # K = 4096
+    assert TreeOPSDConfig(output_dir=str(tmp_path), num_initial_rollouts=2, num_branches=1,
+                          max_completion_length=2**22, **CPU)  # 4 × 2^22 = 2^24 tokens
+    assert TreeOPSDConfig(output_dir=str(tmp_path), num_initial_rollouts=4, num_branches=2,
+                          max_completion_length=6144, num_generations=8, **CPU)
+    assert TreeOPSDConfig(output_dir=str(tmp_path), num_generations=components.MAX_LEAVES_PER_TREE // 2, **CPU)
+    for cls in (AT2POConfig, TreeAdvConfig, TreeFlexConfig, TreePOConfig):
+        assert cls(output_dir=str(tmp_path), **CPU)
+
+
+def test_every_samplers_leaves_are_at_least_its_cost_in_trajectories():
+    """Why a G past the leaf bound can be refused before M or N is derived from it: K ≥ the trajectories of budget
+    for every sampler and setting (a continuation costs half a trajectory and adds a leaf)."""
+    values = range(0, 6)
+    for name, sampler in methods.SAMPLERS.items():
+        for m, n, rounds, per_round, b in itertools.product(range(1, 5), values, values, values, values):
+            args = SimpleNamespace(sampler=name, num_initial_rollouts=m, num_branches=n, expansion_rounds=rounds,
+                                   branches_per_round=per_round, max_branches_per_tree=b, num_searches=m + 1)
+            assert sampler.leaves(args) >= sampler.budget(args), (name, vars(args))

@@ -332,3 +332,101 @@ def test_evaluation_holds_one_batch_of_questions_in_the_store_at_a_time():
     run_agent(model, tok, prompts, [], AgentSettings(max_turns=1, max_completion_length=4, batch_size=2),
               engine=engine)
     assert sizes and max(sizes) <= 2 and engine.store.entries == []
+
+
+def _fake_entry(tokens: list[int]) -> prefix_cache._Entry:
+    """A stored row whose keys and values take 8 bytes per token (one float32 key and value per token)."""
+    n = len(tokens)
+    return prefix_cache._Entry(np.asarray(tokens, dtype=np.int64), [torch.zeros(1, n, 1)], [torch.zeros(1, n, 1)])
+
+
+def test_a_full_store_drops_the_rows_stored_or_reused_longest_ago():
+    """LRU: a row that a call reused counts as new; past the cap the oldest go first, and only as many as needed."""
+    store = PrefixKVStore(min_reuse=1, max_bytes=8 * 30)
+    a, b, c, d = ([k] * 10 for k in (1, 2, 3, 4))
+    for row in (a, b, c):
+        store._add([_fake_entry(row)])
+    assert store.bytes_held == 8 * 30 and store.evicted_bytes == 0  # exactly at the cap: nothing dropped
+    store._plan([a + [9]], pad_id=0, config=None)  # a call reuses `a`: now the most recently used
+    store._add([_fake_entry(d)])
+    assert [int(e.tokens[0]) for e in store.entries] == [1, 3, 4]  # `b`, stored longest ago, went
+    assert store.bytes_held == 8 * 30 and store.evicted_bytes == 8 * 10
+    store._add([_fake_entry([5] * 25)])  # needs room for 25: every older row goes
+    assert [int(e.tokens[0]) for e in store.entries] == [5] and store.bytes_held == 8 * 25
+    store._add([_fake_entry([6] * 31)])  # larger than the cap itself: not kept at all
+    assert store.bytes_held <= 8 * 30 and store._best([6] * 31 + [7]) == (None, 0)
+
+
+@pytest.mark.parametrize("cap", [0, -1, 2.5, True])
+def test_a_cap_that_is_not_a_positive_number_of_bytes_is_a_config_error(trainer, tmp_path, cap):
+    with pytest.raises(ValueError, match=r"max_prefix_cache_bytes must be a positive whole number of bytes.*None"):
+        config(TreeOPSDConfig, tmp_path, max_prefix_cache_bytes=cap)
+    with pytest.raises(ValueError, match="max_prefix_cache_bytes"):
+        PrefixKVStore(max_bytes=cap)
+    assert PrefixKVStore(max_bytes=1).max_bytes == 1
+    assert trainer.args.max_prefix_cache_bytes is None  # the default: no cap
+
+
+def _recording_store(store: PrefixKVStore, after_each_call: list) -> None:
+    """Record (bytes held, bytes evicted, tokens reused, tokens prefilled; the last three since the rollout began)
+    after every call's `store`."""
+    original = store.store
+
+    def store_and_record(*args):
+        original(*args)
+        after_each_call.append((store.bytes_held, store.evicted_bytes, store.reused_tokens, store.prefilled_tokens))
+
+    store.store = store_and_record
+
+
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampling"])
+def test_a_capped_store_holds_at_most_its_cap_and_samples_what_an_uncapped_one_does(trainer, monkeypatch, do_sample):
+    """Three calls of a tree-like rollout through a store capped below what it would hold: after every call the store
+    holds at most the cap, rows were dropped and others still reused, and every call's ids, log-probs and entropies
+    are those of the uncapped store."""
+    vocab = trainer.model.config.vocab_size
+    engine = hf_engine(trainer, monkeypatch, "prefix", with_scores=True, do_sample=do_sample)
+    with engine.rollout():
+        uncapped = _rollout(engine, vocab)
+        held = engine.prefix_store.bytes_held
+    cap = held // 3
+    monkeypatch.setattr(trainer.args, "max_prefix_cache_bytes", cap)
+    engine = hf_engine(trainer, monkeypatch, "prefix", with_scores=True, do_sample=do_sample)
+    after_each_call = []
+    _recording_store(engine.prefix_store, after_each_call)
+    with engine.rollout():
+        capped = _rollout(engine, vocab)
+    assert len(after_each_call) >= 3 and all(record[0] <= cap for record in after_each_call)
+    _, evicted, reused, _ = after_each_call[-1]
+    assert evicted > 0 and reused > 0  # the cap forced drops, and what stayed was reused
+    for capped_call, uncapped_call in zip(capped, uncapped, strict=True):
+        assert [c.ids for c in capped_call] == [c.ids for c in uncapped_call]
+        for a, b in zip(capped_call, uncapped_call):
+            torch.testing.assert_close(torch.tensor(a.logps), torch.tensor(b.logps), atol=1e-5, rtol=0)
+            torch.testing.assert_close(torch.tensor(a.entropies), torch.tensor(b.entropies), atol=1e-5, rtol=0)
+
+
+def test_a_tree_larger_than_the_cap_samples_the_same_tokens_as_without_one(tmp_path):
+    """A whole TreeOPSD rollout on the tiny model, sampled (temperature 1), in chunks of 8 tokens so that every turn
+    takes several calls that resume through the store: with a cap of about a seventh of what the uncapped store
+    comes to hold, rows are dropped and fewer tokens reused, and the same seed grows trees with exactly the same
+    token ids as without a cap."""
+    model, tok = tiny()
+    cap = 128 * 1024  # 128 tokens of the tiny model's KV (1 KiB a token): one branch's history, about
+    trees, records = {}, {}
+    for limit in (None, cap):
+        args = config(TreeOPSDConfig, tmp_path / str(limit), num_initial_rollouts=2, num_branches=2,
+                      max_completion_length=64, generation_chunk_tokens=8, max_prefix_cache_bytes=limit)
+        trainer = TreeOPSDTrainer(model=model, reward_funcs=contains_answer, args=args,
+                                  train_dataset=arithmetic_dataset(2), processing_class=tok)
+        records[limit] = []
+        _recording_store(trainer.generation_engine.prefix_store, records[limit])
+        torch.manual_seed(0)
+        grown = trainer.sample_trees([trainer.train_dataset[0], trainer.train_dataset[1]])
+        trees[limit] = [[(t.parent, t.action_ids, t.observation_ids) for t in tree.turns] for tree in grown]
+    assert trees[cap] == trees[None]
+    assert max(record[0] for record in records[None]) > 4 * cap  # the uncapped tree holds far more than the cap
+    assert all(record[0] <= cap for record in records[cap])
+    (_, evicted, reused, prefilled), prefilled_uncapped = records[cap][-1], records[None][-1][3]
+    # rows were dropped and others reused, so more was prefilled: other work, the same ids
+    assert evicted > 0 and reused > 0 and prefilled > prefilled_uncapped

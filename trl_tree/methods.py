@@ -65,6 +65,9 @@ class Sampler:
         budget_formula: `budget` as the error messages write it.
         shape_fields: the other fields that change the budget (init_expand's N; entropy_guided's L and K): what an
             error for an unreachable G varies to list settings that reach it.
+        leaf_tokens: the most tokens one leaf generates (`max_completion_length`; TreeFlex: per block, × max_blocks);
+            with `leaves`, the bound on a tree's size that `components.check_tree_size` checks.
+        leaf_tokens_formula: `leaf_tokens` as the error messages write it.
         needs_entropies: `(args) -> bool`: whether it reads per-token entropies from generation.
         unit: "tree", or "group" for TreeFlex's groups of complete searches.
     """
@@ -77,6 +80,8 @@ class Sampler:
     budget: Callable[[Any], Fraction]
     budget_formula: str
     shape_fields: tuple[str, ...] = ()
+    leaf_tokens: Callable[[Any], int] = lambda args: args.max_completion_length
+    leaf_tokens_formula: str = "max_completion_length"
     needs_entropies: Callable[[Any], bool] = lambda args: False
     variable_leaves: bool = False
     unit: str = "tree"
@@ -369,6 +374,8 @@ def _token_entropy(args, loop, seed):
     leaves=lambda a: a.num_searches,
     budget=lambda a: Fraction(a.num_searches),
     budget_formula="num_searches",
+    leaf_tokens=lambda a: a.max_completion_length * a.max_blocks,  # each block has its own budget
+    leaf_tokens_formula="max_completion_length × max_blocks",
     unit="group",
 )
 def _two_role(args, loop, seed):

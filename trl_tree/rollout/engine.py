@@ -76,14 +76,15 @@ class HFEngine:
     `TreeConfig`) reuses, within one rollout, the keys and values of every sequence an earlier call processed
     (`prefix_cache.PrefixKVStore`): a branch's next turn and a branch grown from an anchor's turn prefix prefill only
     the tokens no earlier call has seen, and the call's cache grows in place (`prefix_cache.GrowingLayer`). The store
-    is emptied when the rollout ends (`rollout()`), since the weights change after it. "static" passes `generate` a
-    fresh `StaticCache` sized to this call's prefix width + token budget, freed with the call: the `DynamicCache`'s
-    growth re-concatenates every layer's keys and values at every step. Not `cache_implementation="static"`:
-    transformers then sizes every later cache to the longest call seen so far (`_previous_max_cache_length`), which
-    slows every later short call (benchmarks/README.md, section 4). Models that cannot hold a static cache or splice
-    per-row caches (encoder-decoder, sliding-window, linear-attention or custom caches) use the dynamic cache, with
-    one warning; so do ZeRO-3 / FSDP runs on several processes, whose synchronised generation steps a finished rank
-    on past its own budget.
+    is emptied when the rollout ends (`rollout()`), since the weights change after it; within a rollout it keeps at
+    most `args.max_prefix_cache_bytes` (least recently used rows dropped first; the same ids are sampled). "static"
+    passes `generate` a fresh `StaticCache` sized to this call's prefix width + token budget, freed with the call: the
+    `DynamicCache`'s growth re-concatenates every layer's keys and values at every step. Not
+    `cache_implementation="static"`: transformers then sizes every later cache to the longest call seen so far
+    (`_previous_max_cache_length`), which slows every later short call (benchmarks/README.md, section 4). Models
+    that cannot hold a static cache or splice per-row caches (encoder-decoder, sliding-window, linear-attention or
+    custom caches) use the dynamic cache, with one warning; so do ZeRO-3 / FSDP runs on several processes, whose
+    synchronised generation steps a finished rank on past its own budget.
     """
 
     def __init__(self, trainer, with_scores: bool = False):
@@ -94,7 +95,7 @@ class HFEngine:
         self.cache = getattr(trainer.args, "generation_cache", "static")
         if self.cache not in ("prefix", "static", "dynamic"):
             raise ValueError(f"generation_cache must be 'prefix', 'static' or 'dynamic'; got {self.cache!r}.")
-        self.prefix_store = PrefixKVStore()
+        self.prefix_store = PrefixKVStore(max_bytes=getattr(trainer.args, "max_prefix_cache_bytes", None))
         self._warned = False
 
     @contextlib.contextmanager

@@ -25,7 +25,12 @@ anchor's).
 
 The store is valid for one set of weights: callers empty it when a rollout ends (`HFEngine.rollout`). It holds
 each live sequence once (a row that a later row extends is dropped), i.e. about as much memory as one batched
-`generate` over the same sequences.
+`generate` over all the rollout's sequences at once: a tree's leaves' histories, which grows with the tree.
+
+`max_bytes` caps it (`TreeConfig.max_prefix_cache_bytes`): after each call, the least recently used rows (stored or
+reused longest ago) are dropped until the keys and values held fit. A dropped row only means that a later prefix
+reuses less and prefills more; what a call computes for a token never depends on where its KV came from, so a capped
+store samples what an uncapped one samples (up to the floating-point summation order every reuse already has).
 """
 
 from __future__ import annotations
@@ -52,9 +57,12 @@ class _Entry:
     keys: list[torch.Tensor]  # per layer: [kv_heads, len(tokens), head_dim]
     values: list[torch.Tensor]
     key: bytes = field(init=False, repr=False)  # the store's sort key (`_sort_key`)
+    nbytes: int = field(init=False, repr=False)  # of its keys and values: what `PrefixKVStore.max_bytes` counts
+    last_used: int = field(default=0, repr=False)  # the store's clock when it was stored or last reused (LRU)
 
     def __post_init__(self):
         self.key = _sort_key(self.tokens)
+        self.nbytes = sum(t.nbytes for t in (*self.keys, *self.values))
 
 
 def _sort_key(tokens: np.ndarray) -> bytes:
@@ -150,6 +158,16 @@ def supports_reuse(model) -> bool:
     return all(type(layer) is DynamicLayer for layer in cache.layers)
 
 
+def check_max_bytes(max_bytes: int | None) -> None:
+    """A cap on the prefix store is a positive whole number of bytes, or None (no cap)."""
+    if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
+        raise ValueError(
+            f"max_prefix_cache_bytes must be a positive whole number of bytes of reused keys and values to keep, or "
+            f"None (no cap); got {max_bytes!r}. To turn reuse off, set generation_cache='static' instead; to bound it, "
+            "give e.g. 4 * 2**30 for 4 GiB."
+        )
+
+
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     if n == 0:
@@ -168,18 +186,30 @@ class PrefixKVStore:
 
     Args:
         min_reuse: a prefix reuses a stored row only if they share at least this many tokens.
+        max_bytes: the most bytes of keys and values kept between calls (None: no cap). Past it, the rows stored or
+            reused longest ago are dropped (`_evict`). A call's own cache is not counted: it lives only during the
+            call, as any `generate`'s does.
     """
 
-    def __init__(self, min_reuse: int = MIN_REUSE):
+    def __init__(self, min_reuse: int = MIN_REUSE, max_bytes: int | None = None):
+        check_max_bytes(max_bytes)
         self.min_reuse = min_reuse
+        self.max_bytes = max_bytes
         self.entries: list[_Entry] = []  # in the order they were stored
         self._sorted: list[tuple[bytes, int]] = []  # (entry.key, index in `entries`), sorted
+        self._clock = 0  # advances at every plan and store: the recency `_evict` orders rows by
         self.reused_tokens = 0  # prefill tokens saved since the last clear (for benchmarks and tests)
         self.prefilled_tokens = 0
+        self.bytes_held = 0  # keys and values of `entries`
+        self.peak_bytes = 0  # the most `bytes_held` since the store was made or `reset_peak()` (kept by `clear`)
+        self.evicted_bytes = 0  # dropped by the cap since the last clear
 
     def clear(self) -> None:
         self._keep([])
-        self.reused_tokens = self.prefilled_tokens = 0
+        self.reused_tokens = self.prefilled_tokens = self.evicted_bytes = 0
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.bytes_held
 
     def _best(self, prefix) -> tuple[_Entry | None, int]:
         """The stored row sharing the longest common prefix with `prefix` (the earliest stored among equals), and
@@ -213,6 +243,9 @@ class PrefixKVStore:
         prompt of a tree's M trajectories) are encoded first, once each (`_encode_shared_heads`); so are long tails
         in a call where most rows have almost nothing to prefill (`_encode_uneven_tails`)."""
         arrays = [np.asarray(p, dtype=np.int64) for p in prefixes]  # once: converting long lists is not free
+        # the rows this call will reuse are the most recently used before anything is stored: the heads encoded
+        # next must not push them out of a capped store in favour of older rows
+        self._touch(entry for entry, _ in map(self._best, arrays))
         self._encode_shared_heads(prefixes, arrays, pad_id, model)
         self._encode_uneven_tails(prefixes, arrays, pad_id, model)
         return self._plan(prefixes, pad_id, model.config, arrays, room=min(max_new_tokens, MAX_INITIAL_ROOM))
@@ -263,6 +296,7 @@ class PrefixKVStore:
         if arrays is None:
             arrays = [np.asarray(p, dtype=np.int64) for p in prefixes]
         matches = [self._best(a) for a in arrays]
+        self._touch(entry for entry, _ in matches)
         reused = [k for _, k in matches]
         width = max(reused)
         rest = max(len(p) - k for p, k in zip(prefixes, reused))
@@ -320,17 +354,47 @@ class PrefixKVStore:
 
     def _add(self, fresh: list[_Entry]) -> None:
         """Add the new rows; drop every row (old or new) whose tokens another row extends: its KV is a prefix of
-        that row's, so no future prefix matches it better. Of identical rows the earliest stored stays.
+        that row's, so no future prefix matches it better. Of identical rows the earliest stored stays. Then keep
+        within `max_bytes` (`_evict`).
 
         In lexicographic order a row that another extends is a prefix of the row right after it (everything
         between a sequence and its extensions starts with it), so one pass over the sorted rows finds them."""
+        self._touch(fresh)
         pool = self.entries + fresh
         order = sorted(range(len(pool)), key=lambda i: (pool[i].key, -i))  # identical rows: the earliest last
         dropped = {i for i, j in zip(order, order[1:]) if pool[j].key.startswith(pool[i].key)}
         kept = [i for i in range(len(pool)) if i not in dropped]
-        self._keep([pool[i] for i in kept])
+        self._keep(self._evict([pool[i] for i in kept]))
+
+    def _touch(self, entries) -> None:
+        """`entries` (None skipped) become the most recently used rows (`_evict`'s order)."""
+        self._clock += 1
+        for entry in entries:
+            if entry is not None:
+                entry.last_used = self._clock
+
+    def _evict(self, entries: list[_Entry]) -> list[_Entry]:
+        """`entries` less the least recently used ones, until their keys and values fit in `max_bytes`.
+
+        Least recently used first, since a tree's next call continues its newest rows (a branch's next turn, a
+        continuation from a turn its trajectory just reached), while a finished branch's row is reused only by a
+        later anchor inside it. Among rows of the same call, the earliest stored goes first. Whole rows are
+        dropped: a row's KV is only ever reused from its first token, so a part of it would be a shorter row."""
+        held = sum(entry.nbytes for entry in entries)
+        if self.max_bytes is None or held <= self.max_bytes:
+            return entries
+        evicted = set()
+        for i in sorted(range(len(entries)), key=lambda i: (entries[i].last_used, i)):
+            if held <= self.max_bytes:
+                break
+            evicted.add(i)
+            held -= entries[i].nbytes
+            self.evicted_bytes += entries[i].nbytes
+        return [entry for i, entry in enumerate(entries) if i not in evicted]
 
     def _keep(self, entries: list[_Entry]) -> None:
         """The stored rows become `entries`, with their sorted index (every change of the rows goes through here)."""
         self.entries = entries
         self._sorted = sorted((entry.key, i) for i, entry in enumerate(entries))
+        self.bytes_held = sum(entry.nbytes for entry in entries)
+        self.peak_bytes = max(self.peak_bytes, self.bytes_held)

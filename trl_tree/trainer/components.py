@@ -6,6 +6,8 @@ module answers, from that table, what a configuration costs and how many leaves 
 - `trajectory_budget` / `num_generations_of`: a tree's expected cost in complete trajectories, GRPO's G;
 - `budget_for_generations` / `valid_budgets`: the sampler setting that gives a G asked for (config resolution and
   its error messages);
+- `tree_size` / `check_tree_size` / `check_generations_fit`: the most a tree may hold, refused up front (with the
+  arithmetic and the memory it implies) when no machine could hold it;
 - `aggregate_leaf_rewards`: GRPO's `multi_objective_aggregation` with a tree's leaves as the group.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass
 from fractions import Fraction
 from types import SimpleNamespace
 
@@ -20,6 +23,99 @@ import torch
 from trl.trainer.utils import nanstd
 
 from .. import methods
+
+# Sanity bounds on one tree, checked up front by every configuration (`check_tree_size`): a tree is sampled, scored
+# and packed whole on one process, so a tree past these is a typo or a unit mix-up that would otherwise die of
+# MemoryError minutes in (M = N = 10 000 did, after 88 s). Far above every paper's trees (TreeOPSD K = 12, AT2PO 22)
+# and a long-context agent's tree (the Qwen3-4B recipe: 12 leaves × 6,144 tokens = 73,728).
+MAX_LEAVES_PER_TREE = 4096
+MAX_TREE_TOKENS = 2**24
+# Host bytes a generated token takes at the least, whatever the model: a Python int and a float in its turn's
+# `action_ids` / `action_logps` (two 8-byte list slots, 28- and 24-byte objects: 68 bytes) and five int64 in the
+# packed row (ids, positions, subtree end, score index, turn id: 40 bytes). A floor: the branches' histories, the
+# trees' objects and the model's keys, values and activations come on top (benchmarks/bench_memory.py measures them).
+MIN_HOST_BYTES_PER_TOKEN = 100
+# Keys and values of one token of SmolLM2-135M in float32 (2 × 30 layers × 3 kv heads × 64 × 4 bytes): the errors'
+# example of what a model adds per token, since a config does not know its model.
+EXAMPLE_KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4
+
+
+@dataclass(frozen=True)
+class TreeSize:
+    """The most one tree of a configuration may hold, from its fields alone (no model): `leaves` K (at most, for a
+    variable K), its expected cost in complete `trajectories` (G before rounding) and `tokens`, the bound K × the
+    tokens one leaf may generate."""
+
+    leaves: int
+    trajectories: Fraction
+    tokens: int
+
+    @property
+    def min_host_bytes(self) -> int:
+        """The host memory its `tokens` take at the least (`MIN_HOST_BYTES_PER_TOKEN` each), before any model."""
+        return self.tokens * MIN_HOST_BYTES_PER_TOKEN
+
+
+def tree_size(args) -> TreeSize:
+    """`TreeSize` of a configuration whose sampler fields are resolved (the method table's declarations)."""
+    sampler = methods.choice("sampler", args.sampler)
+    leaves = sampler.leaves(args)
+    return TreeSize(leaves=leaves, trajectories=sampler.budget(args), tokens=leaves * sampler.leaf_tokens(args))
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:,.1f} GiB" if nbytes < 2**40 else f"{nbytes / 2**40:,.1f} TiB"
+
+
+def check_tree_size(args) -> None:
+    """Refuse, before anything is built, a configuration whose tree could not be held (`MAX_LEAVES_PER_TREE`,
+    `MAX_TREE_TOKENS`), with the arithmetic: leaves and trajectories per prompt, the token bound, the host memory it
+    implies at the least, and the fields to lower. One check for every sampler (each declares its `leaves`, `budget`
+    and `leaf_tokens` in `trl_tree.methods`)."""
+    size = tree_size(args)
+    if size.leaves <= MAX_LEAVES_PER_TREE and size.tokens <= MAX_TREE_TOKENS:
+        return
+    sampler = methods.SAMPLERS[args.sampler]
+    shape = ", ".join(f"{name}={getattr(args, name)}" for name in (sampler.budget_field, *sampler.shape_fields))
+    grows = (f"sampler={args.sampler!r} with {shape} grows K = {size.leaves:,} leaves per tree, costing "
+             f"{sampler.budget_formula} = {float(size.trajectories):,.6g} trajectories of budget per prompt")
+    _refuse(args, size, grows, (sampler.budget_field, *sampler.shape_fields))
+
+
+def check_generations_fit(args) -> None:
+    """A `num_generations` G past `MAX_LEAVES_PER_TREE` is refused before the budget arithmetic derives the sampler
+    fields from it (its search for a split of G takes time in proportion to G: a minute for G = 10^6): every
+    sampler's K is at least its cost in trajectories (a continuation costs half a trajectory and adds a whole leaf),
+    so such a G has no tree that fits."""
+    G, per_leaf = args.num_generations, args.max_completion_length
+    if isinstance(G, bool) or not isinstance(G, int) or G <= MAX_LEAVES_PER_TREE:
+        return
+    if not isinstance(per_leaf, int) or per_leaf < 1:
+        return  # no token bound to state: the field's own check refuses it (`TreeConfig._check_tree_fields`)
+    asks = (f"num_generations={G:,} asks for trees of at least K = {G:,} leaves per prompt (every sampler's K is at "
+            "least its cost in trajectories of budget)")
+    _refuse(args, TreeSize(G, Fraction(G), G * methods.choice("sampler", args.sampler).leaf_tokens(args)), asks,
+            ("num_generations",))
+
+
+def _refuse(args, size: TreeSize, grows: str, fields: tuple[str, ...]) -> None:
+    sampler = methods.SAMPLERS[args.sampler]
+    per_leaf = sampler.leaf_tokens_formula.replace(
+        "max_completion_length", f"max_completion_length {args.max_completion_length}"
+    ).replace("max_blocks", f"max_blocks {getattr(args, 'max_blocks', None)}")
+    over = (f"more than the {MAX_LEAVES_PER_TREE} leaves" if size.leaves > MAX_LEAVES_PER_TREE
+            else f"more than the 2^24 = {MAX_TREE_TOKENS:,} tokens")
+    raise ValueError(
+        f"This configuration's tree is too large to hold: {grows}. Its leaves may generate up to {size.leaves:,} × "
+        f"{per_leaf} = {size.tokens:,} tokens, {over} a tree may have (one tree is sampled, scored and packed whole "
+        f"on one process). That is at least {_gib(size.min_host_bytes)} of host memory for the tokens alone "
+        f"({MIN_HOST_BYTES_PER_TOKEN} bytes each), and the model's keys and values come on top (2 × layers × "
+        f"kv_heads × head_dim × bytes per value a token; SmolLM2-135M in float32: "
+        f"{EXAMPLE_KV_BYTES_PER_TOKEN / 1000:.0f} KB, {_gib(size.tokens * EXAMPLE_KV_BYTES_PER_TOKEN)} for these "
+        f"tokens), then its activations in training. Lower {' or '.join(fields)} (what sets K) or "
+        f"{sampler.leaf_tokens_formula.replace(' × ', ' or ')}; a GRPO-sized tree has tens of leaves (TreeOPSD's "
+        "(M, N) = (4, 2): K = 12 for GRPO's G = 8)."
+    )
 
 
 def leaves_per_tree(args) -> int:

@@ -30,6 +30,7 @@ from trl import GRPOConfig
 
 from .. import losses, methods
 from ..rollout.env import ENVIRONMENT_BRANCHING, MAX_OBSERVATION_CHARS, check_replay_divergence, check_tool_execution
+from ..rollout.prefix_cache import check_max_bytes
 from ..rollout.samplers import check_chunk_tokens, check_max_tool_calls_per_turn
 from ..rollout.special_tokens import check_observation_special_tokens
 
@@ -72,11 +73,6 @@ PACKING_LAYOUTS = ("tree", "paths", "auto")
 MALFORMED_TOOL_CALL_POLICIES = ("observe", "end")
 ANCHOR_RULES = ("uniform",)
 GENERATION_CACHES = ("prefix", "static", "dynamic")
-# Sanity bounds on one tree, checked up front (`TreeConfig._check_tree_size`): a tree is sampled, scored and packed
-# whole on one process, so a tree past these is a typo or a unit mix-up that would otherwise die of MemoryError
-# minutes in. Far above every paper's trees (TreeOPSD K = 12, AT2PO 22) and a long-context agent's tree.
-MAX_LEAVES_PER_TREE = 4096
-MAX_TREE_TOKENS = 2**24
 
 
 @dataclass
@@ -210,6 +206,15 @@ class TreeConfig(GRPOConfig):
             cannot be spliced per row (sliding-window, linear-attention, custom) or preallocated, and ZeRO-3 / FSDP
             runs on several processes (synchronised generation), use the dynamic cache; GRPOConfig's
             `cache_implementation`, when set, is passed through.
+        max_prefix_cache_bytes (`int` or `None`, defaults to `None`): bytes of keys and values the `"prefix"` cache
+            keeps between the calls of one rollout (`None`: no cap). Uncapped, it holds the KV of every leaf's
+            history, about 2 × layers × kv_heads × head_dim × bytes per value (SmolLM2-135M in float32: 46 KB) per
+            token of every root-to-leaf path, so it grows with the tree and the generation batch. Past the cap, the
+            sequences stored or reused longest ago are dropped after each call: later prefixes reuse less and
+            prefill more, and the same tokens are sampled (a dropped row's KV is recomputed, never approximated).
+            The cache of the call in progress comes on top, as with any `generate`. Not read by vLLM. No cap by
+            default: a good one depends on the model and the machine, and uncapped the store holds what one batched
+            `generate` over all of a rollout's leaves would.
         generation_chunk_tokens (`int` or `None`, defaults to `None`): tokens a branch samples per generate call
             (`None`: a whole turn). A call otherwise lasts as long as its longest turn, with every branch that has
             ended its turn waiting for it, and the tree's continuations waiting for the next call. With c, a call
@@ -327,6 +332,10 @@ class TreeConfig(GRPOConfig):
         metadata={"help": "prefix (reuse earlier turns' KV within a rollout) | static (one preallocated KV cache per "
                   "generate call) | dynamic"},
     )
+    max_prefix_cache_bytes: int | None = field(
+        default=None, metadata={"help": "Cap on the bytes of keys and values generation_cache='prefix' keeps within a "
+                                "rollout; least recently used sequences are dropped past it (None: no cap)."}
+    )
     generation_chunk_tokens: int | None = field(
         default=None, metadata={"help": "Tokens a branch samples per generate call before the batch is re-formed "
                                 "(None: a whole turn)."}
@@ -352,9 +361,12 @@ class TreeConfig(GRPOConfig):
     maps_tool_calling_iterations: ClassVar[bool] = True  # TreeFlex's max_turns is per segment, not per trajectory
 
     def __post_init__(self):
+        from .components import check_generations_fit, check_tree_size
+
+        check_generations_fit(self)  # before the budget arithmetic derives M or N from a G no tree could hold
         self._check_composition()
         self._check_tree_fields()
-        self._check_tree_size()
+        check_tree_size(self)  # the tree's leaves and tokens, from the resolved fields, for every sampler
         self._reject_unused_grpo_options()
         self._check_micro_batch()
         # GRPOConfig's checks and mappings (scale_rewards, pad_to_multiple_of, generation batch, …) run unchanged:
@@ -546,31 +558,6 @@ class TreeConfig(GRPOConfig):
             )
         return found
 
-    def _check_tree_size(self):
-        """Refuse a tree that cannot be held: K leaves (`components.leaves_per_tree`) and, as the upper bound of its
-        generated tokens, K × max_completion_length (TreeFlex: × max_blocks, each block has its own budget)."""
-        K = self.leaves_per_tree
-        if K > MAX_LEAVES_PER_TREE:
-            raise ValueError(
-                f"This configuration grows K = {K} leaves per tree (sampler={self.sampler!r}: "
-                f"{methods.SAMPLERS[self.sampler].budget_formula} trajectories of budget), more than the "
-                f"{MAX_LEAVES_PER_TREE} a tree may have: one tree is sampled, scored and packed whole on one process, "
-                "so it would run out of memory. Lower the sampler fields (num_initial_rollouts, num_branches, "
-                "expansion_rounds × branches_per_round, max_branches_per_tree, num_searches), e.g. M = 4, N = 2 "
-                "(K = 12, GRPO's G = 8)."
-            )
-        blocks = getattr(self, "max_blocks", None) or 1
-        per_leaf = self.max_completion_length * blocks
-        bound = K * per_leaf
-        if bound > MAX_TREE_TOKENS:
-            per = f"max_completion_length {self.max_completion_length}" + (f" × max_blocks {blocks}" if blocks > 1
-                                                                          else "")
-            raise ValueError(
-                f"A tree may generate up to {K} leaves × {per} = {bound} tokens, more than the 2^24 = "
-                f"{MAX_TREE_TOKENS} a tree may hold (it is sampled and packed whole on one process). Lower "
-                "max_completion_length or the leaves per tree (num_initial_rollouts, num_branches, …)."
-            )
-
     def _reject_unused_grpo_options(self):
         found = self.unused_grpo_options()
         if found:
@@ -669,6 +656,7 @@ class TreeConfig(GRPOConfig):
                 f"{self.max_turn_tokens}."
             )
         check_chunk_tokens(self.generation_chunk_tokens)
+        check_max_bytes(self.max_prefix_cache_bytes)
         if self.generation_cache not in GENERATION_CACHES:
             raise ValueError(
                 f"generation_cache must be one of {GENERATION_CACHES}; got {self.generation_cache!r}: 'prefix' reuses "
