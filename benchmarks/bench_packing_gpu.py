@@ -26,8 +26,13 @@ float32 at the sizes given, and `--cpu-smoke` a tiny model on tiny trees, to che
 (`--variants tree_flex,paths_sdpa` adds a forward-only flex_attention check: flex has no CPU backward, and its CPU
 compile takes a minute).
 
+`--row_tokens 1024,4096,...` sizes the trees by their tree row instead: each target sets the prompt, action and
+observation lengths in the ratio 4 : 1 : 2 so that an (M, N) tree's expected unique tokens are the target (the
+random anchors make each row's length vary about it). benchmarks/gpu_suite.py runs this sweep as its first section.
+
 Usage:
     python benchmarks/bench_packing_gpu.py --output packing_gpu.json
+    python benchmarks/bench_packing_gpu.py --row_tokens 1024,4096,16384,65536
     python benchmarks/bench_packing_gpu.py --observation_tokens 1024,4096,8192 --layers 8
     python benchmarks/bench_packing_gpu.py --cpu --hidden_size 256 --layers 2 --prompt_tokens 256 \
         --action_tokens 32 --observation_tokens 64,256,1024
@@ -69,6 +74,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="comma-separated sweep: tokens of each tool observation (one tree size per value)")
     p.add_argument("--action_tokens", type=int, default=256, help="tokens of each assistant turn")
     p.add_argument("--prompt_tokens", type=int, default=1024, help="tokens of the prompt")
+    p.add_argument("--row_tokens", default=None,
+                   help="comma-separated sweep of target tokens per tree row, instead of --observation_tokens: each "
+                        "sets prompt, action and observation tokens in the ratio 4 : 1 : 2 (tree_shapes)")
     p.add_argument("--turns", type=int, default=3, help="assistant turns per trajectory")
     p.add_argument("--num_initial_rollouts", type=int, default=4, help="M")
     p.add_argument("--num_branches", type=int, default=2, help="N")
@@ -95,6 +103,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     args.observation_tokens = [int(x) for x in args.observation_tokens.split(",")]
+    args.row_tokens = [int(x) for x in args.row_tokens.split(",")] if args.row_tokens else None
     args.cpu = args.cpu or args.cpu_smoke
     default = [v for v in VARIANTS if not (args.cpu and v == "tree_flex")]
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else default
@@ -107,16 +116,43 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def synthetic_tree(args, observation_tokens: int, vocab_size: int, rng: random.Random) -> RolloutTree:
-    """An init-expand (M, N) tree of random tokens: M trajectories of `turns` turns (the last one a final answer
-    without observation), and N continuations of each from anchors drawn uniformly from turns 1..T-1, as TreeOPSD's
-    sampler draws them. Continuations are fresh random turns, so nothing below an anchor is shared."""
+def tree_shapes(args) -> list[dict]:
+    """The sweep's tree sizes: per size, its key in the results (`size`) and its prompt, action and observation
+    lengths. `--row_tokens`: the lengths, in the ratio 4 : 1 : 2, whose expected tree row (`expected_row_tokens`)
+    is the target; otherwise `--observation_tokens` with the fixed prompt and action lengths."""
+    if not args.row_tokens:
+        return [{"size": o, "prompt_tokens": args.prompt_tokens, "action_tokens": args.action_tokens,
+                 "observation_tokens": o} for o in args.observation_tokens]
+    unit = expected_row_tokens(args, prompt=4, action=1, observation=2)
+    shapes = []
+    for target in args.row_tokens:
+        a = max(1, round(target / unit))
+        shapes.append({"size": target, "prompt_tokens": 4 * a, "action_tokens": a, "observation_tokens": 2 * a})
+    return shapes
+
+
+def expected_row_tokens(args, prompt: int, action: int, observation: int) -> float:
+    """E[unique tokens] of one `synthetic_tree`: the prompt, M trajectories of `turns` turns (every turn but the last
+    with an observation), and M·N continuations, each regenerating the turns from a uniform anchor a ∈ {1..T−1} on."""
+    t = args.turns
+    trajectory = t * action + (t - 1) * observation
+    anchors = range(1, t) if t > 1 else [0]
+    continuation = sum((t - a) * action + max(0, t - 1 - a) * observation for a in anchors) / len(anchors)
+    return prompt + args.num_initial_rollouts * (trajectory + args.num_branches * continuation)
+
+
+def synthetic_tree(args, shape: dict, vocab_size: int, rng: random.Random) -> RolloutTree:
+    """An init-expand (M, N) tree of random tokens of `shape`'s lengths (`tree_shapes`): M trajectories of `turns`
+    turns (the last one a final answer without observation), and N continuations of each from anchors drawn uniformly
+    from turns 1..T-1, as TreeOPSD's sampler draws them. Continuations are fresh random turns, so nothing below an
+    anchor is shared. Rewards are random (uniform in [0, 1))."""
+    action_tokens, observation_tokens = shape["action_tokens"], shape["observation_tokens"]
 
     def tokens(n):
         return [rng.randrange(1, vocab_size) for _ in range(n)]
 
     def turn(last: bool) -> Turn:
-        return Turn(tokens(args.action_tokens), [0.0] * args.action_tokens, [] if last else tokens(observation_tokens))
+        return Turn(tokens(action_tokens), [0.0] * action_tokens, [] if last else tokens(observation_tokens))
 
     def continue_from(prefix: list[Turn]) -> list[Turn]:
         return prefix + [turn(t == args.turns - 1) for t in range(len(prefix), args.turns)]
@@ -129,7 +165,7 @@ def synthetic_tree(args, observation_tokens: int, vocab_size: int, rng: random.R
             anchor = rng.randint(1, args.turns - 1) if args.turns > 1 else 0
             trajectories.append(continue_from(initial[:anchor]))
     rewards = [rng.random() for _ in trajectories]
-    return RolloutTree.from_trajectories(tokens(args.prompt_tokens), trajectories, rewards)
+    return RolloutTree.from_trajectories(tokens(shape["prompt_tokens"]), trajectories, rewards)
 
 
 def build_model(args):
@@ -228,20 +264,31 @@ def main(argv=None):
         sys.exit("bench_packing_gpu.py measures flex_attention training on a GPU, and no CUDA device is visible. "
                  "Run it on a GPU machine, or pass --cpu-smoke for a tiny sdpa version on CPU (--cpu for sdpa at "
                  "the sizes given).")
-    device = "cpu" if args.cpu else "cuda"
     if args.cpu:
         torch.set_num_threads(1)  # the tiny matrices do not split; shared cores make OpenMP threads spin
     model = build_model(args)
+    result = sweep(model, args)
+    report(result, model, args)
+    if args.output:
+        write_json(args.output, {"config": vars(args), "environment": environment(), **result})
+
+
+def sweep(model, args) -> dict:
+    """Every variant at every size of `tree_shapes(args)`: the runs (one per size and variant), the paths/tree
+    speed-ups by "size/variant", and what packing="auto" picks with sdpa at each size (by `size`)."""
+    device = "cpu" if args.cpu else "cuda"
     rng = random.Random(args.seed)
     runs, auto_choice = [], {}
-    for observation_tokens in args.observation_tokens:
-        trees = [synthetic_tree(args, observation_tokens, model.config.vocab_size, rng) for _ in range(args.trees)]
+    shapes = tree_shapes(args)
+    for shape in shapes:
+        key = shape["size"]
+        trees = [synthetic_tree(args, shape, model.config.vocab_size, rng) for _ in range(args.trees)]
         # what packing="auto" picks for a dense-mask kernel (sdpa), to set against the measured tree_sdpa/paths_sdpa
         costs = {layout: forward_cost(pack_trees(trees, 0, layout), token_weight(model.config))
                  for layout in ("tree", "paths")}
-        auto_choice[observation_tokens] = {"picks": min(costs, key=costs.get), "cost_tree_over_paths":
-                                           costs["tree"] / costs["paths"]}
-        size = {"observation_tokens": observation_tokens, "unique_tokens": sum(t.num_unique_tokens for t in trees),
+        auto_choice[key] = {"picks": min(costs, key=costs.get), "cost_tree_over_paths": costs["tree"] / costs["paths"]}
+        size = {"size": key, **{k: v for k, v in shape.items() if k != "size"},
+                "unique_tokens": sum(t.num_unique_tokens for t in trees),
                 "path_tokens": sum(t.num_path_tokens for t in trees), "leaves": sum(t.num_leaves for t in trees)}
         reference = None
         for variant in sorted(args.variants, key=lambda v: v != "paths_sdpa"):  # paths first: the reference
@@ -265,37 +312,43 @@ def main(argv=None):
             difference = max((mine[k] - reference[k]).abs().max().item() for k in mine) if reference else None
             forward = int(packed.valid.sum())
             runs.append({**size, "variant": variant, **stats, "forward_tokens": forward,
-                         "padded_tokens": int((packed.valid > 0).sum()) * row_tokens,
+                         "row_tokens": row_tokens, "padded_tokens": int((packed.valid > 0).sum()) * row_tokens,
                          "leaf_tokens_per_second": size["path_tokens"] / stats["seconds"],
                          "max_abs_logp_diff_vs_paths": difference})
-            print(f"{variant:>10} obs={observation_tokens}: {stats['seconds']:.3f} s", flush=True)
+            print(f"{variant:>10} size={key}: {stats['seconds']:.3f} s", flush=True)
             del packed, logps
 
     speedups = {}
-    for observation_tokens in args.observation_tokens:
-        by_variant = {r["variant"]: r for r in runs if r["observation_tokens"] == observation_tokens}
+    for shape in shapes:
+        key = shape["size"]
+        by_variant = {r["variant"]: r for r in runs if r["size"] == key}
         if "tree_sdpa" in by_variant and "paths_sdpa" in by_variant:
             faster = min(("tree_sdpa", "paths_sdpa"), key=lambda v: by_variant[v]["seconds"])
-            auto_choice[observation_tokens]["measured_faster"] = faster.removesuffix("_sdpa")
+            auto_choice[key]["measured_faster"] = faster.removesuffix("_sdpa")
         for variant in ("tree_flex", "tree_sdpa", "tree_chains"):
             if variant in by_variant and "paths_sdpa" in by_variant:
-                speedups[f"{observation_tokens}/{variant}"] = (
-                    by_variant["paths_sdpa"]["seconds"] / by_variant[variant]["seconds"])
-    columns = ["observation_tokens", "variant", "unique_tokens", "path_tokens", "forward_tokens", "seconds",
+                speedups[f"{key}/{variant}"] = by_variant["paths_sdpa"]["seconds"] / by_variant[variant]["seconds"]
+    return {"runs": runs, "speedup_paths_over_tree": speedups, "auto_sdpa": auto_choice}
+
+
+def report(result: dict, model, args) -> None:
+    """The sweep's table, speed-ups and packing="auto" picks, printed."""
+    device = "cpu" if args.cpu else "cuda"
+    sized_by = "row_tokens (target)" if args.row_tokens else "observation_tokens"
+    columns = ["size", "variant", "unique_tokens", "path_tokens", "forward_tokens", "seconds",
                "leaf_tokens_per_second", "peak_memory_mib", "max_abs_logp_diff_vs_paths"]
+    shape = ("prompt, action and observation tokens 4 : 1 : 2" if args.row_tokens else
+             f"{args.action_tokens} action tokens + the observation, prompt {args.prompt_tokens}")
     print(f"\nOne forward + backward per variant ({device}, {model.config.num_hidden_layers} layers, hidden "
-          f"{model.config.hidden_size}; M = {args.num_initial_rollouts}, N = {args.num_branches}, {args.turns} turns "
-          f"of {args.action_tokens} action tokens + the observation, prompt {args.prompt_tokens})\n")
-    print(markdown_table(runs, columns))
+          f"{model.config.hidden_size}; M = {args.num_initial_rollouts}, N = {args.num_branches}, {args.turns} turns; "
+          f"{shape}; size = {sized_by})\n")
+    print(markdown_table(result["runs"], columns))
     print("\nspeed-up of packing (paths seconds / tree seconds): "
-          + ", ".join(f"{k}: {v:.2f}x" for k, v in speedups.items()))
+          + ", ".join(f"{k}: {v:.2f}x" for k, v in result["speedup_paths_over_tree"].items()))
     print("packing='auto' with sdpa (cost model, trl_tree.packing.forward_cost): "
-          + ", ".join(f"{k} obs: {v['picks']} (tree/paths cost {v['cost_tree_over_paths']:.2f}"
+          + ", ".join(f"size {k}: {v['picks']} (tree/paths cost {v['cost_tree_over_paths']:.2f}"
                       + (f"; measured faster: {v['measured_faster']})" if "measured_faster" in v else ")")
-                      for k, v in auto_choice.items()))
-    if args.output:
-        write_json(args.output, {"config": vars(args), "environment": environment(), "runs": runs,
-                                 "speedup_paths_over_tree": speedups, "auto_sdpa": auto_choice})
+                      for k, v in result["auto_sdpa"].items()))
 
 
 def _by_turn(packed, values: torch.Tensor) -> dict[tuple[int, int], torch.Tensor]:

@@ -622,6 +622,8 @@ def markdown_table(rows: list[dict[str, Any]], columns: list[str], headers: dict
     headers = headers or {}
 
     def cell(value):
+        if isinstance(value, bool):
+            return str(value)
         if isinstance(value, float):
             return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
         return f"{value:,}" if isinstance(value, int) else str(value)
@@ -648,13 +650,18 @@ def _jsonable(value):
 
 
 def environment() -> dict[str, Any]:
-    """The versions and hardware a result was measured on."""
+    """The versions and hardware a result was measured on. TRL's version is read from its installed metadata (None
+    when it is not installed), so that the scripts that never use TRL (gpu_suite.py) do not import it."""
+    import importlib.metadata
     import platform
 
     import transformers
-    import trl
 
-    info = {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
+    try:
+        trl_version = importlib.metadata.version("trl")
+    except importlib.metadata.PackageNotFoundError:
+        trl_version = None
+    info = {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl_version,
             "python": platform.python_version(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()

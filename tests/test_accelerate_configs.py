@@ -13,14 +13,15 @@ from accelerate.utils import DistributedType
 
 CONFIGS = Path(__file__).resolve().parent.parent / "trl_tree" / "accelerate_configs"
 
-# name -> (distributed type, processes, use_cpu, mixed precision)
+# name -> (distributed type, processes, machines, use_cpu, mixed precision)
 EXPECTED = {
-    "single_gpu": (DistributedType.NO, 1, False, "bf16"),
-    "multi_gpu": (DistributedType.MULTI_GPU, 8, False, "bf16"),
-    "deepspeed_zero2": (DistributedType.DEEPSPEED, 8, False, "bf16"),
-    "deepspeed_zero3": (DistributedType.DEEPSPEED, 8, False, "bf16"),
-    "fsdp2": (DistributedType.FSDP, 8, False, "bf16"),
-    "multi_cpu": (DistributedType.MULTI_GPU, 2, True, "no"),
+    "single_gpu": (DistributedType.NO, 1, 1, False, "bf16"),
+    "multi_gpu": (DistributedType.MULTI_GPU, 8, 1, False, "bf16"),
+    "multi_node": (DistributedType.MULTI_GPU, 16, 2, False, "bf16"),
+    "deepspeed_zero2": (DistributedType.DEEPSPEED, 8, 1, False, "bf16"),
+    "deepspeed_zero3": (DistributedType.DEEPSPEED, 8, 1, False, "bf16"),
+    "fsdp2": (DistributedType.FSDP, 8, 1, False, "bf16"),
+    "multi_cpu": (DistributedType.MULTI_GPU, 2, 1, True, "no"),
 }
 
 
@@ -32,9 +33,9 @@ def test_the_expected_configs_and_no_others_are_shipped():
 def test_config_loads_in_accelerate_with_its_promised_fields(name):
     config = load_config_from_file(str(CONFIGS / f"{name}.yaml"))
     assert isinstance(config, ClusterConfig)
-    distributed_type, num_processes, use_cpu, mixed_precision = EXPECTED[name]
+    distributed_type, num_processes, num_machines, use_cpu, mixed_precision = EXPECTED[name]
     assert config.distributed_type == distributed_type
-    assert config.num_processes == num_processes and config.num_machines == 1
+    assert config.num_processes == num_processes and config.num_machines == num_machines
     assert config.use_cpu is use_cpu
     assert config.mixed_precision == mixed_precision
 
@@ -45,6 +46,16 @@ def test_deepspeed_configs_set_their_zero_stage(name, stage):
     assert config.deepspeed_config["zero_stage"] == stage
     # ZeRO-3 saves a gathered 16-bit model, so save_model writes weights eval_hotpot.py can load
     assert config.deepspeed_config.get("zero3_save_16bit_model", stage != 3) is True
+
+
+def test_multi_node_config_names_the_main_machine_and_a_static_rendezvous():
+    """What every machine's launch needs: the main machine's address and port, this machine's rank (0 in the file:
+    the other machines give `--machine_rank` on the command line) and torchrun's static rendezvous. Launched on two
+    simulated machines by tests/test_multi_machine.py."""
+    config = load_config_from_file(str(CONFIGS / "multi_node.yaml"))
+    assert config.main_process_ip and config.main_process_port and config.machine_rank == 0
+    assert config.rdzv_backend == "static" and config.same_network is True
+    assert config.num_processes % config.num_machines == 0  # processes per machine
 
 
 def test_fsdp2_config_is_fsdp_version_2_with_full_state_dict():

@@ -270,6 +270,43 @@ def test_bench_packing_gpu_cpu_smoke_writes_runs(tmp_path):
     assert {choice["picks"] for choice in result["auto_sdpa"].values()} <= {"tree", "paths"}
 
 
+def test_gpu_suite_cpu_runs_every_section_without_trl(tmp_path):
+    """`gpu_suite.py --cpu`: the GPU run's code at tiny sizes. Every section writes its results; TreeOPSD's step gives
+    the path layout's gradients in every tree layout; a tree leaf costs fewer generated tokens than a flat one (its
+    continuations reuse their anchors' turns); and neither TRL nor datasets is imported (the GPU image has neither)."""
+    result = run_benchmark("gpu_suite.py", "--cpu", tmp_path=tmp_path)
+    assert result["imported"] == []
+    assert set(result["seconds"]) == {"packing", "step", "generation", "total"}
+    packing = result["packing"]
+    assert {(r["size"], r["variant"]) for r in packing["runs"]} == {
+        (size, variant) for size in (64, 256) for variant in ("tree_sdpa", "tree_chains", "paths_sdpa")}
+    assert all(r["max_abs_logp_diff_vs_paths"] < 1e-5 for r in packing["runs"])
+
+    step = result["step"]
+    assert step["all_grads_match"] and step["gradient_tolerance"] == 1e-4
+    assert [r["variant"] for r in step["runs"]] == ["paths_sdpa", "tree_sdpa", "tree_chains"]
+    for run in step["runs"]:
+        assert abs(run["loss_diff_vs_paths"]) < 1e-6 and run["grad_norm"] > 0
+    assert step["runs"][1]["forward_tokens"] == step["trees"]["unique_tokens"] < step["trees"]["path_tokens"]
+
+    generation = {r["variant"]: r for r in result["generation"]["runs"]}
+    assert set(generation) == {"tree", "flat", "tree_no_store", "flat_no_store"}
+    assert generation["tree"]["leaves"] == 2 * 12 and generation["flat"]["leaves"] == 2 * 8  # K = M(N + 1), G = 8
+    assert generation["flat"]["generated_tokens"] == 2 * 8 * 3 * 8  # every turn has exactly --gen_turn_tokens
+    assert generation["tree"]["generated_tokens_per_leaf"] < generation["flat"]["generated_tokens_per_leaf"]
+    assert generation["tree"]["prefix_store"] and not generation["tree_no_store"]["prefix_store"]
+    assert "tree/flat seconds_per_generated_token" in result["generation"]["ratios"]
+
+
+def test_gpu_suite_bf16_step_measures_its_own_rounding(tmp_path):
+    """In bf16 the step's tolerance is 3x the path layout's own error against its float32 gradients."""
+    result = run_benchmark("gpu_suite.py", "--cpu", "--dtype", "bfloat16", "--sections", "step", tmp_path=tmp_path)
+    step = result["step"]
+    assert step["dtype"] == "torch.bfloat16" and 0 < step["bf16_noise_vs_float32"] < 0.1
+    assert step["gradient_tolerance"] == pytest.approx(3 * step["bf16_noise_vs_float32"])
+    assert step["all_grads_match"], step["runs"]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Packing paths used by the benchmarks
 # ----------------------------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 Usage: accelerate launch [--multi_gpu --num_processes 2 | --config_file ds.yaml] tests/launch/tiny_tree_run.py OUT
        [lora] [a method of trl_tree.methods.METHODS | treeadv_gspo | treeflex_uneven | opsd_on_entropy_tree |
                atpo_on_init_expand | flat_grpo]
-Writes OUT/report-rank{r}.json per rank: world size, whether every trainable parameter changed, the logged metric names.
+Writes OUT/report-rank{r}.json per rank: world size, whether every trainable parameter changed, the logged metric names,
+accelerate's distributed type and the class of the model the trainer trains (its DDP / DeepSpeed / FSDP wrapper).
 """
 
 import json
@@ -81,7 +82,8 @@ def build_trainer(out: str, use_lora: bool = False, max_steps: int = 2, packing:
 
     `use_tools=False`: single-turn math instead: the same questions, answered directly (warm start on the question
     and the final answer, no tool schema in the prompt), with the same verifiable reward. `config_fields` go to the
-    method's config (e.g. `log_completions=True`).
+    method's config (e.g. `log_completions=True`; `save_strategy="steps", save_steps=1` to checkpoint, which is off
+    by default).
     """
     trainer_cls, config_cls, overrides, trainer_kwargs = METHODS[method]
     model, tok = tiny_model_and_tokenizer()
@@ -106,7 +108,7 @@ def build_trainer(out: str, use_lora: bool = False, max_steps: int = 2, packing:
         output_dir=out, per_device_train_batch_size=one_tree, gradient_accumulation_steps=1, steps_per_generation=2,
         max_steps=max_steps, packing=packing, **tree_fields, max_turns=3, max_completion_length=max_completion_length,
         learning_rate=1e-2, logging_steps=1, report_to="none", bf16=False, gradient_checkpointing=False,
-        save_strategy="no", use_cpu=not torch.cuda.is_available(), seed=0, **config_fields,
+        use_cpu=not torch.cuda.is_available(), seed=0, **{"save_strategy": "no", **config_fields},
     )
     return trainer_cls(model=model, reward_funcs=correct_answer, args=args, train_dataset=ds,
                        processing_class=tok, tools=[calculator] if use_tools else None, peft_config=peft_config,
@@ -135,7 +137,9 @@ def main():
                 print("unchanged", name, flush=True)
     metrics = sorted({k for entry in trainer.state.log_history for k in entry})
     report = {"rank": trainer.accelerator.process_index, "world": trainer.accelerator.num_processes,
-              "num_trainable": len(changed), "all_changed": all(changed) and bool(changed), "metrics": metrics}
+              "num_trainable": len(changed), "all_changed": all(changed) and bool(changed), "metrics": metrics,
+              "distributed_type": str(trainer.accelerator.distributed_type),
+              "wrapper": type(trainer.model_wrapped).__name__}
     # one file per rank: two ranks printing to one pipe can interleave their lines
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"report-rank{report['rank']}.json"), "w") as f:
