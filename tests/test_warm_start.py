@@ -79,3 +79,13 @@ def test_a_model_saved_again_at_the_same_path_is_a_different_base(tmp_path):
     assert model_fingerprint(str(folder)) != before
     assert model_fingerprint("Qwen/Qwen3-4B", "main") != model_fingerprint("Qwen/Qwen3-4B", "v2")
 
+
+
+def test_a_hit_leaves_the_global_random_state_as_a_miss_does(cache):
+    """Runs that are compared token for token (exact resume) may be one a miss and one a hit."""
+    torch.manual_seed(123)
+    _run()
+    after_miss = torch.random.get_rng_state()
+    torch.manual_seed(123)
+    _, hit = _run()
+    assert hit.cached and torch.equal(torch.random.get_rng_state(), after_miss)

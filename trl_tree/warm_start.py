@@ -249,6 +249,7 @@ def cached_warm_start(
 def _load_weights(model: torch.nn.Module, path: Path) -> None:
     """Copy the weights saved at `path` into `model`, on its device and in its dtype. Loaded by `from_pretrained`
     (which knows each architecture's key names and tied weights) and copied over, so the caller keeps its object."""
-    saved = type(model).from_pretrained(path, dtype=next(model.parameters()).dtype)
+    with torch.random.fork_rng(devices=[]):  # a hit must leave the caller's random state as a miss does
+        saved = type(model).from_pretrained(path, dtype=next(model.parameters()).dtype)
     model.load_state_dict(saved.state_dict())
     del saved

@@ -16,7 +16,8 @@ from datasets import Dataset
 
 from trl_tree import TreeConfig, TreeTrainer, methods
 from trl_tree.rollout.flex_harness import TwoRoleHarness
-from trl_tree.testing import calculator, calculator_conversations, tiny_model_and_tokenizer, warm_start
+from trl_tree.testing import calculator, calculator_conversations, tiny_model_and_tokenizer, tiny_model_path
+from trl_tree.warm_start import cached_warm_start, model_fingerprint
 
 # What each named method of the method table changes for the tiny model (a method not listed runs with its defaults)
 TINY = {
@@ -89,10 +90,12 @@ def build_trainer(out: str, use_lora: bool = False, max_steps: int = 2, packing:
     model, tok = tiny_model_and_tokenizer()
     conversations = calculator_conversations(64, seed=0)
     torch.manual_seed(0)
+    # cached: every launched and in-process run of the suite starts from the same warm start, trained once
+    base = model_fingerprint(tiny_model_path())
     if use_tools:
-        warm_start(model, tok, conversations, tools=[calculator], steps=warm_start_steps)
+        cached_warm_start(model, tok, conversations, base=base, tools=[calculator], steps=warm_start_steps)
     else:
-        warm_start(model, tok, [[c[0], c[-1]] for c in conversations], steps=warm_start_steps)
+        cached_warm_start(model, tok, [[c[0], c[-1]] for c in conversations], base=base, steps=warm_start_steps)
     ds = Dataset.from_dict({
         "prompt": [c[:1] for c in conversations[:8]],
         "answer": [c[-1]["content"].split()[-1].rstrip(".") for c in conversations[:8]],
