@@ -12,7 +12,8 @@
   token limits, the same tools and rewards.
 - **Measurements.** `BatchMeter` measures a trainer per generation batch without touching library code: it wraps the
   trainer instance's generation phase, its loss (`compute_loss`) and its token sampler, and times the optimizer steps
-  with `TrainerCallback` events. `PeakMemory` gives the peak memory of a batch.
+  with `TrainerCallback` events. `PeakMemory` gives the peak memory of a batch (and of its generation and training
+  phases apart).
 """
 
 from __future__ import annotations
@@ -178,13 +179,15 @@ def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def load_model(path: str, attn_implementation: str = "sdpa"):
-    """Model (float32 on CPU, bfloat16 on a GPU) and tokenizer from a local folder or Hub name."""
+def load_model(path: str, attn_implementation: str = "sdpa", **config_overrides):
+    """Model (float32 on CPU, bfloat16 on a GPU) and tokenizer from a local folder or Hub name; `config_overrides`
+    replace fields of the model's config (e.g. `max_position_embeddings`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
+                                                 **config_overrides)
     return model.to(device()), tokenizer
 
 
@@ -385,12 +388,18 @@ class PeakMemory:
 
     On a GPU: `torch.cuda.max_memory_allocated`. On CPU: the process's resident set size, sampled every `interval`
     seconds by a daemon thread (the kernel's `ru_maxrss` is a lifetime maximum and cannot be reset per batch).
+
+    `release_freed=True` (CPU, glibc): `reset()` first hands the allocator's freed memory back to the system
+    (`malloc_trim`). Without it the RSS keeps what an earlier phase freed, so the peak of a phase that needs less than
+    the one before it reads as the earlier phase's; with it, a peak above `current_mib()` at the reset is what the
+    phase itself allocated (bench_scaling.py, which measures generation and training separately).
     """
 
-    def __init__(self, interval: float = 0.01):
+    def __init__(self, interval: float = 0.01, release_freed: bool = False):
         self.cuda = torch.cuda.is_available()
         self._peak = 0
         self._stop = threading.Event()
+        self._trim = _malloc_trim() if release_freed and not self.cuda else None
         if not self.cuda:
             import psutil
 
@@ -406,7 +415,15 @@ class PeakMemory:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
         else:
+            if self._trim is not None:
+                self._trim(0)
             self._peak = self._process.memory_info().rss
+
+    def current_mib(self) -> float:
+        """Memory in use now: allocated tensors on a GPU, the resident set on CPU."""
+        if self.cuda:
+            return torch.cuda.memory_allocated() / 2**20
+        return self._process.memory_info().rss / 2**20
 
     def peak_mib(self) -> float:
         if self.cuda:
@@ -417,6 +434,17 @@ class PeakMemory:
         self._stop.set()
 
 
+def _malloc_trim():
+    """glibc's `malloc_trim`, or None where there is none (musl, macOS): then freed memory stays in the RSS."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
 @dataclass
 class BatchRecord:
     """What one generation batch cost. Token counts exclude padding unless the name says `padded`."""
@@ -424,9 +452,11 @@ class BatchRecord:
     step_seconds: float = 0.0  # wall clock of the batch's E optimizer steps: generation, forwards, backwards, steps
     step_cpu_seconds: float = 0.0  # CPU time of this process over the same span (less sensitive to other jobs)
     generation_seconds: float = 0.0  # inside `_generate_and_score_completions` (sampling, tools, rewards, π_old)
+    generation_cpu_seconds: float = 0.0  # CPU time of this process in the same call
     sampling_seconds: float = 0.0  # inside the token sampler alone (model.generate calls)
     sampling_cpu_seconds: float = 0.0  # CPU time of this process in the same calls (the figure to read on busy cores)
     training_seconds: float = 0.0  # step_seconds - generation_seconds: loss forwards, backwards, optimizer steps
+    training_cpu_seconds: float = 0.0  # step_cpu_seconds - generation_cpu_seconds
     generated_tokens: int = 0  # tokens the policy sampled (actions; observations are not generated)
     generate_calls: int = 0  # sampling calls with at least one row (one per turn of the rows still running)
     decode_steps: int = 0  # sum over those calls of their longest row's new tokens: the steps they ran
@@ -437,7 +467,10 @@ class BatchRecord:
     forward_tokens: int = 0  # tokens forwarded in the loss passes (all micro-batches), padding excluded
     padded_forward_tokens: int = 0  # the same with the padding each forward actually computes
     trained_tokens: int = 0  # action tokens that carry a loss
-    peak_memory_mib: float = 0.0
+    peak_memory_mib: float = 0.0  # the batch's peak: the larger of the two below
+    start_memory_mib: float = 0.0  # memory in use when the batch starts (model, optimizer state, the process)
+    generation_peak_memory_mib: float = 0.0  # peak during the generation phase
+    training_peak_memory_mib: float = 0.0  # peak from the end of generation to the batch's last optimizer step
     warmup: bool = False  # a warm-up batch: recorded, left out of the summary
 
 
@@ -494,6 +527,7 @@ class BatchMeter(TrainerCallback):
         if state.global_step % self.steps_per_batch == 0:
             self._batch = BatchRecord()
             self.memory.reset()
+            self._batch.start_memory_mib = self.memory.current_mib()
             self._start = (time.perf_counter(), time.process_time())
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -503,7 +537,10 @@ class BatchMeter(TrainerCallback):
             batch.step_seconds = time.perf_counter() - wall
             batch.step_cpu_seconds = time.process_time() - cpu
             batch.training_seconds = batch.step_seconds - batch.generation_seconds
-            batch.peak_memory_mib = self.memory.peak_mib()
+            batch.training_cpu_seconds = batch.step_cpu_seconds - batch.generation_cpu_seconds
+            # the peak since generation ended (the memory was reset there), or, if generation was never seen, the batch's
+            batch.training_peak_memory_mib = self.memory.peak_mib()
+            batch.peak_memory_mib = max(batch.generation_peak_memory_mib, batch.training_peak_memory_mib)
             if batch.leaves == 0 or batch.generated_tokens == 0 or batch.forward_tokens == 0:
                 raise RuntimeError(
                     f"BatchMeter saw a generation batch without leaves, generated or forwarded tokens ({batch}): "
@@ -539,6 +576,10 @@ class BatchMeter(TrainerCallback):
     def _after_generation(self, args, kwargs, batches, seconds, cpu_seconds):
         record = self._batch
         record.generation_seconds += seconds
+        record.generation_cpu_seconds += cpu_seconds
+        # the two phases' peaks apart: what generation held, then, from here, what training holds
+        record.generation_peak_memory_mib = max(record.generation_peak_memory_mib, self.memory.peak_mib())
+        self.memory.reset()
         if self.is_tree:
             # the trainer logs per-tree means of these (TreeTrainer._log_generation: tree/* metrics); one process, so mean × trees
             metrics = trl_internals.metrics(self.trainer, "train" if self.trainer.model.training else "eval")

@@ -126,6 +126,64 @@ def test_bench_learning_num_eval_evaluates_the_first_questions_of_the_same_world
     assert refused.returncode != 0 and "--num_eval 3: choose 1 to 2" in refused.stderr
 
 
+def test_bench_scaling_quick_sweeps_every_axis_with_exact_counts(tmp_path):
+    """`bench_scaling.py --quick`: two points on each axis, tree and flat at each, exponents, summary and plot. Its
+    policy is scripted (every turn `action_tokens` long, turns - 1 tool calls, fixed-length observations), so the
+    token counts are exact and these invariants hold at every point, whatever the machine; no timing is checked."""
+    plot = tmp_path / "scaling.png"
+    result = run_benchmark("bench_scaling.py", "--quick", "--plot", str(plot), tmp_path=tmp_path)
+    assert plot.is_file() and plot.stat().st_size > 0
+    assert set(result["sweeps"]) == {"leaves", "turns", "observation_tokens", "prompts"}
+    assert result["summary"] and all(isinstance(line, str) for line in result["summary"])
+    action = result["config"]["action_tokens"]
+    for axis, sweep in result["sweeps"].items():
+        assert len(sweep["points"]) == 2, axis
+        assert sweep["points"][0]["x"] < sweep["points"][1]["x"], axis
+        for variant in ("tree", "flat"):
+            assert set(sweep["exponents"][variant]) >= {"generation_cpu_seconds", "training_cpu_seconds",
+                                                         "step_cpu_seconds_per_leaf"}
+        for row in sweep["points"]:
+            point, tree, flat = row["point"], row["tree"], row["flat"]
+            m, n, turns, prompts = (point["num_initial_rollouts"], point["num_branches"], point["turns"],
+                                    point["prompts"])
+            assert row["K"] == m * (n + 1) and row["G"] * 2 == m * (2 + n)  # the matched budget M(1 + N/2) = G
+            assert tree["leaves"] == prompts * row["K"] and flat["leaves"] == prompts * row["G"]
+            for side in (tree, flat):
+                assert side["forward_tokens"] == side["unique_tokens"]  # packed: every unique token once
+                assert side["unique_tokens"] <= side["flat_tokens"]
+                for cost in ("generation_cpu_seconds", "training_cpu_seconds", "generated_tokens", "forward_tokens"):
+                    assert side[f"{cost}_per_leaf"] * side["leaves"] == pytest.approx(side[cost])
+                    assert side[f"{cost}_per_unique_token"] * side["unique_tokens"] == pytest.approx(side[cost])
+                for key in ("generation_cpu_seconds", "training_cpu_seconds", "generation_memory_mib",
+                            "training_memory_mib", "step_cpu_seconds_per_leaf"):
+                    assert isinstance(side[key], float), key
+            # the flat group samples every turn of every trajectory; the tree its M trajectories whole and each of its
+            # M·N continuations from an anchor turn in 1..T-1 on (at least its last turn, at most T - 1 turns)
+            assert flat["generated_tokens"] == prompts * row["G"] * turns * action
+            generated_turns = tree["generated_tokens"] / action  # --quick measures one batch: no mean of batches
+            assert generated_turns == int(generated_turns)
+            assert prompts * (m * turns + m * n) <= generated_turns <= prompts * (m * turns + m * n * (turns - 1))
+            # so the tree samples and forwards fewer tokens per leaf than the flat group (every trajectory the same
+            # length here; with a real model's lengths this holds in expectation, not at every batch)
+            assert tree["generated_tokens_per_leaf"] < flat["generated_tokens_per_leaf"]
+            assert tree["forward_tokens_per_leaf"] < flat["forward_tokens_per_leaf"]
+            assert row["tree_over_flat"]["forward_tokens_per_leaf"] < 1
+
+
+def test_bench_scaling_smollm2_settings_sweep_leaves_and_turns_with_lora(tmp_path):
+    """`--model smollm2` (LoRA, its learning rate, the leaves and turns axes only) at toy size, with the tiny model
+    standing in for SmolLM2 (whose points are minutes each on 2 cores)."""
+    from trl_tree.testing import tiny_model_path
+
+    result = run_benchmark("bench_scaling.py", "--quick", "--model", "smollm2", "--model_name_or_path",
+                           tiny_model_path(), tmp_path=tmp_path)
+    assert set(result["sweeps"]) == {"leaves", "turns"}
+    assert result["config"]["learning_rate"] == 2e-4 and result["config"]["model"] == "smollm2"
+    for sweep in result["sweeps"].values():
+        for row in sweep["points"]:
+            assert row["tree"]["forward_tokens"] == row["tree"]["unique_tokens"]
+
+
 def _runs(outcomes_per_seed: dict[int, list[float]]) -> list[dict]:
     return [{"seed": s, "curve": [{}, {"per_question": {"exact_match": o}}]} for s, o in outcomes_per_seed.items()]
 
