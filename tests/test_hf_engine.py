@@ -159,6 +159,26 @@ def test_a_generate_patched_to_return_a_plain_tensor_of_sequences_is_accepted(tr
     with pytest.raises(ValueError, match="returned only the sequences.*scores"):
         hf_engine(trainer, monkeypatch, cache, with_scores=True).generate(prefixes, BUDGETS)
 
+def test_generation_hides_only_trls_is_gradient_checkpointing_warning(trainer, prefixes):
+    """TRL's `unwrap_model_for_generation` reads `is_gradient_checkpointing`, deprecated from transformers 5.23: the
+    engine's generate calls do not pass that FutureWarning on to the user (and leave every other warning alone)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as direct:
+        warnings.simplefilter("always")
+        trainer.model.is_gradient_checkpointing  # noqa: B018 (the property access is what warns)
+    if not any("is_gradient_checkpointing" in str(w.message) for w in direct):
+        pytest.skip("this transformers does not deprecate is_gradient_checkpointing")
+    engine = HFEngine(trainer)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _sample(engine, prefixes)
+        warnings.warn("another warning", UserWarning, stacklevel=1)
+    messages = [str(w.message) for w in seen]
+    assert not [m for m in messages if "is_gradient_checkpointing" in m]
+    assert "another warning" in messages
+
+
 def test_generation_cache_defaults_to_prefix_and_rejects_unknown_values(tmp_path, trainer, monkeypatch):
     assert config(TreeConfig, tmp_path).generation_cache == "prefix"
     assert config(TreeConfig, tmp_path, generation_cache="dynamic").generation_cache == "dynamic"
@@ -167,4 +187,5 @@ def test_generation_cache_defaults_to_prefix_and_rejects_unknown_values(tmp_path
     monkeypatch.setattr(trainer.args, "generation_cache", "offloaded")
     with pytest.raises(ValueError, match="generation_cache must be 'prefix', 'static' or 'dynamic'"):
         HFEngine(trainer)
+
 

@@ -108,6 +108,30 @@ def test_no_arguments_means_the_offline_defaults(monkeypatch):
     assert training_args.output_dir == "outputs/treeopsd-hotpot-offline"
 
 
+
+def test_the_offline_recipe_parses_without_deprecation_warnings(monkeypatch):
+    """The recipe's own keys must not be ones transformers deprecates (`gradient_checkpointing` from 5.23)."""
+    import warnings
+
+    monkeypatch.setattr(sys, "argv", ["train_hotpot.py"])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _, training_args, _ = parse_args("treeopsd")
+    assert not [w for w in seen if issubclass(w.category, FutureWarning) and "checkpointing" in str(w.message)]
+    assert training_args.gradient_checkpointing is False
+
+
+def test_the_recipes_checkpointing_key_is_read_as_the_old_name_where_transformers_lacks_the_new(monkeypatch):
+    import transformers
+
+    from trl_tree.scripts.hotpot import _checkpointing_key_for_this_transformers as adapt
+
+    assert adapt({"activation_checkpointing": False}) == {"activation_checkpointing": False}  # 5.23 and later
+    fields_before_5_23 = {k: v for k, v in transformers.TrainingArguments.__dataclass_fields__.items()
+                          if k != "activation_checkpointing"}
+    monkeypatch.setattr(transformers.TrainingArguments, "__dataclass_fields__", fields_before_5_23)
+    assert adapt({"activation_checkpointing": False}) == {"gradient_checkpointing": False}
+
 def test_command_line_and_config_file_beat_the_offline_defaults(tmp_path):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("learning_rate: 0.01\nmax_steps: 5\nnum_eval: 7\n")
