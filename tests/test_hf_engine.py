@@ -159,6 +159,7 @@ def test_a_generate_patched_to_return_a_plain_tensor_of_sequences_is_accepted(tr
     with pytest.raises(ValueError, match="returned only the sequences.*scores"):
         hf_engine(trainer, monkeypatch, cache, with_scores=True).generate(prefixes, BUDGETS)
 
+
 def test_generation_hides_only_trls_is_gradient_checkpointing_warning(trainer, prefixes):
     """TRL's `unwrap_model_for_generation` reads `is_gradient_checkpointing`, deprecated from transformers 5.23: the
     engine's generate calls do not pass that FutureWarning on to the user (and leave every other warning alone)."""
