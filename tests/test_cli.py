@@ -14,22 +14,52 @@ from trl_tree import cli, methods
 from trl_tree.scripts import hotpot
 
 REPO = Path(__file__).resolve().parent.parent
-METHODS = ["treeopsd", "treepo", "at2po", "treeadv"]
-# method -> (config, trainer) class names, and an option only that method's config has on top of TreeConfig's
-EXPECTED = {
-    "treeopsd": ("TreeOPSDConfig", "TreeOPSDTrainer"),
-    "treepo": ("TreePOConfig", "TreePOTrainer"),
-    "at2po": ("AT2POConfig", "AT2POTrainer"),
-    "treeadv": ("TreeAdvConfig", "TreeAdvTrainer"),
-}
+METHODS = list(methods.METHODS)  # every command is a method of the table
+EXAMPLE_METHODS = list(hotpot.example_methods())  # those the HotpotQA example trains (the rest: generic form only)
+TRAINING_SCRIPT = REPO / "trl_tree" / "scripts" / "train.py"
 
 
 def test_top_level_help_lists_the_methods(capsys):
     assert cli.main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert all(method in out for method in METHODS)
-    assert "treeflex" not in cli.COMMANDS  # see the cli module docstring: no honest evaluation of the two-role agent
-    assert "no `treeflex` command" in cli.__doc__
+    assert all(method in out for method in METHODS) and set(cli.commands()) == set(methods.METHODS)
+
+
+def test_a_method_unfit_for_the_example_says_its_own_reason_and_runs_the_generic_form(monkeypatch, capsys):
+    """A method declaring why the HotpotQA example cannot train it (TreeFlex) is refused without a reward, with
+    that declaration as the reason, and launches the one training script when a reward is named."""
+    (name,) = [n for n, m in methods.METHODS.items() if m.example_unfit]
+    err = _refused(monkeypatch, capsys, [name])
+    assert methods.METHODS[name].example_unfit in err
+    launched = []
+    monkeypatch.setattr("accelerate.commands.launch.launch_command", launched.append)
+    argv = ["--reward_funcs", "accuracy_reward", "--dataset_name", "data.jsonl", "--model_name_or_path", "m"]
+    assert cli.main([name, *argv]) == 0
+    (args,) = launched
+    assert Path(args.training_script) == TRAINING_SCRIPT and args.training_script_args == [name, *argv]
+
+
+def test_a_registered_method_is_a_command_in_help_with_a_runnable_entry(monkeypatch, capsys):
+    """Registering a `Method` is all a new preset needs to be a command: it is in the top-level help, its own help
+    builds, and the launch hands accelerate the one training script, which parses the new method's config."""
+    base = methods.METHODS["treepo"]
+    new = methods.Method("treecopy", "TreeCopy", base.config, base.trainer, base.sampler, base.credit, base.loss,
+                         "a method registered in a test")
+    monkeypatch.setitem(methods.METHODS, new.name, new)
+    assert cli.main(["--help"]) == 0
+    assert "treecopy" in capsys.readouterr().out
+    assert "--target_radius" not in _help(["treecopy", "--help"], capsys)  # the preset's loss: treepo, no teacher
+    launched = []
+    monkeypatch.setattr("accelerate.commands.launch.launch_command", launched.append)
+    assert cli.main(["treecopy", "--max_steps", "1"]) == 0
+    (args,) = launched
+    assert Path(args.training_script) == TRAINING_SCRIPT
+    parsed = []
+    monkeypatch.setattr(hotpot, "main", lambda *a: parsed.append(a))
+    monkeypatch.setattr(sys, "argv", [args.training_script, *args.training_script_args])
+    runpy.run_path(args.training_script, run_name="__main__")
+    ((_, training_args, _),) = parsed
+    assert type(training_args) is new.config_class() and training_args.output_dir == "outputs/treecopy-hotpot-offline"
 
 
 @pytest.fixture(autouse=True)
@@ -72,7 +102,8 @@ def test_short_help_lists_the_methods_own_fields_first_grouped_and_always_the_re
     assert "--help-all" in out and f"trl-tree {method}" in out
     notes = {"--accelerate_config", "--num_processes", "--help", "--help-all", "--config"}  # not dataclass fields
     assert set(listed) - notes <= set(_options(full))
-    assert ("--retriever" in listed) == (form == [])  # the example's own options only in the example's form
+    example = form == [] and method in EXAMPLE_METHODS  # a method unfit for the example has the generic form only
+    assert ("--retriever" in listed) == example  # the example's own options only in the example's form
     assert len(out.splitlines()) * 5 < len(full.splitlines())
 
 
@@ -132,32 +163,29 @@ def test_help_starts_neither_accelerate_nor_the_data_libraries():
     assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", EXAMPLE_METHODS)
 def test_each_method_launches_its_script_which_trains_with_its_trainer(method, monkeypatch):
-    """`trl-tree <method>` hands accelerate `scripts/<method>.py`; that script parses the method's config (with the
-    offline defaults) and `main` picks the method's trainer class from it."""
-    import trl_tree
-
+    """`trl-tree <method>` hands accelerate `scripts/train.py <method>`; that script parses the method's config
+    (with the offline defaults) and `main` picks the method's trainer class from it."""
     launched = []
     monkeypatch.setattr("accelerate.commands.launch.launch_command", launched.append)
     assert cli.main([method, "--max_steps", "1"]) == 0
     (args,) = launched
-    assert Path(args.training_script) == REPO / "trl_tree" / "scripts" / f"{method}.py"
+    assert Path(args.training_script) == TRAINING_SCRIPT and args.training_script_args[0] == method
 
     parsed = []
     monkeypatch.setattr(hotpot, "main", lambda *a: parsed.append(a))
     monkeypatch.setattr(sys, "argv", [args.training_script, *args.training_script_args])
     runpy.run_path(args.training_script, run_name="__main__")
     ((script_args, training_args, model_args),) = parsed
-    config_name, trainer_name = EXPECTED[method]
-    assert type(training_args).__name__ == config_name and training_args.max_steps == 1
+    entry = methods.METHODS[method]
+    assert type(training_args) is entry.config_class() and training_args.max_steps == 1
     assert training_args.output_dir == f"outputs/{method}-hotpot-offline" and script_args.warm_start_steps > 0
-    config_class, trainer_class = hotpot.method_classes(method)
-    assert type(training_args) is config_class
-    assert trainer_class is getattr(trl_tree, trainer_name) and trainer_class.config_class is config_class
+    assert hotpot.trainer_class_for(training_args) is entry.trainer_class()
+    assert entry.trainer_class().config_class is entry.config_class()
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", EXAMPLE_METHODS)
 def test_offline_defaults_share_treeopsds_tree_budget(method):
     """At most 12 leaves per prompt (4 complete trajectories + 8 continuations), whatever the method's own defaults
     (AT2PO's M = 2, L = 2, K = 6 would be 14)."""
@@ -173,7 +201,7 @@ def test_an_unknown_command_names_the_valid_ones(capsys):
         cli.main(["grpo"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "unknown command 'grpo'" in err and "treeopsd, treepo, at2po, treeadv" in err
+    assert "unknown command 'grpo'" in err and ", ".join(methods.METHODS) in err
 
 
 def _refused(monkeypatch, capsys, argv) -> str:
@@ -273,7 +301,7 @@ def test_the_hotpotqa_example_still_launches_on_its_own_data(monkeypatch, argv):
     monkeypatch.setattr("accelerate.commands.launch.launch_command", launched.append)
     assert cli.main(["treeopsd", *argv]) == 0
     (args,) = launched
-    assert Path(args.training_script).name == "treeopsd.py" and args.training_script_args == argv
+    assert Path(args.training_script) == TRAINING_SCRIPT and args.training_script_args == ["treeopsd", *argv]
 
 
 def test_the_papers_recipe_is_the_hotpotqa_example():
@@ -289,9 +317,8 @@ def test_script_arguments_go_to_the_script_and_the_rest_to_accelerate(monkeypatc
     monkeypatch.setattr("accelerate.commands.launch.launch_command", launched.append)
     assert cli.main(["treepo", "--num_processes", "1", "--max_steps", "1", "--accelerate_config", "multi_cpu"]) == 0
     (args,) = launched
-    assert Path(args.training_script).name == "treepo.py"
-    assert Path(args.training_script).parent == REPO / "trl_tree" / "scripts"
-    assert args.training_script_args == ["--max_steps", "1"]
+    assert Path(args.training_script) == TRAINING_SCRIPT
+    assert args.training_script_args == ["treepo", "--max_steps", "1"]
     assert args.num_processes == 1
     assert Path(args.config_file) == REPO / "trl_tree" / "accelerate_configs" / "multi_cpu.yaml"  # package data
 
@@ -325,9 +352,8 @@ def test_offline_run_of_a_new_method_trains_a_few_steps_and_saves_the_model(meth
     ).split()
     out = tmp_path / "model"
     argv = [*tiny, "--output_dir", str(out), "--bm25_cache_dir", str(tmp_path / "bm25")]
-    script = REPO / "trl_tree" / "scripts" / f"{method}.py"
-    monkeypatch.setattr(sys, "argv", [str(script), *argv])
-    runpy.run_path(str(script), run_name="__main__")  # what `accelerate launch` runs
+    monkeypatch.setattr(sys, "argv", [str(TRAINING_SCRIPT), method, *argv])
+    runpy.run_path(str(TRAINING_SCRIPT), run_name="__main__")  # what `accelerate launch` runs
     summary = json.loads((out / "hotpot_results.json").read_text())
     assert summary["method"] == {"at2po": "AT2PO", "treeadv": "TreeAdv"}[method] and summary["reward_curve"]
     assert summary["before"]["num_questions"] == summary["after"]["num_questions"] == 2

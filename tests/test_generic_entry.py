@@ -83,7 +83,7 @@ def test_treepo_trains_a_local_dataset_with_a_reward_and_an_environment_by_impor
             "--reward_funcs", "my_task.short_answer", "--environment_factory", "my_task.Counter",
             *TINY_TREE, "--output_dir", str(out)]  # fmt: skip
     script, script_args = _launched(monkeypatch, argv)
-    assert Path(script) == REPO / "trl_tree" / "scripts" / "treepo.py"
+    assert Path(script) == REPO / "trl_tree" / "scripts" / "train.py" and script_args[0] == "treepo"
 
     monkeypatch.setattr(sys, "argv", [script, *script_args])
     runpy.run_path(script, run_name="__main__")
@@ -222,8 +222,8 @@ def test_a_short_reward_name_goes_to_the_script_as_given(user_dir, monkeypatch):
     argv = ["treepo", "--model_name_or_path", "m", "--dataset_name", "data.jsonl", "--reward_funcs", "accuracy_reward",
             "think_format_reward", "my_task.short_answer"]  # fmt: skip
     _, script_args = _launched(monkeypatch, argv)
-    assert script_args == argv[1:]
-    parsed, *_ = generic.parse_args("treepo", script_args)
+    assert script_args == argv  # the method first, for the one training script, then the options as given
+    parsed, *_ = generic.parse_args("treepo", script_args[1:])
     names = [getattr(f, "__name__", "") for f in generic.load_reward_funcs(parsed)]
     assert names == ["accuracy_reward", "think_format_reward", "short_answer"]
 

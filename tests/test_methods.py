@@ -183,3 +183,96 @@ def test_path_credit_gives_each_turn_the_path_weighted_mean_of_its_trajectories(
     lengths = torch.tensor([float(L[tree.paths[k]].sum()) for k in through], dtype=torch.float64)
     expected = (A[through] / lengths).sum() / (1 / lengths).sum()
     assert math.isclose(V[first].item(), expected.item(), rel_tol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Each component owns what it knows: its checks, its help, its place in the docs
+# ---------------------------------------------------------------------------------------------------------------
+
+_KINDS = {"sampler": methods.SAMPLERS, "credit": methods.CREDITS, "loss": methods.LOSSES}
+
+
+def _design_tables() -> str:
+    """The method and component tables of docs/design.md §1 (its table rows)."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "design.md").read_text()
+    section = text[text.index("## 1."):text.index("## 2.")]
+    return "\n".join(line for line in section.splitlines() if line.startswith("|"))
+
+
+@pytest.mark.parametrize("kind", list(_KINDS))
+def test_every_registered_component_is_in_its_config_fields_help_and_the_design_table(kind):
+    """A registration is listed by the help of the config field that chooses it (TreeFlex's group components by
+    TreeFlexConfig's) and by docs/design.md's tables: no hand-written list can fall behind the table."""
+    from dataclasses import fields
+
+    from trl_tree import TreeConfig, TreeFlexConfig
+
+    tables = _design_tables()
+    for name, entry in _KINDS[kind].items():
+        config = TreeConfig if entry.unit == "tree" else TreeFlexConfig
+        field = next(f for f in fields(config) if f.name == kind)
+        if not (config is TreeFlexConfig and kind != "sampler"):  # TreeFlex's credit and loss are fixed
+            assert name in field.metadata["help"].split(": ", 1)[1], (kind, name)
+        assert f"`{name}`" in tables, f"{kind} {name!r} is missing from docs/design.md's tables"
+        assert entry.summary, f"{kind} {name!r} has no docstring to summarise it"
+
+
+def test_every_method_has_its_row_in_the_design_table():
+    rows = _design_tables().splitlines()
+    for name, m in methods.METHODS.items():
+        row = next((r for r in rows if r.startswith(f"| `{name}` |")), None)
+        assert row is not None, f"method {name!r} is missing from docs/design.md's table"
+        assert all(f"`{c}`" in row for c in (m.sampler, m.credit, m.loss)) and f"`{m.title}Trainer`" in row
+
+
+def test_only_the_chosen_components_fields_are_validated(tmp_path):
+    """An out-of-range field of a sampler that is not chosen changes nothing and is not refused; chosen, it is."""
+    config(TreeConfig, tmp_path, sampler="init_expand", expansion_mode="bogus", min_segment_length=0)
+    with pytest.raises(ValueError, match="expansion_mode"):
+        config(TreeConfig, tmp_path, sampler="entropy_guided", expansion_mode="bogus")
+    with pytest.raises(ValueError, match="min_segment_length"):
+        config(TreeConfig, tmp_path, sampler="token_entropy", min_segment_length=0)
+    with pytest.raises(ValueError, match="reward_std"):
+        config(TreeConfig, tmp_path, reward_std="bogus")
+
+
+def test_epsilon_high_unset_is_epsilon_and_zero_is_read_literally():
+    """As GRPO reads it: None → ε, and 0.0 is 0.0 (not silently ε)."""
+    from types import SimpleNamespace
+
+    assert methods.epsilon_high(SimpleNamespace(epsilon=0.2, epsilon_high=None)) == 0.2
+    assert methods.epsilon_high(SimpleNamespace(epsilon=0.2, epsilon_high=0.0)) == 0.0
+    assert methods.clip_epsilons(SimpleNamespace(epsilon=0.2, epsilon_high=0.0)) == {"epsilon_low": 0.2,
+                                                                                       "epsilon_high": 0.0}
+
+
+@pytest.mark.parametrize("name", list(methods.METHODS))
+def test_presets_take_name_tags_paper_and_config_from_their_method(name):
+    """A preset trainer's display name, tags and paper are its `Method`'s; every preset derives from `TreeTrainer`
+    alone, so no preset inherits another's identity (TreePO is not a TreeOPSD)."""
+    from trl_tree.trainer.base import TreeTrainer
+
+    m = methods.METHODS[name]
+    trainer = m.trainer_class()
+    assert trainer._name == m.title and trainer._tag_names == m.tags and trainer.config_class is m.config_class()
+    if m.paper is not None:
+        assert trainer._paper["id"] == m.paper.id
+    presets = {other.trainer_class() for other in methods.METHODS.values()} - {trainer}
+    assert not any(issubclass(trainer, other) for other in presets) and issubclass(trainer, TreeTrainer)
+
+
+def test_every_tree_credit_views_one_value_per_leaf():
+    """What the tree view shows per leaf (`Credit.view`) is one value per leaf of the tree, for every tree credit;
+    for the standardising credits it is the A_k they back up."""
+    from types import SimpleNamespace
+
+    tree = hotpot_like_tree()
+    args = SimpleNamespace(reward_std="sample")
+    for name, entry in methods.CREDITS.items():
+        if entry.unit == "tree":
+            view = entry.view(tree, args)
+            assert view.shape == (tree.num_leaves,), name
+            if "reward_std" in entry.fields:
+                assert torch.equal(view, methods.leaf_advantages(tree, args)), name

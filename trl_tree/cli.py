@@ -9,7 +9,8 @@
     trl-tree treeadv --entropy_threshold 0.8 --max_branches_per_tree 3
     trl-tree view RUN_DIR                               # render the run's saved rollout-tree pages again
 
-Each method runs `trl_tree/scripts/<method>.py` through `accelerate launch`, with the method's config and trainer.
+Every method of the table (`trl_tree.methods.METHODS`) is a command: it runs the one script `trl_tree/scripts/train.py`
+through `accelerate launch`, given the method's name first, with the method's config and trainer.
 Which script, by one rule (`trl_tree.scripts.script_for`):
 
 - a reward, tools or an environment named (`--reward_funcs`, `--reward_model_name_or_path`, `--tools`,
@@ -50,17 +51,9 @@ TreeAdv 4 trees of at most 1 + 2 leaves (the recipe `trl_tree/recipes/hotpot_off
 `log_completions=True` saved under `OUTPUT_DIR/tree_view/` and writes the HTML pages again
 (`trl_tree.tree_view.render_run`).
 
-There is no `treeflex` command. `TreeFlexTrainer` rolls out with a two-role harness (`trl_tree.rollout.flex_harness`):
-a Reflection block without tools writes instructions or the `<answer>`, and Execution segments restart from restored
-checkpoint cards. This script's warm start teaches, and its before/after evaluation and `examples/eval_hotpot.py` run,
-the single-role tool loop of the other trainers (one conversation that searches and answers; `max_turns` and
-`max_completion_length` per trajectory, where TreeFlex reads them per segment and per block), and its prompt is that
-loop's single-agent instruction. Trained through this script, TreeFlex would optimise an agent that the script never
-warm-starts nor evaluates, so its EM/F1 would not measure what it trained. Use `TreeFlexTrainer` from Python
-(README, "Use it like GRPOTrainer") until an evaluation of the two-role agent exists. The generic form has no such
-obstacle: it neither warm-starts nor evaluates, and `TreeFlexTrainer` takes the same reward functions, `tools=` and
-`environment_factory=` (it trains on what `trl_tree.scripts.generic` loads). TreeFlex can join as a command that runs
-the generic form only, once the methods' table lists it with its config.
+A method that declares why the HotpotQA example cannot train it (`Method.example_unfit`: TreeFlex, whose two-role
+agent the example neither warm-starts nor evaluates) runs the generic form only: `trl-tree treeflex` without a reward
+is refused with that reason, and its help lists the generic form's options.
 """
 
 from __future__ import annotations
@@ -81,8 +74,15 @@ from typing import NoReturn
 
 from trl_tree import methods
 
-# the training commands: every method of the table but TreeFlex (see above)
-COMMANDS = {name: f"Train with {m.title} ({m.summary})." for name, m in methods.METHODS.items() if name != "treeflex"}
+
+def commands() -> dict[str, str]:
+    """The training commands → their help line: every method of the table, read when asked (a method registered
+    after import is a command too)."""
+    return {name: f"Train with {m.title} ({m.summary})." for name, m in methods.METHODS.items()}
+
+
+# the one script `accelerate launch` runs for every method, given the method's name first (`scripts/train.py`)
+TRAINING_SCRIPT = "train.py"
 VIEW_HELP = "Render the rollout-tree pages of a run again from its saved data (OUTPUT_DIR/tree_view/*.json)."
 _USAGE_EPILOG = (
     "Each command trains any dataset with reward functions (TRL's short names or import paths; tools or an "
@@ -98,8 +98,8 @@ def _build_parser() -> argparse.ArgumentParser:
         epilog=_USAGE_EPILOG,
         allow_abbrev=False,
     )
-    subparsers = parser.add_subparsers(dest="command", metavar="{" + ",".join([*COMMANDS, "view"]) + "}")
-    for name, help_text in COMMANDS.items():
+    subparsers = parser.add_subparsers(dest="command", metavar="{" + ",".join([*commands(), "view"]) + "}")
+    for name, help_text in commands().items():
         subparsers.add_parser(name, help=help_text, add_help=False)  # the script's own parser prints its help
     _add_view_arguments(subparsers.add_parser("view", help=VIEW_HELP, description=VIEW_HELP))
     return parser
@@ -188,8 +188,12 @@ def launch(command: str, all_args: list[str]) -> int:
         sys.stdout.write(cached_help_text(command, all_args, full="--help-all" in all_args))
         raise SystemExit(0)
 
-    from trl_tree.scripts import check_data, form_for, generic
+    from trl_tree.scripts import check_data, check_method_form, form_for, generic
 
+    try:
+        check_method_form(command, all_args)
+    except ValueError as error:  # the method declares it cannot run the HotpotQA example (`Method.example_unfit`)
+        _fail(command, str(error))
     script_module = form_for(all_args)
     parser = script_module.prepared_parser(command, all_args, prog=f"trl-tree {command}")
     parser.usage = _usage(command)  # what an argparse error prints above its message
@@ -213,8 +217,8 @@ def launch(command: str, all_args: list[str]) -> int:
 
     launch_args = resolve_accelerate_config(config_remaining + cli_remaining)
     script_args = _split_known(all_args, cli_remaining)
-    script = str(importlib.resources.files("trl_tree.scripts").joinpath(f"{command}.py"))
-    launch_namespace = launch_command_parser().parse_args([*launch_args, script, *script_args])
+    script = str(importlib.resources.files("trl_tree.scripts").joinpath(TRAINING_SCRIPT))
+    launch_namespace = launch_command_parser().parse_args([*launch_args, script, command, *script_args])
     if launch_namespace.training_script != script:  # a stray word before the script would be launched instead
         _fail(command, f"unexpected argument {launch_namespace.training_script!r}: every option is --name [VALUE] "
               f"(`trl-tree {command} --help` lists them).")
@@ -316,26 +320,29 @@ def help_text(command: str, argv: list[str], *, full: bool = False) -> str:
     Help shows the defaults of the dataclasses, and a `--config` file's values in their place (as TrlParser's help
     does). Building the parsers imports the method's config class (transformers' `TrainingArguments`): most of the
     time `--help` takes; nothing else heavy is imported (not accelerate's launcher, nor the scripts' data modules)."""
-    from trl_tree.scripts import config_file_content, form_for, hotpot
+    from trl_tree.scripts import config_file_content, form_for, generic, hotpot
 
-    form = form_for(argv)
-    other = _other_form(form)
+    unfit = methods.METHODS[command].example_unfit  # such a method has the generic form only
+    form = generic if unfit else form_for(argv)
     prog = f"trl-tree {command}"
-    parser, other_parser = form.make_parser(command, prog=prog), other.make_parser(command, prog=prog)
+    parser = form.make_parser(command, prog=prog)
+    other_parser = None if unfit else _other_form(form).make_parser(command, prog=prog)
     config = {k: v for k, v in config_file_content(argv).items() if k != "env"}
     for p in (parser, other_parser):
-        p.set_defaults_with_config(**config)
+        if p is not None:
+            p.set_defaults_with_config(**config)
     parser.usage = _usage(command)
     own = [a for a in parser._actions if a.option_strings and a.dest != "help"]
-    extra = [a for a in other_parser._actions if a.option_strings and a.dest not in _dests(parser)]
+    extra = [] if unfit else [a for a in other_parser._actions if a.option_strings and a.dest not in _dests(parser)]
     example = form is hotpot
     if full:
         formatter = parser._get_formatter()
         title = ("training your own data (with --reward_funcs, --tools or --environment_factory)" if example else
                  "the HotpotQA example (without a reward, tools or environment)")
-        formatter.start_section(f"options of {title}")
-        formatter.add_arguments(extra)
-        formatter.end_section()
+        if extra:
+            formatter.start_section(f"options of {title}")
+            formatter.add_arguments(extra)
+            formatter.end_section()
         formatter.start_section("launching")
         formatter.add_arguments(_launch_notes(command)[:2])
         formatter.end_section()
@@ -346,17 +353,19 @@ def help_text(command: str, argv: list[str], *, full: bool = False) -> str:
     # `dataset_config` defaults to HotpotQA's "distractor"); the config and model fields are the same in both
     generic_parser, example_parser = (other_parser, parser) if example else (parser, other_parser)
     by_dest: dict[str, argparse.Action] = {}
-    for action in [*generic_parser._actions, *example_parser._actions]:
+    for action in [*generic_parser._actions, *(example_parser._actions if example_parser else [])]:
         if action.option_strings:
             by_dest.setdefault(action.dest, action)
     formatter = parser.formatter_class(prog=prog, max_help_position=34)
     formatter.add_usage(_usage(command).replace("%", "%%"), [], [])
-    formatter.add_text(COMMANDS[command])
+    formatter.add_text(commands()[command])
     formatter.add_text(
         "It trains your data with the rewards, tools or environment you name: --model_name_or_path MODEL "
         "--dataset_name DATA --reward_funcs accuracy_reward [--tools my_pkg.tools.search | --environment_factory "
-        "my_pkg.env.Env]. Without any of them it is the HotpotQA example (no dataset, or hotpotqa/hotpot_qa): "
-        f"`trl-tree {command}` alone runs it offline on a CPU."
+        "my_pkg.env.Env]. "
+        + (f"It has no HotpotQA example form: {unfit}." if unfit else
+           "Without any of them it is the HotpotQA example (no dataset, or hotpotqa/hotpot_qa): "
+           f"`trl-tree {command}` alone runs it offline on a CPU.")
     )
     for title, names in help_groups(command, example):
         formatter.start_section(title)
@@ -532,8 +541,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if argv[0] == "view":
         return view(argv[1:])
-    if argv[0] not in COMMANDS:
-        parser.error(f"unknown command {argv[0]!r}; choose one of: {', '.join([*COMMANDS, 'view'])}.")
+    if argv[0] not in commands():
+        parser.error(f"unknown command {argv[0]!r}; choose one of: {', '.join([*commands(), 'view'])}.")
     return launch(argv[0], argv[1:])
 
 

@@ -35,8 +35,9 @@ Usage:
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, NamedTuple
 
@@ -63,13 +64,19 @@ class Sampler:
         leaves: K, leaves per tree (at most, when `variable_leaves`).
         budget: the expected cost of one tree in complete trajectories (what GRPO's G buys per prompt).
         budget_formula: `budget` as the error messages write it.
-        shape_fields: the other fields that change the budget (init_expand's N; entropy_guided's L and K): what an
-            error for an unreachable G varies to list settings that reach it.
+        shape_fields: the other fields that change the budget (init_expand's N; entropy_guided's L and K) → the least
+            value each may take: what an error for an unreachable G varies to list settings that reach it.
         leaf_tokens: the most tokens one leaf generates (`max_completion_length`; TreeFlex: per block, × max_blocks);
             with `leaves`, the bound on a tree's size that `components.check_tree_size` checks.
         leaf_tokens_formula: `leaf_tokens` as the error messages write it.
         needs_entropies: `(args) -> bool`: whether it reads per-token entropies from generation.
         unit: "tree", or "group" for TreeFlex's groups of complete searches.
+        check: `(args) -> None`: validation of its own `fields` (run only when it is the chosen sampler, before the
+            budget is resolved from G, so the budget arithmetic only ever sees valid shapes).
+        derived: the `shape_fields` that config resolution may choose itself when only G is given and the preset's
+            value cannot reach it (init_expand's N: `components.shape_for_generations`); a user-given value is kept.
+        leaves_formula: `leaves` as the error messages write it.
+        card: `(args, trainer) -> str | None`: the model card's sentence on how a prompt's unit is grown.
     """
 
     name: str
@@ -79,23 +86,44 @@ class Sampler:
     leaves: Callable[[Any], int]
     budget: Callable[[Any], Fraction]
     budget_formula: str
-    shape_fields: tuple[str, ...] = ()
+    leaves_formula: str
+    shape_fields: dict[str, int] = field(default_factory=dict)
     leaf_tokens: Callable[[Any], int] = lambda args: args.max_completion_length
     leaf_tokens_formula: str = "max_completion_length"
     needs_entropies: Callable[[Any], bool] = lambda args: False
     variable_leaves: bool = False
     unit: str = "tree"
+    check: Callable[[Any], None] = lambda args: None
+    derived: tuple[str, ...] = ()
+    card: Callable[[Any, Any], str | None] = lambda args, trainer: None
+
+    @property
+    def summary(self) -> str:
+        return summary_of(self.build)
 
 
 @dataclass(frozen=True)
 class Credit:
-    """How a finished unit becomes per-turn values: `values(unit, args) -> V` [n_turns] (float64)."""
+    """How a finished unit becomes per-turn values: `values(unit, args) -> V` [n_turns] (float64).
+
+    Attributes:
+        view: `(unit, args) -> [K]`: the per-leaf (per-search) values the rollout-tree pages show for this credit,
+            the quantity it backs up to turns; a credit with its own leaf values declares them, or the pages would
+            show numbers it never used.
+        check: `(args) -> None`: validation of its own `fields` (run only when it is the chosen credit).
+    """
 
     name: str
     values: Callable[[Any, Any], Tensor]
     fields: dict[str, str]
     needs_entropies: bool = False
     unit: str = "tree"
+    view: Callable[[Any, Any], Tensor] = lambda unit, args: leaf_advantages(unit, args)
+    check: Callable[[Any], None] = lambda args: None
+
+    @property
+    def summary(self) -> str:
+        return summary_of(self.values)
 
 
 class ClipCounts(NamedTuple):
@@ -133,6 +161,23 @@ class Loss:
     def clipped(self) -> bool:
         return "epsilon" in self.fields
 
+    @property
+    def summary(self) -> str:
+        return summary_of(self.compute)
+
+
+@dataclass(frozen=True)
+class Paper:
+    """The paper a method implements, as TRL's model card cites it (`title`, arXiv `id`, BibTeX `citation`)."""
+
+    title: str
+    id: str
+    citation: str
+
+    def as_trl_dict(self) -> dict[str, str]:
+        """The `_paper` mapping TRL's `generate_model_card` reads."""
+        return {"title": self.title, "id": self.id, "citation": self.citation}
+
 
 @dataclass(frozen=True)
 class Method:
@@ -143,6 +188,10 @@ class Method:
         config, trainer: "module:Class" of the config and trainer classes (imported on first use).
         sampler, credit, loss: its default components.
         summary: one line, for command-line help and listings.
+        paper: the paper it implements (the trainer's model-card citation), or None.
+        example_unfit: why the HotpotQA example script (`trl_tree.scripts.hotpot`) cannot train it, or "" when it
+            can; a method with a reason runs only the generic script (`trl-tree <method> --reward_funcs ...`), and
+            the command line says this reason when asked for the example.
     """
 
     name: str
@@ -153,13 +202,41 @@ class Method:
     credit: str
     loss: str
     summary: str
-    paper: str = ""
+    paper: Paper | None = None
+    example_unfit: str = ""
+
+    @property
+    def tags(self) -> list[str]:
+        """The model card's tags: TRL's, trl-tree's and the method's name."""
+        return ["trl", "trl-tree", self.name]
 
     def config_class(self):
         return _load(self.config)
 
     def trainer_class(self):
         return _load(self.trainer)
+
+    def preset(self, trainer_class: type) -> type:
+        """Class decorator of the method's trainer: its display name, tags, paper and config class, from this
+        entry (so none of them is written twice)."""
+        trainer_class._name = self.title
+        trainer_class._tag_names = self.tags
+        if self.paper is not None:
+            trainer_class._paper = self.paper.as_trl_dict()
+        trainer_class.config_class = self.config_class()
+        return trainer_class
+
+
+def preset(name: str) -> Callable[[type], type]:
+    """`@methods.preset("treeopsd")` on a trainer class: `Method.preset` of the registered method `name`."""
+    return METHODS[name].preset
+
+
+def summary_of(function) -> str:
+    """A registered component's one-line summary, for help and listings: the first paragraph of its docstring
+    (the registration's docstring is the one place a component describes itself)."""
+    doc = inspect.getdoc(function) or ""
+    return " ".join(doc.split("\n\n")[0].split())
 
 
 def _load(path: str):
@@ -269,6 +346,82 @@ _TREE_LIMITS = {
     "packing": "training layout of a tree",
 }
 _M = {"num_initial_rollouts": "M: complete trajectories sampled per prompt"}
+ANCHOR_RULES = ("uniform",)
+EXPANSION_MODES = ("entropy", "random")
+
+
+def _check_choice(name: str, value, valid: tuple) -> None:
+    if value not in valid:
+        raise ValueError(f"{name} must be one of {valid}; got {value!r}.")
+
+
+def _check_init_expand(args) -> None:
+    _check_choice("anchor_rule", args.anchor_rule, ANCHOR_RULES)
+    if args.num_branches < 0:
+        raise ValueError(f"num_branches (N) must be ≥ 0; got {args.num_branches}.")
+
+
+def _check_entropy_guided(args) -> None:
+    _check_choice("expansion_mode", args.expansion_mode, EXPANSION_MODES)
+    if args.expansion_rounds < 0 or args.branches_per_round < 0:
+        raise ValueError("expansion_rounds and branches_per_round must be ≥ 0.")
+
+
+def _check_token_entropy(args) -> None:
+    if args.max_branches_per_tree < 0 or args.min_segment_length < 1 or args.branching_rounds < 1:
+        raise ValueError(
+            "Token-level branching needs max_branches_per_tree ≥ 0, min_segment_length ≥ 1 and branching_rounds ≥ "
+            f"1; got {args.max_branches_per_tree}, {args.min_segment_length}, {args.branching_rounds}."
+        )
+    if args.entropy_threshold != args.entropy_threshold:
+        raise ValueError("entropy_threshold is NaN; use float('inf') to turn token-level branching off.")
+
+
+def _check_two_role(args) -> None:
+    if args.max_blocks is None or args.max_blocks < 1:
+        raise ValueError(f"max_blocks must be ≥ 1; got {args.max_blocks}.")
+
+
+def _card_init_expand(args, trainer) -> str | None:
+    M, N = args.num_initial_rollouts, args.num_branches
+    if M is None or N is None:
+        return None
+    return (f"Each prompt grows one rollout tree: M = {M} complete multi-turn trajectories, then N = {N} "
+            f"continuations of each from uniformly drawn turn prefixes, K = M(N + 1) = {M * (N + 1)} leaves; "
+            "shared turns are merged and trained once.")
+
+
+def _card_entropy_guided(args, trainer) -> str | None:
+    M, L, K = args.num_initial_rollouts, args.expansion_rounds, args.branches_per_round
+    if M is None:
+        return None
+    how = "those of highest node score" if args.expansion_mode == "entropy" else "chosen at random"
+    return (f"Each prompt grows one rollout tree: M = {M} complete multi-turn trajectories, then L = {L} rounds that "
+            f"each re-sample K = {K} turns ({how}) from their pre-turn history, M + L·K = "
+            f"{M + L * K} leaves; shared turns are merged and trained once.")
+
+
+def _card_token_entropy(args, trainer) -> str | None:
+    M, B = args.num_initial_rollouts, args.max_branches_per_tree
+    if M is None:
+        return None
+    return (f"Each prompt grows a forest of M = {M} trees: one complete trajectory each, branched inside its turns at "
+            f"tokens whose entropy exceeds τ_H = {args.entropy_threshold:g}, at most {B} branch points per tree (1 to "
+            f"{1 + B} leaves per tree, at most {M * (1 + B)} per prompt); shared prefixes are trained once.")
+
+
+def _card_two_role(args, trainer) -> str | None:
+    if getattr(args, "num_searches", None) is None:
+        return None
+    harness = getattr(trainer, "_harness", None)  # a custom harness passed to TreeFlexTrainer(harness=...)
+    blocks = (
+        "one Reflection block, then Execution segments that restart from restored checkpoint cards"
+        if harness is None
+        else f"grown by the custom harness `{type(harness).__name__}`"
+    )
+    return (f"Each task gets a group of K = {args.num_searches} complete searches, each of at most "
+            f"{args.max_blocks} causal blocks ({blocks}); every generated token is trained once, in the block that "
+            "generated it, and each search's score is compared within its group.")
 
 
 @register_sampler(
@@ -281,7 +434,11 @@ _M = {"num_initial_rollouts": "M: complete trajectories sampled per prompt"}
     leaves=lambda a: a.num_initial_rollouts * (a.num_branches + 1),
     budget=lambda a: a.num_initial_rollouts * (1 + Fraction(a.num_branches, 2)),
     budget_formula="M(1 + N/2)",
-    shape_fields=("num_branches",),
+    leaves_formula="M(N + 1)",
+    shape_fields={"num_branches": 0},  # N = 0 is flat sampling, a valid (if unbranched) tree
+    derived=("num_branches",),
+    check=_check_init_expand,
+    card=_card_init_expand,
 )
 def _init_expand(args, loop, seed):
     """TreeOPSD: M complete trajectories, then N continuations of each from uniformly drawn turns (K = M(N + 1))."""
@@ -297,6 +454,7 @@ def _init_expand(args, loop, seed):
     leaves=lambda a: a.num_initial_rollouts,
     budget=lambda a: Fraction(a.num_initial_rollouts),
     budget_formula="M",
+    leaves_formula="M",
 )
 def _flat(args, loop, seed):
     """No branching: M independent trajectories (flat multi-turn GRPO with credit="path", loss="grpo")."""
@@ -319,8 +477,11 @@ def _flat(args, loop, seed):
     leaves=lambda a: a.num_initial_rollouts + a.expansion_rounds * a.branches_per_round,
     budget=lambda a: a.num_initial_rollouts + Fraction(a.expansion_rounds * a.branches_per_round, 2),
     budget_formula="M + L·K/2 (L = expansion_rounds, K = branches_per_round)",
-    shape_fields=("expansion_rounds", "branches_per_round"),
+    leaves_formula="M + L·K",
+    shape_fields={"expansion_rounds": 1, "branches_per_round": 1},
     needs_entropies=lambda a: a.expansion_mode == "entropy",  # A2 node scores
+    check=_check_entropy_guided,
+    card=_card_entropy_guided,
 )
 def _entropy_guided(args, loop, seed):
     """AT2PO A1–A2: M trajectories, then L rounds re-sampling the K turns of highest node score."""
@@ -347,9 +508,12 @@ def _entropy_guided(args, loop, seed):
     leaves=lambda a: a.num_initial_rollouts * (1 + a.max_branches_per_tree),
     budget=lambda a: a.num_initial_rollouts * (1 + Fraction(a.max_branches_per_tree, 2)),
     budget_formula="M(1 + b/2) (b = max_branches_per_tree)",
-    shape_fields=("max_branches_per_tree",),
+    leaves_formula="at most M(1 + b)",
+    shape_fields={"max_branches_per_tree": 1},
     needs_entropies=lambda a: True,  # branch points are high-entropy tokens
     variable_leaves=True,
+    check=_check_token_entropy,
+    card=_card_token_entropy,
 )
 def _token_entropy(args, loop, seed):
     """TreeAdv: a forest of M trajectories branched inside their turns at tokens of entropy above τ_H."""
@@ -374,9 +538,12 @@ def _token_entropy(args, loop, seed):
     leaves=lambda a: a.num_searches,
     budget=lambda a: Fraction(a.num_searches),
     budget_formula="num_searches",
+    leaves_formula="num_searches",
     leaf_tokens=lambda a: a.max_completion_length * a.max_blocks,  # each block has its own budget
     leaf_tokens_formula="max_completion_length × max_blocks",
     unit="group",
+    check=_check_two_role,
+    card=_card_two_role,
 )
 def _two_role(args, loop, seed):
     """TreeFlex: a Reflection block, then Execution segments restarting from restored checkpoint cards."""
@@ -389,42 +556,53 @@ def _two_role(args, loop, seed):
 # Credits
 # ---------------------------------------------------------------------------------------------------------------
 
-_REWARD_STD = {"reward_std": "standardisation of the leaf rewards"}
+PENALTY_MODES = ("pre_norm", "post_norm")
+
+REWARD_STDS = ("sample", "population")
+
+
+def _check_reward_std(args) -> None:
+    _check_choice("reward_std", args.reward_std, REWARD_STDS)
+
+
+# the tree credits back up standardised leaf rewards: each reads `reward_std`, and the pages show its A_k
+_STANDARDISED = {"fields": {"reward_std": "standardisation of the leaf rewards"}, "check": _check_reward_std}
 
 
 def leaf_advantages(tree, args) -> Tensor:
-    """A_k of the tree's K leaves: T1 / D1 (sample std, no epsilon) or A3 (population std + 1e-6)."""
+    """A_k of the tree's K leaves: T1 / D1 (sample std, no epsilon) or A3 (population std + 1e-6): what the
+    standardising credits back up, so the pages' per-leaf view of each (`Credit.view`)."""
     rewards = torch.tensor(tree.rewards, dtype=torch.float64)
     if args.reward_std == "population":
         return credit.standardize(rewards, ddof=0, eps=1e-6)
     return credit.standardize(rewards)
 
 
-@register_credit("likelihood", fields=_REWARD_STD)
+@register_credit("likelihood", **_STANDARDISED)
 def _likelihood(tree, args):
     """TreeOPSD T2–T3: softmax over the children's behaviour log-likelihoods."""
     return credit.likelihood_backup(tree, leaf_advantages(tree, args))
 
 
-@register_credit("child_mean", fields=_REWARD_STD)
+@register_credit("child_mean", **_STANDARDISED)
 def _child_mean(tree, args):
     """AT2PO A4: the mean over children, a leaf of multiplicity m counted m times."""
     return credit.child_mean_backup(tree, leaf_advantages(tree, args))
 
 
-@register_credit("child_softmax", fields=_REWARD_STD, needs_entropies=True)
+@register_credit("child_softmax", **_STANDARDISED, needs_entropies=True)
 def _child_softmax(tree, args):
     """AT2PO A4 (default): softmax over the children's turn entropies A1, multiplicity counted as in child_mean."""
     return credit.entropy_softmax_backup(tree, leaf_advantages(tree, args), tree_turn_entropies(tree))
 
 
-@register_credit("leaf_mean", fields=_REWARD_STD)
+@register_credit("leaf_mean", **_STANDARDISED)
 def _leaf_mean(tree, args):
     """AT2PO A4, TreeAdv D2: the mean of every leaf occurrence below the turn."""
     return credit.leaf_mean_backup(tree, leaf_advantages(tree, args))
 
 
-@register_credit("path", fields=_REWARD_STD)
+@register_credit("path", **_STANDARDISED)
 def _path(tree, args):
     """No tree credit (AT2PO's "credit off" ablation; flat GRPO): each token takes its trajectory's A_k."""
     return credit.path_credit(tree, leaf_advantages(tree, args))
@@ -437,6 +615,8 @@ def _path(tree, args):
         "tool_failure_penalty": "Q: process penalty per failed or malformed tool call",
     },
     unit="group",
+    view=lambda group, args: credit.group_normalize(group.scores),  # each search's score within its group
+    check=lambda args: _check_choice("penalty_mode", args.penalty_mode, PENALTY_MODES),
 )
 def _search(group, args):
     """TreeFlex F1–F2: group-relative advantage of each complete search, plus the turn's process penalty."""
@@ -453,9 +633,15 @@ _CLIP = {
 }
 
 
+def epsilon_high(args) -> float:
+    """ε_high of every clipped loss: ε when unset (None), else the value as given, 0.0 included (GRPO reads it
+    literally too). The one place its default is written."""
+    return args.epsilon if args.epsilon_high is None else args.epsilon_high
+
+
 def clip_epsilons(args) -> dict[str, float]:
-    """ε_low and ε_high of the clipped losses, as their functions take them (ε_high unset: ε)."""
-    return {"epsilon_low": args.epsilon, "epsilon_high": args.epsilon_high or args.epsilon}
+    """ε_low and ε_high of the clipped losses, as their functions take them."""
+    return {"epsilon_low": args.epsilon, "epsilon_high": epsilon_high(args)}
 
 
 def _plain(tree, A, args) -> TurnCredit:
@@ -517,7 +703,8 @@ def _teacher_gaps(credits: list[TurnCredit]) -> dict[str, Tensor]:
     check=_check_teacher,
 )
 def _treeopsd(batch: LossInputs, args):
-    """T5, and how far each turn still is from its teacher, |σ(s_i) − q_i|."""
+    """TreeOPSD T5: the turn-level Bernoulli forward-KL to the frozen teacher q; logs how far each turn still is
+    from it, |σ(s_i) − q_i|."""
     c = batch.credit
     loss = losses.treeopsd_loss(
         batch.logps, batch.old_logps, batch.turn_ids, c.q, c.tau, batch.tree_ids, num_trees=batch.num_trees
@@ -572,6 +759,14 @@ def _gspo_token(batch: LossInputs, args):
         return loss, {"clip_ratio": _clip_counts(losses.gspo_token_clip_counts, batch, args)}
 
 
+def _check_dual_clip(args) -> None:
+    _check_choice("aggregation", args.aggregation, losses.AGGREGATION_MODES)
+    if not 0.0 <= args.role_lambda <= 1.0:
+        raise ValueError(f"role_lambda must lie in [0, 1]; got {args.role_lambda}.")
+    if not args.dual_clip_c > 1.0:
+        raise ValueError(f"dual_clip_c must exceed 1; got {args.dual_clip_c}.")
+
+
 def _flex_weights(group, A, args) -> TurnCredit:
     """F4 as per-token weights of each turn, and the turn's penalty, search, block and role."""
     w = losses.aggregation_weights(group.lengths, group.turn_search, group.turn_block, group.turn_role,
@@ -590,13 +785,14 @@ def _flex_weights(group, A, args) -> TurnCredit:
         "dual_clip_c": "c: dual clip at −c·A for negative advantages",
     },
     unit="group",
+    check=_check_dual_clip,
 )
 def _dual_clip(batch: LossInputs, args):
     """TreeFlex F3–F4: the mean over the micro-batch's groups of Σ_t w_{turn(t)} · dual_clip(r_t, A_{turn(t)})."""
     c, ids = batch.credit, batch.turn_ids
     A, w = c.A[ids], c.w[ids]
     per_token = losses.dual_clip_loss(batch.logps, batch.old_logps, A, epsilon=args.epsilon, c=args.dual_clip_c,
-                                      epsilon_high=args.epsilon_high)
+                                      epsilon_high=epsilon_high(args))
     loss = (w.to(per_token) * per_token).sum() / max(int(batch.num_trees), 1)
     with torch.no_grad():
         ratio = (batch.logps - batch.old_logps).exp()
@@ -613,7 +809,7 @@ def _search_clip_counts(batch: LossInputs, args) -> ClipCounts:
     return ClipCounts(losses.token_clip_counts(
         batch.logps, batch.old_logps, batch.turn_ids, batch.credit.A, path_of_turn,
         torch.arange(path_of_turn.numel(), device=path_of_turn.device), int(path_of_turn.max()) + 1,
-        epsilon_low=args.epsilon, epsilon_high=args.epsilon_high if args.epsilon_high is not None else args.epsilon,
+        **clip_epsilons(args),
     ))
 
 
@@ -621,15 +817,38 @@ def _search_clip_counts(batch: LossInputs, args) -> ClipCounts:
 # The named methods
 # ---------------------------------------------------------------------------------------------------------------
 
+# TreeOPSD and its control TreePO come from one paper: both cards cite it
+TREEOPSD_PAPER = Paper(
+    title="TreeOPSD: Building finite posterior distillation targets from shared-prefix trees",
+    id="2610.23181",
+    citation=(
+        "@article{zou2026treeopsd,\n"
+        "    title   = {{TreeOPSD: Building Finite Posterior Distillation Targets from Shared-Prefix Trees}},\n"
+        "    author  = {Heming Zou and others},\n"
+        "    year    = 2026,\n"
+        "    eprint  = {arXiv:2610.23181},\n"
+        "}"
+    ),
+)
+# why `trl-tree treeflex` runs only the generic script (`Method.example_unfit`)
+_TREEFLEX_NOT_THE_EXAMPLE = (
+    "TreeFlex trains a two-role agent (a Reflection block without tools, then Execution segments restarting from "
+    "checkpoint cards), while the HotpotQA example's warm start teaches, and its before/after evaluation measures, "
+    "the single-role tool loop of the other methods, so its EM/F1 would not measure what TreeFlex trained. Name a "
+    "reward (--reward_funcs or --reward_model_name_or_path), with --tools or --environment_factory for tool use, to "
+    "run the generic script on your data, or use TreeFlexTrainer from Python"
+)
+
 register_method(Method(
     "treeopsd", "TreeOPSD", "trl_tree.trainer.config:TreeOPSDConfig", "trl_tree.trainer.treeopsd:TreeOPSDTrainer",
     "init_expand", "likelihood", "treeopsd",
     "tree rollouts, likelihood-weighted turn credit, turn-level Bernoulli forward-KL to a bounded teacher",
-    paper="2610.23181",
+    paper=TREEOPSD_PAPER,
 ))
 register_method(Method(
     "treepo", "TreePO", "trl_tree.trainer.config:TreePOConfig", "trl_tree.trainer.treepo:TreePOTrainer",
     "init_expand", "likelihood", "treepo", "TreeOPSD's trees and credit with the fixed-credit surrogate",
+    paper=TREEOPSD_PAPER,
 ))
 register_method(Method(
     "at2po", "AT2PO", "trl_tree.trainer.config:AT2POConfig", "trl_tree.trainer.at2po:AT2POTrainer",
@@ -643,6 +862,7 @@ register_method(Method(
     "treeflex", "TreeFlex", "trl_tree.trainer.config:TreeFlexConfig", "trl_tree.trainer.treeflex:TreeFlexTrainer",
     "two_role", "search", "dual_clip",
     "complete searches of causal blocks as group members, turn penalties, dual clip",
+    example_unfit=_TREEFLEX_NOT_THE_EXAMPLE,
 ))
 
 # the generic trainer every method is a preset of (`TreeConfig(sampler=..., credit=..., loss=...)`)
@@ -650,6 +870,13 @@ CORE_CLASSES = {
     "TreeConfig": "trl_tree.trainer.config:TreeConfig",
     "TreeTrainer": "trl_tree.trainer.base:TreeTrainer",
 }
+
+
+def check_fields(args) -> None:
+    """Each chosen component's validation of its own fields (`Sampler.check`, `Credit.check`, `Loss.check`): the
+    fields of components not chosen are not read, so they are not checked either."""
+    for component in components_of(args):
+        component.check(args)
 
 
 def exported_classes() -> dict[str, str]:
@@ -666,7 +893,8 @@ def method_of_config(config) -> Method | None:
 
 
 __all__ = [
-    "CREDITS", "ClipCounts", "Credit", "LOSSES", "METHODS", "Loss", "Method", "SAMPLERS", "Sampler", "check_units",
-    "choice", "components_of", "exported_classes", "fields_read", "leaf_advantages", "method_of_config",
-    "needs_entropies", "register_credit", "register_loss", "register_method", "register_sampler", "turn_credit",
+    "CREDITS", "ClipCounts", "Credit", "LOSSES", "METHODS", "Loss", "Method", "Paper", "SAMPLERS", "Sampler",
+    "check_fields", "check_units", "choice", "components_of", "epsilon_high", "exported_classes", "fields_read",
+    "leaf_advantages", "method_of_config", "needs_entropies", "preset", "register_credit", "register_loss",
+    "register_method", "register_sampler", "summary_of", "turn_credit",
 ]

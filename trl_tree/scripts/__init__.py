@@ -1,6 +1,7 @@
-"""Training scripts behind `examples/` and the `trl-tree` console command (one module per command, as `trl/scripts`).
+"""Training scripts behind `examples/` and the `trl-tree` console command.
 
-`trl-tree <method>` runs one of two scripts with the method's config and trainer (`script_for` picks it):
+`trl-tree <method>` launches `train.py METHOD` (one entry for every method of `trl_tree.methods.METHODS`), which runs
+one of two scripts with the method's config and trainer (`script_for` picks it):
 
 - `generic`: any dataset, with reward functions, tools or an environment factory given by import path (or TRL's short
   reward names), as `trl grpo` trains one; chosen when the command line or its `--config` YAML names any of them
@@ -10,7 +11,8 @@
   command line or YAML also sets one of the example's own options (`example_options()`: `--retriever`,
   `--warm_start_steps`, ...; how a recipe such as `examples/recipes/treeopsd_hotpot_qwen3_4b.yaml`, or a local copy
   of HotpotQA, says it is the example). Other data without a reward is an error (`NoRewardError`): the example's
-  reward and prompt would run on columns the user's data does not have.
+  reward and prompt would run on columns the user's data does not have. A method that declares why it cannot run
+  the example (`Method.example_unfit`, TreeFlex) runs only the generic script (`check_method_form`).
 """
 
 from __future__ import annotations
@@ -122,6 +124,16 @@ def form_for(argv: list[str]) -> ModuleType:
     return generic if names_generic(argv) else hotpot
 
 
+def check_method_form(method: str, argv: list[str]) -> None:
+    """A `ValueError` with the method's own reason (`trl_tree.methods.Method.example_unfit`) when `argv` is the
+    HotpotQA example's form (no reward, tools or environment named) and the method cannot run that example."""
+    from trl_tree import methods
+
+    unfit = methods.METHODS[method].example_unfit
+    if unfit and not names_generic(argv):
+        raise ValueError(f"{method} has no HotpotQA example form: {unfit}.")
+
+
 def check_data(argv: list[str]) -> None:
     """A `NoRewardError` saying what to pass when `argv` is the HotpotQA example's form but names other data."""
     data = None if names_generic(argv) else user_data(argv)
@@ -141,4 +153,5 @@ def run(method: str, argv: list[str] | None = None, prog: str | None = None) -> 
     import sys
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    check_method_form(method, argv)
     return script_for(argv).run(method, argv, prog=prog)

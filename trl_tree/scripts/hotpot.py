@@ -157,17 +157,26 @@ def method_classes(method: str) -> tuple[type, type]:
     return entry.config_class(), entry.trainer_class()
 
 
-# TreeFlex is not a method of this script: its two-role harness (Reflection plans without tools, Execution segments
-# restart from checkpoint cards) is not the single-role tool loop that the warm start teaches and that the
-# before/after evaluation (`trl_tree.envs.agent_eval`) and eval_hotpot.py run, so its numbers here would not measure
-# the policy it trains (see `trl_tree.cli`).
-METHODS = tuple(name for name in methods.METHODS if name != "treeflex")
+def example_methods() -> tuple[str, ...]:
+    """The methods this example trains: those of the table that declare no reason it cannot
+    (`methods.Method.example_unfit`: TreeFlex's two-role agent is not the single-role tool loop that the warm start
+    teaches and the before/after evaluation measures)."""
+    return tuple(name for name, m in methods.METHODS.items() if not m.example_unfit)
 
 
 def method_config(method: str) -> type:
-    if method not in METHODS:
-        raise ValueError(f"Unknown method {method!r}; choose one of {sorted(METHODS)}.")
+    """The config class of any method of the table (the generic script trains every one)."""
+    if method not in methods.METHODS:
+        raise ValueError(f"Unknown method {method!r}; choose one of {sorted(methods.METHODS)}.")
     return methods.METHODS[method].config_class()
+
+
+def example_config(method: str) -> type:
+    """The config class of a method this example trains, or the method's own reason it does not."""
+    unfit = methods.METHODS[method].example_unfit if method in methods.METHODS else ""
+    if unfit:
+        raise ValueError(f"The HotpotQA example cannot train {method}: {unfit}.")
+    return method_config(method)
 
 
 # The offline run's values live in a recipe file, like the paper's (`examples/recipes/`), shipped with the package.
@@ -234,7 +243,7 @@ _OTHER_DATA = (
 
 def make_parser(method: str = "treeopsd", prog: str | None = None) -> TrlParser:
     """The parser of one method: `HotpotScriptArguments`, the method's config and TRL's `ModelConfig`."""
-    return TrlParser((HotpotScriptArguments, method_config(method), ModelConfig), prog=prog, epilog=_OTHER_DATA)
+    return TrlParser((HotpotScriptArguments, example_config(method), ModelConfig), prog=prog, epilog=_OTHER_DATA)
 
 
 def _wants_offline(argv: list[str]) -> bool:
@@ -406,12 +415,13 @@ def _format_eval(name: str, result) -> str:
 
 
 def trainer_class_for(training_args) -> type:
-    """The trainer of a method's config: `TreeOPSDConfig` -> `TreeOPSDTrainer`, `TreePOConfig` -> `TreePOTrainer`,
-    `AT2POConfig` -> `AT2POTrainer`, `TreeAdvConfig` -> `TreeAdvTrainer`."""
-    method = next((m for m in METHODS if type(training_args) is method_config(m)), None)
+    """The trainer of a method's config (`TreeOPSDConfig` -> `TreeOPSDTrainer`, ...), from the method table."""
+    method = methods.method_of_config(training_args)
     if method is None:
-        raise TypeError(f"training_args must be one of the methods' configs {METHODS}; got {type(training_args)}.")
-    return method_classes(method)[1]
+        raise TypeError(
+            f"training_args must be one of the methods' configs {tuple(methods.METHODS)}; got {type(training_args)}."
+        )
+    return method.trainer_class()
 
 
 def warm_start_policy(model, tokenizer, search, train_examples, script_args, training_args, model_args, state):

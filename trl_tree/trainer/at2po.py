@@ -9,13 +9,11 @@ ratio and one clip (A5), aggregated like GRPO over root-to-leaf paths. A preset 
 
 from __future__ import annotations
 
+from .. import methods
 from .base import TreeTrainer
-from .config import AT2POConfig
 
 
+@methods.preset("at2po")  # name, tags and config class from the method table
 class AT2POTrainer(TreeTrainer):
     """Drop-in `GRPOTrainer` replacement training with AT2PO."""
 
-    _name = "AT2PO"
-    _tag_names = ["trl", "trl-tree", "at2po"]
-    config_class = AT2POConfig

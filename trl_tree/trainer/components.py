@@ -169,27 +169,30 @@ def budget_for_generations(args, num_generations: int) -> int | None:
     return value if value >= 1 and b0 + slope * value > num_generations - 1 else None
 
 
-def branches_for_generations(args, num_generations: int, preferred: int) -> tuple[int, int] | None:
-    """(M, N) reaching G when only G is given and the preset's N = `preferred` cannot: the N ≥ 1 nearest to it (a
-    tree that still branches; N = 0 would silently turn the method into flat GRPO), among equally near ones the one
-    whose budget is exactly G (nothing lost to rounding), then the smaller. None when no N ≥ 1 reaches G with K ≥ 2.
-    Any G ≥ 2 is reached: M = 1 with N = 2G − 2 costs exactly G."""
+def shape_for_generations(args, num_generations: int, name: str, preferred: int) -> tuple[int, int] | None:
+    """(budget field's value, `name`'s value) reaching G when only G is given and the preset's value `preferred` of
+    the sampler's derivable shape field `name` (`Sampler.derived`: init_expand's N) cannot: the value ≥ 1 nearest to
+    it (a tree that still branches; N = 0 would silently turn the method into flat GRPO), among equally near ones the
+    one whose budget is exactly G (nothing lost to rounding), then the smaller. None when no value ≥ 1 reaches G with
+    K ≥ 2. For init_expand any G ≥ 2 is reached: M = 1 with N = 2G − 2 costs exactly G."""
+    sampler, field = methods.choice("sampler", args.sampler), budget_field(args)
     found = []
     for n in range(1, 2 * num_generations + 1):
-        candidate = replace_fields(args, num_branches=n)
+        candidate = replace_fields(args, **{name: n})
         m = budget_for_generations(candidate, num_generations)
-        if m is not None and m * (n + 1) >= 2:
-            waste = num_generations - trajectory_budget(replace_fields(candidate, num_initial_rollouts=m))
+        if m is not None and sampler.leaves(replace_fields(candidate, **{field: m})) >= 2:
+            waste = num_generations - trajectory_budget(replace_fields(candidate, **{field: m}))
             found.append((abs(n - preferred), waste, n, m))
     return (found and (min(found)[3], min(found)[2])) or None
 
 
 def valid_budgets(args, num_generations: int, limit: int = 8) -> list[str]:
     """Settings that give G, for error messages: the budget field's value with the sampler's other fields as they
-    are, then the values it takes as its `shape_fields` vary (each from 0 or 1 to 2G; trees keep K ≥ 2 leaves)."""
+    are, then the values it takes as its `shape_fields` vary (each from its least value to 2G; trees keep K ≥ 2
+    leaves)."""
     sampler = methods.SAMPLERS[args.sampler]
     field, found = budget_field(args), []
-    shapes = [range(0 if name == "num_branches" else 1, 2 * num_generations + 1) for name in sampler.shape_fields]
+    shapes = [range(least, 2 * num_generations + 1) for least in sampler.shape_fields.values()]
     current = tuple(getattr(args, name) for name in sampler.shape_fields)
     for values in [current, *(v for v in itertools.product(*shapes) if v != current)]:
         candidate = replace_fields(args, **dict(zip(sampler.shape_fields, values)))

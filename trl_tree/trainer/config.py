@@ -28,7 +28,7 @@ from typing import ClassVar
 
 from trl import GRPOConfig
 
-from .. import losses, methods
+from .. import methods
 from ..rollout.env import ENVIRONMENT_BRANCHING, MAX_OBSERVATION_CHARS, check_replay_divergence, check_tool_execution
 from ..rollout.prefix_cache import check_max_bytes
 from ..rollout.samplers import check_chunk_tokens, check_max_tool_calls_per_turn
@@ -71,21 +71,32 @@ def _as_grpo_reads(name: str, value):
 
 PACKING_LAYOUTS = ("tree", "paths", "auto")
 MALFORMED_TOOL_CALL_POLICIES = ("observe", "end")
-ANCHOR_RULES = ("uniform",)
+ANCHOR_RULES = methods.ANCHOR_RULES  # the init_expand sampler's own (`methods.Sampler.check`)
 GENERATION_CACHES = ("prefix", "static", "dynamic")
+
+
+def component_choices(kind: str, unit: str = "tree") -> str:
+    """The registered choices of a component field, as its help lists them: read from the method table, so that a
+    newly registered sampler, credit or loss is listed without editing any help text."""
+    table = {"sampler": methods.SAMPLERS, "credit": methods.CREDITS, "loss": methods.LOSSES}[kind]
+    return " | ".join(name for name, entry in table.items() if entry.unit == unit)
+
+
+def _component_field(kind: str, default: str, what: str, unit: str = "tree"):
+    return field(default=default, metadata={"help": f"{what}: {component_choices(kind, unit)}."})
 
 
 @dataclass
 class TreeConfig(GRPOConfig):
     """Fields shared by every tree trainer (the sampler budget, tools, packing).
 
-    Composition (the method table, `trl_tree.methods`): `sampler` ("init_expand", "flat", "entropy_guided",
-    "token_entropy"), `credit` ("likelihood", "child_mean", "child_softmax", "leaf_mean", "path") and `loss`
-    ("treeopsd", "treepo", "atpo", "grpo", "gspo_token") are chosen independently; the named configs are presets.
-    TreeFlex's "two_role", "search" and "dual_clip" go together (`TreeFlexConfig`).
+    Composition (the method table, `trl_tree.methods`): `sampler`, `credit` and `loss` are chosen independently
+    among the registered tree components (`methods.SAMPLERS`, `CREDITS`, `LOSSES`; each field's help lists them, read
+    from the table); the named configs are presets. TreeFlex's group components go together (`TreeFlexConfig`).
+    Only the chosen components' own fields are validated (`methods.check_fields`).
 
     Parameters:
-        sampler (`str`, defaults to `"init_expand"`): how trees grow.
+        sampler (`str`, defaults to `"init_expand"`): how trees grow (its help lists the registered samplers).
         credit (`str`, defaults to `"likelihood"`): how leaf advantages are backed up to turns.
         loss (`str`, defaults to `"treeopsd"`): the turn-level objective.
         reward_std (`str`, defaults to `"sample"`): leaf standardisation: `"sample"` (ddof = 1, no epsilon; TreeOPSD
@@ -228,8 +239,8 @@ class TreeConfig(GRPOConfig):
 
     GRPO fields, as a GRPO user reads them:
         num_generations (`int`, *optional*): G, GRPO's per-prompt rollout budget, read as the paper's matched budget in
-            complete trajectories: a tree's expected cost is `components.trajectory_budget` (init_expand M(1 + N/2),
-            flat M, entropy_guided M + L·K/2, token_entropy M(1 + b/2), TreeFlex its K searches), rounded up. Unset:
+            complete trajectories: a tree's expected cost is `components.trajectory_budget` (each sampler's
+            `budget_formula` in the method table: init_expand M(1 + N/2), TreeFlex its K searches), rounded up. Unset:
             derived from the sampler fields. Set alone: M (TreeFlex: `num_searches`) is derived from it, and N too
             when no M reaches G with the default N (see `num_branches`). Set with M or N: they must agree. An error lists the settings that give the G asked for.
         per_device_train_batch_size, generation_batch_size: count trajectories of budget, as GRPO counts completions:
@@ -257,22 +268,21 @@ class TreeConfig(GRPOConfig):
             truncated trajectories so trains nothing (loss 0, no gradient), as in GRPO.
         generation_kwargs: passed to generation as in GRPO, but `num_beams` and `num_return_sequences` must stay 1:
             each continuation of a prefix is one sampled (or greedy) branch of the tree.
-        epsilon, epsilon_high: honoured by the clipped losses ("atpo", "grpo", "gspo_token", TreeFlex's dual clip).
+        epsilon, epsilon_high: honoured by the clipped losses (those that read `epsilon` in the method table);
+            `epsilon_high=None` is ε, any other value is read as given (`methods.epsilon_high`).
         vllm_importance_sampling_correction (`bool`, defaults to `False`, unlike GRPO): not applied: π_old is
             recomputed by the training model, and the sampler's log-probs are not used. With `use_vllm=True` it must
             stay False, so that the run does not silently differ from the GRPO run it replaces.
         Rejected when set to anything but GRPOConfig's default, all named in one error with what to use instead
         (`TreeConfig.unused_grpo_options`): loss_type, scale_rewards, delta, importance_sampling_level, beta,
         num_iterations, top_entropy_quantile, entropy_coef, use_adaptive_entropy, off_policy_mask_threshold,
-        use_transformers_continuous_batching, epsilon / epsilon_high (for the "treeopsd" and "treepo" losses),
+        use_transformers_continuous_batching, epsilon / epsilon_high (for the losses without a clip),
         max_tool_calling_iterations (TreeFlex).
     """
 
-    sampler: str = field(
-        default="init_expand", metadata={"help": "init_expand | flat | entropy_guided | token_entropy"}
-    )
-    credit: str = field(default="likelihood", metadata={"help": "likelihood | child_mean | child_softmax | leaf_mean | path"})
-    loss: str = field(default="treeopsd", metadata={"help": "treeopsd | treepo | atpo | grpo | gspo_token"})
+    sampler: str = _component_field("sampler", "init_expand", "How trees grow")
+    credit: str = _component_field("credit", "likelihood", "How leaf rewards are backed up to turns")
+    loss: str = _component_field("loss", "treeopsd", "The turn-level objective")
     reward_std: str = field(default="sample", metadata={"help": "sample (ddof=1) | population (ddof=0, +1e-6)"})
     num_initial_rollouts: int | None = field(
         default=None, metadata={"help": "M: full trajectories per prompt (default: the preset's, or from num_generations)."}
@@ -410,28 +420,29 @@ class TreeConfig(GRPOConfig):
         return cls.default_num_initial_rollouts
 
     def _resolve_branches(self):
-        """N unset: the preset's N, unless G alone is given (M unset too) and no M reaches G with it; then the N ≥ 1
-        nearest to it that does (`components.branches_for_generations`), so that a G GRPO accepts (3, 5, 7) is not
-        refused for a default the user never chose. A user-given N is kept, and `_resolve_budget` checks it."""
-        from .components import branches_for_generations, budget_field, budget_for_generations, budget_formula
+        """N unset: the preset's N, unless G alone is given (M unset too), the sampler lets N be derived
+        (`methods.Sampler.derived`) and no M reaches G with it; then the N ≥ 1 nearest to it that does
+        (`components.shape_for_generations`), so that a G GRPO accepts (3, 5, 7) is not refused for a default the user
+        never chose. A user-given N is kept, and `_resolve_budget` checks it."""
+        from .components import budget_field, budget_for_generations, budget_formula, shape_for_generations
 
         if self.num_branches is not None:
             return
         preferred, G = self.default_num_branches, self.num_generations
         self.num_branches = preferred
-        reads_n = "num_branches" in methods.SAMPLERS[self.sampler].fields
-        if (not reads_n or self.num_initial_rollouts is not None or not isinstance(G, int) or G < 1
-                or budget_field(self) != "num_initial_rollouts" or budget_for_generations(self, G) is not None):
+        derives_n = "num_branches" in methods.SAMPLERS[self.sampler].derived
+        if (not derives_n or getattr(self, budget_field(self)) is not None or not isinstance(G, int) or G < 1
+                or budget_for_generations(self, G) is not None):
             return
-        chosen = branches_for_generations(self, G, preferred)
+        chosen = shape_for_generations(self, G, "num_branches", preferred)
         if chosen is None:
             return  # no (M, N) gives G: `_resolve_budget` raises, listing the settings that do
         M, self.num_branches = chosen
         logger.warning(
             f"num_generations={G} → M={M}, N={self.num_branches}: no M gives G = {G} with the default N = {preferred} "
             f"(a tree costs {budget_formula(self.sampler)} trajectories), so N = {self.num_branches} (K = "
-            f"{M * (self.num_branches + 1)} leaves per tree). Set num_initial_rollouts and num_branches to choose "
-            "another split."
+            f"{M * (self.num_branches + 1)} leaves per tree)."
+            " Set num_initial_rollouts and num_branches to choose another split."
         )
 
     def _resolve_budget(self):
@@ -586,39 +597,21 @@ class TreeConfig(GRPOConfig):
 
     def _check_composition(self):
         self._check_components()
-        if methods.SAMPLERS[self.sampler].unit != "tree":
+        sampler = methods.SAMPLERS[self.sampler]
+        if sampler.unit != "tree":
             raise ValueError(
                 f"sampler={self.sampler!r} is TreeFlex's harness: use TreeFlexConfig and TreeFlexTrainer for it."
             )
-        for name, value, valid in (
-            ("reward_std", self.reward_std, ("sample", "population")),
-            ("anchor_rule", self.anchor_rule, ANCHOR_RULES), ("expansion_mode", self.expansion_mode,
-                                                               ("entropy", "random")),
-        ):
-            if value not in valid:
-                raise ValueError(f"{name} must be one of {valid}; got {value!r}.")
         self._resolve_branches()
-        if self.num_branches < 0:
-            raise ValueError(f"num_branches (N) must be ≥ 0; got {self.num_branches}.")
-        if self.expansion_rounds < 0 or self.branches_per_round < 0:
-            raise ValueError("expansion_rounds and branches_per_round must be ≥ 0.")
-        if self.max_branches_per_tree < 0 or self.min_segment_length < 1 or self.branching_rounds < 1:
-            raise ValueError(
-                "Token-level branching needs max_branches_per_tree ≥ 0, min_segment_length ≥ 1 and branching_rounds ≥ "
-                f"1; got {self.max_branches_per_tree}, {self.min_segment_length}, {self.branching_rounds}."
-            )
+        methods.check_fields(self)  # before the budget arithmetic, which needs valid shapes
         self._resolve_budget()
         if self.num_initial_rollouts < 1:
             raise ValueError(f"num_initial_rollouts (M) must be ≥ 1; got {self.num_initial_rollouts}.")
-        if self.entropy_threshold != self.entropy_threshold:
-            raise ValueError("entropy_threshold is NaN; use float('inf') to turn token-level branching off.")
         if self.leaves_per_tree < 2:
             raise ValueError(
                 f"A tree needs K ≥ 2 leaves to standardise rewards; this configuration gives K = {self.leaves_per_tree}"
-                f" (for init_expand K = M(N + 1): M = {self.num_initial_rollouts}, N = {self.num_branches}; for "
-                "token_entropy at most M(1 + max_branches_per_tree))."
+                f" (sampler={self.sampler!r}: K = {sampler.leaves_formula}, M = {self.num_initial_rollouts})."
             )
-        methods.LOSSES[self.loss].check(self)
 
     def _check_tree_fields(self):
         self._apply_tool_calling_iterations()
@@ -692,7 +685,7 @@ class TreePOConfig(TreeConfig):
     """Configuration of `TreePOTrainer`: TreeOPSD's trees and credit with the fixed-credit loss
     −(1/L_x) Σ_i V_i Σ_j log-ratio (T7). `target_radius` is unused."""
 
-    loss: str = field(default="treepo", metadata={"help": "treeopsd | treepo | atpo | grpo"})
+    loss: str = _component_field("loss", "treepo", "The turn-level objective")
 
 
 @dataclass
@@ -706,9 +699,9 @@ class AT2POConfig(TreeConfig):
     The paper's ablations are switches: `expansion_mode="random"`, `loss="grpo"` (token-level ratio and clip),
     `credit="path"` (turn credit off), `credit="child_mean"` / `"leaf_mean"` (other backups)."""
 
-    sampler: str = field(default="entropy_guided", metadata={"help": "init_expand | flat | entropy_guided"})
-    credit: str = field(default="child_softmax", metadata={"help": "likelihood | child_mean | child_softmax | leaf_mean | path"})
-    loss: str = field(default="atpo", metadata={"help": "treeopsd | treepo | atpo | grpo"})
+    sampler: str = _component_field("sampler", "entropy_guided", "How trees grow")
+    credit: str = _component_field("credit", "child_softmax", "How leaf rewards are backed up to turns")
+    loss: str = _component_field("loss", "atpo", "The turn-level objective")
     reward_std: str = field(default="population", metadata={"help": "sample (ddof=1) | population (ddof=0, +1e-6)"})
     num_initial_rollouts: int | None = field(
         default=None, metadata={"help": "M: initial trajectories per prompt (default 2: G = 8 as GRPO's; the paper's "
@@ -722,7 +715,7 @@ def harnesses() -> tuple[str, ...]:
     return tuple(name for name, s in methods.SAMPLERS.items() if s.unit == "group")
 
 
-PENALTY_MODES = ("pre_norm", "post_norm")
+PENALTY_MODES = methods.PENALTY_MODES  # the search credit's own (`methods.Credit.check`)
 
 
 @dataclass
@@ -736,11 +729,9 @@ class TreeAdvConfig(TreeConfig):
     (the paper's 1, 2, 4 trees), `branching_rounds` (deeper trees), `credit="path"` (no segment credit: each token
     takes its trajectory's advantage, as in GRPO). See `TreeConfig` for every field."""
 
-    sampler: str = field(
-        default="token_entropy", metadata={"help": "init_expand | flat | entropy_guided | token_entropy"}
-    )
-    credit: str = field(default="leaf_mean", metadata={"help": "leaf_mean (D2 segment advantage) | path | ..."})
-    loss: str = field(default="grpo", metadata={"help": "grpo | gspo_token | ..."})
+    sampler: str = _component_field("sampler", "token_entropy", "How trees grow")
+    credit: str = _component_field("credit", "leaf_mean", "How leaf rewards are backed up to turns (D2: leaf_mean)")
+    loss: str = _component_field("loss", "grpo", "The turn-level objective (D4: grpo or gspo_token)")
     num_initial_rollouts: int | None = field(
         default=None, metadata={"help": "M: trees per prompt (default 4, or from num_generations)."}
     )
@@ -774,7 +765,7 @@ class TreeFlexConfig(TreeConfig):
             `packing` too: every block is one causal path.
     """
 
-    sampler: str = field(default="two_role", metadata={"help": "The harness: two_role (or pass harness=)."})
+    sampler: str = _component_field("sampler", "two_role", "The harness (or pass harness=)", unit="group")
     credit: str = field(default="search", metadata={"help": "Fixed: search-group credit with turn penalties."})
     loss: str = field(default="dual_clip", metadata={"help": "Fixed: PPO clip + dual clip."})
     num_searches: int | None = field(
@@ -807,25 +798,14 @@ class TreeFlexConfig(TreeConfig):
                     f"TreeFlexConfig.{name} is fixed to {want!r} (got {value!r}): TreeFlex's credit and loss are F1–F3;"
                     " vary them with penalty_mode, aggregation, role_lambda and dual_clip_c."
                 )
-        checks = [
-            ("sampler", self.sampler, harnesses()),
-            ("penalty_mode", self.penalty_mode, PENALTY_MODES),
-            ("aggregation", self.aggregation, losses.AGGREGATION_MODES),
-        ]
-        for name, value, valid in checks:
-            if value not in valid:
-                raise ValueError(f"{name} must be one of {valid}; got {value!r}.")
+        if self.sampler not in harnesses():
+            raise ValueError(f"sampler must be one of {harnesses()}; got {self.sampler!r}.")
         self._check_components()
+        methods.check_fields(self)  # the harness's, the search credit's and the dual clip's own fields
         self._resolve_budget()
         if self.num_searches < 2:
             raise ValueError(
                 f"num_searches (K) must be ≥ 2: the group compares complete searches; got {self.num_searches}."
             )
-        if self.max_blocks is None or self.max_blocks < 1:
-            raise ValueError(f"max_blocks must be ≥ 1; got {self.max_blocks}.")
-        if not 0.0 <= self.role_lambda <= 1.0:
-            raise ValueError(f"role_lambda must lie in [0, 1]; got {self.role_lambda}.")
-        if not self.dual_clip_c > 1.0:
-            raise ValueError(f"dual_clip_c must exceed 1; got {self.dual_clip_c}.")
         if self.tool_failure_penalty > 0:
             raise ValueError(f"tool_failure_penalty is a process penalty Q ≤ 0; got {self.tool_failure_penalty}.")

@@ -122,48 +122,21 @@ def tree_section(trainer, dataset_name: str | None = None) -> str:
         hub_link = f"[{dataset_name}](https://huggingface.co/datasets/{dataset_name})"
         link = hub_link if _is_hub_id(dataset_name) else f"`{dataset_name}`"
         lines += [f"Training data: {link}.", ""]
-    M, N = getattr(args, "num_initial_rollouts", None), getattr(args, "num_branches", None)
-    if M is not None and N is not None and getattr(args, "sampler", "init_expand") == "init_expand":
-        lines += [
-            f"Each prompt grows one rollout tree: M = {M} complete multi-turn trajectories, then N = {N} "
-            f"continuations of each from uniformly drawn turn prefixes, K = M(N + 1) = {M * (N + 1)} leaves; "
-            "shared turns are merged and trained once.",
-            "",
-        ]
-    elif getattr(args, "sampler", None) == "entropy_guided" and M is not None:
-        L, K = args.expansion_rounds, args.branches_per_round
-        how = "those of highest node score" if args.expansion_mode == "entropy" else "chosen at random"
-        lines += [
-            f"Each prompt grows one rollout tree: M = {M} complete multi-turn trajectories, then L = {L} rounds that "
-            f"each re-sample K = {K} turns ({how}) from their pre-turn history, M + L·K = "
-            f"{M + L * K} leaves; shared turns are merged and trained once.",
-            "",
-        ]
-    elif getattr(args, "sampler", None) == "token_entropy" and M is not None:
-        B = args.max_branches_per_tree
-        lines += [
-            f"Each prompt grows a forest of M = {M} trees: one complete trajectory each, branched inside its turns at "
-            f"tokens whose entropy exceeds τ_H = {args.entropy_threshold:g}, at most {B} branch points per tree (1 to "
-            f"{1 + B} leaves per tree, at most {M * (1 + B)} per prompt); shared prefixes are trained once.",
-            "",
-        ]
-    elif getattr(args, "sampler", None) == "two_role" and getattr(args, "num_searches", None) is not None:
-        harness = getattr(trainer, "_harness", None)  # a custom harness passed to TreeFlexTrainer(harness=...)
-        blocks = (
-            "one Reflection block, then Execution segments that restart from restored checkpoint cards"
-            if harness is None
-            else f"grown by the custom harness `{type(harness).__name__}`"
-        )
-        lines += [
-            f"Each task gets a group of K = {args.num_searches} complete searches, each of at most "
-            f"{args.max_blocks} causal blocks ({blocks}); every generated token is trained once, in the block that "
-            "generated it, and each search's score is compared within its group.",
-            "",
-        ]
+    sentence = _growth_sentence(trainer)
+    if sentence:
+        lines += [sentence, ""]
     lines += tools_and_rewards(trainer)
     lines += ["| hyperparameter | value | meaning |", "|---|---|---|"]
     lines += _rows(args, _tree_fields(args)) + _rows(args, _RUN_FIELDS)
     return "\n".join(lines) + "\n"
+
+
+def _growth_sentence(trainer) -> str | None:
+    """How a prompt's tree (or group) was grown, in the configured sampler's own words (`methods.Sampler.card`)."""
+    from ..methods import SAMPLERS
+
+    sampler = SAMPLERS.get(getattr(trainer.args, "sampler", None))
+    return sampler.card(trainer.args, trainer) if sampler is not None else None
 
 
 def _is_hub_id(name: str) -> bool:

@@ -38,7 +38,6 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from .. import credit as credit_lib
 from .. import losses, methods, trl_internals
 from ..tree_view import (
     VIEW_DIR,
@@ -79,7 +78,7 @@ class TreeViewRecorder(TrainerCallback):
         args = self.trainer.args
         records = [
             tree_record(tree, credit, decode, prompt, leaf_rounds=[getattr(b, "round", 0) for b in branches],
-                        reward_columns=cols, leaf_advantages=methods.leaf_advantages(tree, args).tolist(),
+                        reward_columns=cols, leaf_advantages=methods.CREDITS[args.credit].view(tree, args).tolist(),
                         with_entropy=self.trainer.needs_entropies, row=row,
                         turn_tools=[(getattr(b, "calls_per_turn", []), getattr(b, "failures_per_turn", []))
                                     for b in branches])
@@ -89,7 +88,8 @@ class TreeViewRecorder(TrainerCallback):
         self._record(mode, records)
 
     def record_flex(self, mode: str, prompts, groups, per_turn) -> None:
-        records = [flex_record(g, credit, self._decode, p, credit_lib.group_normalize(g.scores).tolist(), row=row)
+        view = methods.CREDITS[self.trainer.args.credit].view  # the leaf values the credit backs up
+        records = [flex_record(g, credit, self._decode, p, view(g, self.trainer.args).tolist(), row=row)
                    for p, g, credit, row in zip(prompts, groups, per_turn, self._rows(len(prompts)))]
         self._record(mode, records)
 

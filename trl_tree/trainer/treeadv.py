@@ -21,10 +21,11 @@ A preset of `TreeTrainer` (sampler="token_entropy", credit="leaf_mean", loss="gr
 
 from __future__ import annotations
 
+from .. import methods
 from .base import TreeTrainer
-from .config import TreeAdvConfig
 
 
+@methods.preset("treeadv")  # name, tags and config class from the method table
 class TreeAdvTrainer(TreeTrainer):
     """Drop-in `GRPOTrainer` replacement training with TreeAdv.
 
@@ -41,10 +42,6 @@ class TreeAdvTrainer(TreeTrainer):
         trainer.train()
         ```
     """
-
-    _name = "TreeAdv"
-    _tag_names = ["trl", "trl-tree", "treeadv"]
-    config_class = TreeAdvConfig
 
     def log_turn_credit(self, metrics, per_turn) -> None:
         super().log_turn_credit(metrics, per_turn)

@@ -9,10 +9,11 @@ loss="treeopsd").
 
 from __future__ import annotations
 
+from .. import methods
 from .base import TreeTrainer
-from .config import TreeOPSDConfig
 
 
+@methods.preset("treeopsd")  # name, tags, paper and config class from the method table
 class TreeOPSDTrainer(TreeTrainer):
     """Drop-in `GRPOTrainer` replacement training with TreeOPSD.
 
@@ -30,19 +31,3 @@ class TreeOPSDTrainer(TreeTrainer):
         trainer.train()
         ```
     """
-
-    _name = "TreeOPSD"
-    _tag_names = ["trl", "trl-tree", "treeopsd"]
-    _paper = {
-        "title": "TreeOPSD: Building finite posterior distillation targets from shared-prefix trees",
-        "id": "2610.23181",
-        "citation": (
-            "@article{zou2026treeopsd,\n"
-            "    title   = {{TreeOPSD: Building Finite Posterior Distillation Targets from Shared-Prefix Trees}},\n"
-            "    author  = {Heming Zou and others},\n"
-            "    year    = 2026,\n"
-            "    eprint  = {arXiv:2610.23181},\n"
-            "}"
-        ),
-    }
-    config_class = TreeOPSDConfig

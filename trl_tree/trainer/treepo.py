@@ -7,13 +7,10 @@ the collection-time coefficient V_i/L_x however far the policy has already moved
 
 from __future__ import annotations
 
-from .config import TreePOConfig
-from .treeopsd import TreeOPSDTrainer
+from .. import methods
+from .base import TreeTrainer
 
 
-class TreePOTrainer(TreeOPSDTrainer):
+@methods.preset("treepo")  # name, tags, paper (TreeOPSD's, whose control it is) and config class from the table
+class TreePOTrainer(TreeTrainer):
     """Drop-in `GRPOTrainer` replacement training with TreePO's fixed tree credit."""
-
-    _name = "TreePO"
-    _tag_names = ["trl", "trl-tree", "treepo"]
-    config_class = TreePOConfig
