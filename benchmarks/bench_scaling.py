@@ -91,6 +91,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.trainer_callback import PrinterCallback
 
 from trl_tree.rollout.engine import HFEngine, ScriptedEngine
+from trl_tree.trainer.engine_ports import hf_ports
 
 AXES = ("leaves", "turns", "observation_tokens", "prompts")
 AXIS_LABELS = {"leaves": "leaves per tree K = M(N + 1)", "turns": "turns per trajectory",
@@ -257,8 +258,8 @@ class ForcedEngine(HFEngine):
     model's computation, the script's choices. Checks that what came back is the script."""
 
     def __init__(self, trainer, policy: ScriptedPolicy):
-        super().__init__(trainer, with_scores=trainer.needs_entropies)
-        self.policy = policy
+        super().__init__(hf_ports(trainer), with_scores=trainer.needs_entropies)
+        self.trainer, self.policy = trainer, policy  # `_forcing` patches the model the trainer's ports unwrap
 
     def generate(self, prefixes, max_new_tokens):
         if not prefixes:

@@ -115,10 +115,11 @@ def hf_engine(trainer, monkeypatch, cache: str, with_scores: bool = False, **gen
     import copy
 
     from trl_tree.rollout.engine import HFEngine
+    from trl_tree.trainer.engine_ports import hf_ports
 
     monkeypatch.setattr(trainer.args, "generation_cache", cache)
     gen_config = copy.deepcopy(trainer.generation_config)
     for key, value in generation.items():
         setattr(gen_config, key, value)
     monkeypatch.setattr(trainer, "generation_config", gen_config)
-    return HFEngine(trainer, with_scores=with_scores)
+    return HFEngine(hf_ports(trainer), with_scores=with_scores)

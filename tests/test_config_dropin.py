@@ -272,8 +272,10 @@ def test_the_trainer_scores_leaves_with_the_configured_aggregation(tmp_path):
     captured = {}
     original = trainer.turn_credit
     trainer.turn_credit = lambda tree: captured.setdefault("tree", tree) and original(tree)
+    score = trainer._score_leaves
+    trainer._score_leaves = lambda *args: captured.setdefault("scores", score(*args))
     trainer.generate_batch([trainer.train_dataset[0]])
-    per_func = trainer._last_rewards_per_func
+    per_func = captured["scores"].per_func
     expected = _grpo_normalize_then_sum(per_func, torch.tensor([1.0, 2.0]), num_generations=per_func.shape[0])
     assert captured["tree"].rewards == pytest.approx(expected.tolist())
 
@@ -413,8 +415,8 @@ def test_a_turn_shared_with_a_finished_trajectory_still_trains():
     """Only the turns that lie on truncated trajectories alone are masked: GRPO would train the shared tokens through
     the finished completion."""
     from trl_tree.packing import pack_trees
-    from trl_tree.trainer.base import _mask_truncated_turns
     from trl_tree.tree import RolloutTree, Turn
+    from trl_tree.tree_unit import mask_truncated_turns
 
     def turn(ids, truncated=False):
         return Turn(ids, [0.0] * len(ids), [9], truncated=truncated)
@@ -424,7 +426,7 @@ def test_a_turn_shared_with_a_finished_trajectory_still_trains():
                     [only_truncated, turn([7], truncated=True)], [only_truncated, turn([8, 8], truncated=True)]]
     tree = RolloutTree.from_trajectories([0], trajectories, [0.0, 1.0, 2.0, 3.0])
     packed = pack_trees([tree], pad_token_id=0)
-    _mask_truncated_turns(packed, [tree])
+    mask_truncated_turns(packed, [tree])
     trained = {tree.turns[i].action_ids[0] for i in packed.turn_ids.unique().tolist() if i >= 0}
     assert trained == {1, 6}
 

@@ -326,8 +326,10 @@ def _score_one_tree(trainer):
     trees = []
     original = trainer.turn_credit
     trainer.turn_credit = lambda tree: trees.append(tree) or original(tree)
+    score, scores = trainer._score_leaves, []
+    trainer._score_leaves = lambda *args: scores.append(score(*args)) or scores[-1]
     trainer.generate_batch([trainer.train_dataset[0]])
-    return trainer._last_rewards_per_func, torch.tensor(trees[0].rewards)
+    return scores[0].per_func, torch.tensor(trees[0].rewards)
 
 
 def tensor_reward(completions, answer, **kwargs):

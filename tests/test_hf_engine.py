@@ -11,6 +11,7 @@ from transformers import StaticCache
 from tests.scripted import arithmetic_dataset, config, contains_answer, hf_engine, tiny
 from trl_tree import TreeConfig, TreeOPSDConfig, TreeOPSDTrainer
 from trl_tree.rollout.engine import HFEngine
+from trl_tree.trainer.engine_ports import hf_ports
 
 # Left-padded batch of different widths; one budget shorter than the others (a per-row cut inside the call).
 LENGTHS = (7, 33, 64, 121)
@@ -170,7 +171,7 @@ def test_generation_hides_only_trls_is_gradient_checkpointing_warning(trainer, p
         trainer.model.is_gradient_checkpointing  # noqa: B018 (the property access is what warns)
     if not any("is_gradient_checkpointing" in str(w.message) for w in direct):
         pytest.skip("this transformers does not deprecate is_gradient_checkpointing")
-    engine = HFEngine(trainer)
+    engine = HFEngine(hf_ports(trainer))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         _sample(engine, prefixes)
@@ -187,6 +188,6 @@ def test_generation_cache_defaults_to_prefix_and_rejects_unknown_values(tmp_path
         config(TreeConfig, tmp_path, generation_cache="paged")
     monkeypatch.setattr(trainer.args, "generation_cache", "offloaded")
     with pytest.raises(ValueError, match="generation_cache must be 'prefix', 'static' or 'dynamic'"):
-        HFEngine(trainer)
+        HFEngine(hf_ports(trainer))
 
 

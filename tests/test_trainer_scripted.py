@@ -404,7 +404,8 @@ def test_a_turn_of_zero_tokens_is_an_empty_action_that_ends_its_trajectory(tmp_p
 
     def spy(inputs, prompts, branches_per_tree):
         captured["branches"] = branches_per_tree[0]
-        return original(inputs, prompts, branches_per_tree)
+        captured["scores"] = original(inputs, prompts, branches_per_tree)
+        return captured["scores"]
 
     trainer._score_leaves = spy
     assert unchanged_after_training(trainer) == []
@@ -412,5 +413,5 @@ def test_a_turn_of_zero_tokens_is_an_empty_action_that_ends_its_trajectory(tmp_p
     empty = [b for b in branches if not b.turns[-1].action_ids]
     assert len(empty) == 1 and len(empty[0].turns) == 1 and empty[0].done
     assert empty[0].messages == [{"role": "assistant", "content": ""}]
-    assert trainer._last_rewards_per_func[:, 0].tolist() == [0.0, 1.0, 1.0, 1.0]  # the empty leaf: scored, 0
+    assert captured["scores"].per_func[:, 0].tolist() == [0.0, 1.0, 1.0, 1.0]  # the empty leaf: scored, 0
     assert all(math.isfinite(v) for log in trainer.state.log_history for k, v in log.items() if k == "loss")

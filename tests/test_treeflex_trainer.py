@@ -352,7 +352,7 @@ def test_loss_is_the_group_aggregate_and_exact_under_micro_batch_splitting(tmp_p
 def test_pi_old_is_recomputed_per_micro_batch_so_the_first_block_ratio_is_exactly_one(tmp_path):
     """Two groups of different lengths, one micro-batch each: each micro-batch's π_old comes from the same packed
     forward (same width) that the loss runs, so at θ_old every trained token's log-ratio is exactly 0 (why that matters:
-    `TreeTrainer._prepare_inputs`)."""
+    `trl_tree.pipeline.micro_batches`)."""
     trainer, groups = _trainer(tmp_path, n_prompts=2, steps_per_generation=2)
     tok = trainer.processing_class
     trainer.generation_engine = ScriptedEngine(_Doubled(tok), [tok.convert_tokens_to_ids("<|im_end|>")])

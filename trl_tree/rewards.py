@@ -22,9 +22,10 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .text import ANSWER_SPAN, shorten
+
 DEFAULT_F1_THRESHOLD = 0.3
 
-ANSWER_SPAN = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)  # the final answer of the agents here
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = set(string.punctuation)
 # HotpotQA's official F1 refuses partial credit between a yes/no answer and anything else: "no" must not earn half a
@@ -371,8 +372,6 @@ async def _first_failing_sample_async(func, prompts, completions, kwargs) -> int
 
 def _quote(value) -> str:
     """A sample's completion or a reward's value as quoted in reward-function errors."""
-    from .rollout.env import shorten
-
     return shorten(value, 160)
 
 

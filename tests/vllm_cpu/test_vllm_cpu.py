@@ -34,6 +34,7 @@ if importlib.util.find_spec("vllm") is None:
 import torch  # noqa: E402
 
 from trl_tree.rollout.vllm_engine import VLLMEngine, vllm_cpu_weight_sync  # noqa: E402
+from trl_tree.trainer.engine_ports import vllm_ports  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -111,12 +112,12 @@ def _next_step(trainer):
 
 
 def test_prefix_caching_is_on(setup):
-    assert VLLMEngine(setup.trainer).prefix_caching_enabled() is True
+    assert VLLMEngine(vllm_ports(setup.trainer)).prefix_caching_enabled() is True
     assert setup.generation.llm.llm_engine.vllm_config.cache_config.block_size == BLOCK
 
 
 def test_continuations_follow_their_prefixes_with_hf_logprobs(setup):
-    engine = VLLMEngine(setup.trainer, with_scores=True, entropy_top_k=20)
+    engine = VLLMEngine(vllm_ports(setup.trainer), with_scores=True, entropy_top_k=20)
     vocab = len(setup.tokenizer)
     prefixes = [_random_prefix(n, seed, vocab) for seed, n in enumerate([5, 40, 150])]
     budgets = [8, 3, 12]
@@ -135,7 +136,7 @@ def test_continuations_follow_their_prefixes_with_hf_logprobs(setup):
 
 def test_synced_weights_are_used_and_the_prefix_cache_reset_is_what_makes_it_so(setup):
     trainer, model, generation = setup.trainer, setup.model, setup.generation
-    engine = VLLMEngine(trainer)
+    engine = VLLMEngine(vllm_ports(trainer))
     prefix = _random_prefix(2 * BLOCK + 40, seed=11, vocab=len(setup.tokenizer))  # two whole cacheable blocks
 
     _next_step(trainer)
@@ -168,7 +169,7 @@ def test_synced_weights_are_used_and_the_prefix_cache_reset_is_what_makes_it_so(
 
 
 def test_a_rank_with_nothing_to_do_still_calls_vllm(setup, monkeypatch):
-    engine = VLLMEngine(setup.trainer)
+    engine = VLLMEngine(vllm_ports(setup.trainer))
     calls = []
     real_generate = setup.generation.llm.generate
 

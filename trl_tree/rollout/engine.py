@@ -13,25 +13,44 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
-from .. import trl_internals
 from .prefix_cache import PrefixKVStore, left_padded, supports_reuse
 
 logger = logging.getLogger(__name__)
 
 
-@contextlib.contextmanager
-def _without_trl_checkpointing_warning():
-    """TRL's `unwrap_model_for_generation` reads `model.is_gradient_checkpointing`, which transformers 5.23 renamed:
-    the FutureWarning is about TRL's code, nothing a user of this library can change, so it is not shown to them."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-        yield
+@dataclass
+class HFPorts:
+    """What `HFEngine` needs of its owner, and nothing else: the rollout layer knows no trainer and no TRL internals
+    (the trainer builds these, `trl_tree.trainer.engine_ports.hf_ports`). Callables are read at every call, since the
+    owner may swap them between calls (the DDP wrapper appears when training starts; tests patch the generation
+    config).
+
+    Attributes:
+        eos_ids, pad_id: the end-of-turn ids and the padding id.
+        device: where the prefixes go (read per call, as the accelerator's state is).
+        model: the training model (unwrapped by the owner's accelerator: what the prefix store's checks read).
+        wrapped_model: the model as the accelerator wraps it (DDP / DeepSpeed / FSDP), for the synced-generation rule.
+        generation_config: the `GenerationConfig` each call copies.
+        unwrapped_for_generation: a context manager yielding the module to call `generate` on, with the weights
+            gathered as GRPOTrainer gathers them (ZeRO-3, FSDP).
+        cache, max_prefix_cache_bytes: `TreeConfig.generation_cache` and `max_prefix_cache_bytes`.
+    """
+
+    eos_ids: set[int]
+    pad_id: int
+    device: Callable[[], Any]
+    model: Callable[[], Any]
+    wrapped_model: Callable[[], Any]
+    generation_config: Callable[[], Any]
+    unwrapped_for_generation: Callable[[], contextlib.AbstractContextManager[Any]]
+    cache: str = "static"
+    max_prefix_cache_bytes: int | None = None
 
 
 @dataclass
@@ -64,20 +83,21 @@ def _cut_at_eos(ids: list[int], eos_ids: set[int], budget: int) -> tuple[int, bo
 
 
 class HFEngine:
-    """`model.generate` on the training model (through TRL's `unwrap_model_for_generation`, so DeepSpeed ZeRO-3 and
-    FSDP parameters are gathered the way GRPOTrainer gathers them).
+    """`model.generate` on the training model (through `HFPorts.unwrapped_for_generation`: for the trainer, TRL's
+    `unwrap_model_for_generation`, so DeepSpeed ZeRO-3 and FSDP parameters are gathered the way GRPOTrainer gathers
+    them).
 
     With `with_scores=True`, entropies are exact (from the raw logits of every step) and log-probs are those of the
     sampling distribution (after temperature / top-p / top-k). Keeping every step's logits costs steps × batch × vocab
     floats, so it is off unless a sampler needs entropies (AT2PO, TreeAdv); π_old is recomputed by the training model
     in the packed forward anyway (docs/design.md T6), so the placeholders (0.0) are never used as log-probs.
 
-    KV cache (`args.generation_cache`, "static" when the trainer's args lack the field): "prefix" (the default of
+    KV cache (`HFPorts.cache`, the trainer's `generation_cache`; "static" by default): "prefix" (the default of
     `TreeConfig`) reuses, within one rollout, the keys and values of every sequence an earlier call processed
     (`prefix_cache.PrefixKVStore`): a branch's next turn and a branch grown from an anchor's turn prefix prefill only
     the tokens no earlier call has seen, and the call's cache grows in place (`prefix_cache.GrowingLayer`). The store
     is emptied when the rollout ends (`rollout()`), since the weights change after it; within a rollout it keeps at
-    most `args.max_prefix_cache_bytes` (least recently used rows dropped first; the same ids are sampled). "static"
+    most `HFPorts.max_prefix_cache_bytes` (least recently used rows dropped first; the same ids are sampled). "static"
     passes `generate` a fresh `StaticCache` sized to this call's prefix width + token budget, freed with the call: the
     `DynamicCache`'s growth re-concatenates every layer's keys and values at every step. Not
     `cache_implementation="static"`: transformers then sizes every later cache to the longest call seen so far
@@ -87,15 +107,15 @@ class HFEngine:
     synchronised generation steps a finished rank on past its own budget.
     """
 
-    def __init__(self, trainer, with_scores: bool = False):
-        self.trainer = trainer
+    def __init__(self, ports: HFPorts, with_scores: bool = False):
+        self.ports = ports
         self.with_scores = with_scores
-        self.eos_ids = set(trainer.eos_token_ids)
-        self.pad_id = trl_internals.tokenizer(trainer).pad_token_id
-        self.cache = getattr(trainer.args, "generation_cache", "static")
+        self.eos_ids = set(ports.eos_ids)
+        self.pad_id = ports.pad_id
+        self.cache = ports.cache
         if self.cache not in ("prefix", "static", "dynamic"):
             raise ValueError(f"generation_cache must be 'prefix', 'static' or 'dynamic'; got {self.cache!r}.")
-        self.prefix_store = PrefixKVStore(max_bytes=getattr(trainer.args, "max_prefix_cache_bytes", None))
+        self.prefix_store = PrefixKVStore(max_bytes=ports.max_prefix_cache_bytes)
         self._warned = False
 
     @contextlib.contextmanager
@@ -112,12 +132,12 @@ class HFEngine:
         """A cut turn resumes by prefilling one token only when the prefix store is used (`generation_cache="prefix"`
         on a model whose cache can be spliced, on one process or without ZeRO-3 / FSDP); otherwise each chunk would
         prefill the whole history again, so the turn loop samples whole turns."""
-        return self._reuses_prefixes(self.trainer.model) and not _synced_generation(self.trainer.model_wrapped)
+        return self._reuses_prefixes(self.ports.model()) and not _synced_generation(self.ports.wrapped_model())
 
     def _reuses_prefixes(self, model) -> bool:
         if self.cache != "prefix" or _synced_generation(model):
             return False
-        if self.trainer.generation_config.use_cache is False or self._asked_cache_implementation(model):
+        if self.ports.generation_config().use_cache is False or self._asked_cache_implementation(model):
             return False
         if supports_reuse(model):
             return True
@@ -127,7 +147,7 @@ class HFEngine:
     def _asked_cache_implementation(self, model) -> bool:
         """A `cache_implementation` asked for explicitly (by the trainer's generation config or the checkpoint's)."""
         base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-        asked = [getattr(c, "cache_implementation", None) for c in (self.trainer.generation_config,
+        asked = [getattr(c, "cache_implementation", None) for c in (self.ports.generation_config(),
                                                                     getattr(base, "generation_config", None))]
         return any(a is not None for a in asked)
 
@@ -141,7 +161,7 @@ class HFEngine:
             )
 
     def _generation_config(self, max_new_tokens: int):
-        config = copy.deepcopy(self.trainer.generation_config)
+        config = copy.deepcopy(self.ports.generation_config())
         config.max_new_tokens = max_new_tokens
         config.output_scores = config.output_logits = self.with_scores
         config.return_dict_in_generate = True
@@ -154,7 +174,7 @@ class HFEngine:
         if self.cache != "static" or _synced_generation(model):
             return None
         base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-        if self._asked_cache_implementation(model) or self.trainer.generation_config.use_cache is False:
+        if self._asked_cache_implementation(model) or self.ports.generation_config().use_cache is False:
             return None
         config = getattr(base, "config", None)
         reason = None
@@ -176,25 +196,12 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prefixes: list[list[int]], max_new_tokens: list[int]) -> list[Continuation]:
-        from trl.models import unwrap_model_for_generation
-
-        trainer = self.trainer
         dummy = not prefixes
         if dummy:  # keep collectives balanced across ranks
             prefixes, max_new_tokens = [[self.pad_id]], [1]
-        device = trainer.accelerator.device
+        device = self.ports.device()
         budget = max(max_new_tokens)
-        with (
-            _without_trl_checkpointing_warning(),
-            unwrap_model_for_generation(
-                trainer.model_wrapped,
-                trainer.accelerator,
-                gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
-                generation_kwargs=trainer.generation_kwargs,
-                gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
-            ) as unwrapped,
-            trl_internals.distributed(trainer).summon_full_params(trainer.model_wrapped, recurse=False),
-        ):
+        with self.ports.unwrapped_for_generation() as unwrapped:
             store = self.prefix_store if self._reuses_prefixes(unwrapped) and not dummy else None
             plan = store.plan(prefixes, self.pad_id, unwrapped, budget) if store else left_padded(prefixes, self.pad_id)
             width = plan.input_ids.shape[1]

@@ -54,6 +54,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..text import shorten
+
 logger = logging.getLogger(__name__)
 
 TRUNCATION_MARKER = "\n...[truncated: {n} more characters]"
@@ -977,9 +979,3 @@ def _same(a, b) -> bool:
         return bool(a == b)
     except Exception:  # e.g. arrays without a single truth value
         return False
-
-
-def shorten(value, n: int = 120) -> str:
-    """`str(value)` cut to `n` characters with an ellipsis, for error and warning messages that quote model output."""
-    text = str(value)
-    return text if len(text) <= n else text[: n - 1] + "…"

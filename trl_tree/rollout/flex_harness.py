@@ -94,7 +94,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from ..rewards import ANSWER_SPAN
+from ..text import ANSWER_SPAN
 from ..tree import Turn
 from .env import RecordedCall, TreeEnvironment, fork_environment
 from .samplers import Branch, TurnLoop, _bind_tools
@@ -153,6 +153,16 @@ class FlexSearch:
     tool_calls: int = 0
     tool_failures: int = 0
     info: dict = field(default_factory=dict)
+
+    # a search is a leaf of its task's group (`trl_tree.pipeline.Leaf`): what the reward functions see of it
+    @property
+    def messages(self) -> list[dict]:
+        return self.completion
+
+    @property
+    def completion_ids(self) -> list[int]:
+        """The tokens the policy generated, block after block (contexts and observations left out)."""
+        return [tok for block in self.blocks for turn in block.turns for tok in turn.action_ids]
 
 
 @dataclass

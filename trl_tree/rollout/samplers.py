@@ -79,6 +79,12 @@ class Branch:
         return len(self.prefix_ids) - self.prompt_len
 
     @property
+    def completion_ids(self) -> list[int]:
+        """Everything after the prompt (tool observations included): what TRL's reward functions get as
+        `completion_ids` (`trl_tree.pipeline.Leaf`)."""
+        return self.prefix_ids[self.prompt_len :]
+
+    @property
     def tool_calls(self) -> int:
         """Tool calls of the whole trajectory, those of the turns it shares with other branches included (GRPO counts
         per completion)."""

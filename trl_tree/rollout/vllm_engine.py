@@ -19,13 +19,37 @@ import contextlib
 import functools
 import logging
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from accelerate.utils import gather_object
 
-from .. import trl_internals
 from .engine import Continuation, _cut_at_eos
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class VLLMPorts:
+    """What `VLLMEngine` needs of its owner (the trainer builds these, `trl_tree.trainer.engine_ports.vllm_ports`), so
+    the rollout layer reaches neither the trainer nor TRL's private names.
+
+    Attributes:
+        vllm_generation: TRL's `VLLMGeneration` (GRPOTrainer's `vllm_generation`).
+        eos_ids, pad_id: the end-of-turn ids and the padding id.
+        current_step: the optimizer step now (`state.global_step`); synced_step / mark_synced: the step whose weights
+            vLLM holds, read and recorded (GRPOTrainer's own counter, so its generation and ours sync once).
+        profile: `profile(name)`, a context manager timing a section (TRL's `profiling_context`).
+    """
+
+    vllm_generation: Any
+    eos_ids: set[int]
+    pad_id: int
+    current_step: Callable[[], int]
+    synced_step: Callable[[], int | None]
+    mark_synced: Callable[[int], None]
+    profile: Callable[[str], contextlib.AbstractContextManager[Any]]
 
 
 def topk_entropy(logprobs: list[float | None]) -> float:
@@ -54,9 +78,9 @@ class VLLMEngine:
     """Continue token-id prefixes with the trainer's `VLLMGeneration` (`trainer.vllm_generation`).
 
     Args:
-        trainer: a GRPOTrainer (or subclass) built with `use_vllm=True`. Used: `vllm_generation`, `state.global_step`,
-            the last weight-sync step, `eos_token_ids`, the tokenizer's pad id, and `args.report_to` /
-            `accelerator.is_main_process` for TRL's profiling context.
+        ports: what it reads of a GRPOTrainer (or subclass) built with `use_vllm=True` (`VLLMPorts`): its
+            `vllm_generation`, the optimizer step and the last weight-sync step, the end-of-turn and pad ids, and
+            TRL's profiling context.
         with_scores: also return per-token entropy *estimates* (`topk_entropy`), for the entropy-guided samplers.
             Same meaning as `HFEngine(with_scores=...)`. Log-probs are returned either way: vLLM computes them anyway.
         entropy_top_k: how many top log-probs to request per token for the estimate. vLLM caps this with its
@@ -73,13 +97,13 @@ class VLLMEngine:
     # call's overhead per chunk, so the turn loop gives it whole turns (`TreeConfig.generation_chunk_tokens`)
     resumes_turns = False
 
-    def __init__(self, trainer, with_scores: bool = False, entropy_top_k: int = 20):
-        self.trainer = trainer
-        self.vllm_generation = trainer.vllm_generation
+    def __init__(self, ports: VLLMPorts, with_scores: bool = False, entropy_top_k: int = 20):
+        self.ports = ports
+        self.vllm_generation = ports.vllm_generation
         self.with_scores = with_scores
         self.entropy_top_k = entropy_top_k
-        self.eos_ids = set(trainer.eos_token_ids)
-        self.pad_id = trl_internals.tokenizer(trainer).pad_token_id
+        self.eos_ids = set(ports.eos_ids)
+        self.pad_id = ports.pad_id
         if self.prefix_caching_enabled() is False:
             logger.warning(
                 "vLLM runs without prefix caching: every branch of a rollout tree recomputes its whole prefix. "
@@ -110,13 +134,11 @@ class VLLMEngine:
         by the previous policy. Every rank takes this branch together (the step counter is the same everywhere), which
         matters because the weight gathering inside `sync_weights` is collective under ZeRO-3/FSDP.
         """
-        from trl.extras.profiling import profiling_context
-
-        trainer = self.trainer
-        if trainer.state.global_step != trl_internals.last_loaded_step(trainer):
-            with profiling_context(trainer, "sync_weights"):
+        step = self.ports.current_step()
+        if step != self.ports.synced_step():
+            with self.ports.profile("sync_weights"):
                 self.vllm_generation.sync_weights()
-            trl_internals.set_last_loaded_step(trainer, trainer.state.global_step)
+            self.ports.mark_synced(step)
 
     @contextlib.contextmanager
     def _sampling_overrides(self, max_tokens: int):
@@ -141,8 +163,6 @@ class VLLMEngine:
             vg.max_completion_length, vg.logprobs, vg.generation_kwargs = saved
 
     def generate(self, prefixes: list[list[int]], max_new_tokens: list[int]) -> list[Continuation]:
-        from trl.extras.profiling import profiling_context
-
         if len(prefixes) != len(max_new_tokens):
             raise ValueError(f"{len(prefixes)} prefixes but {len(max_new_tokens)} token budgets")
         self._sync_weights_if_stale()
@@ -158,7 +178,7 @@ class VLLMEngine:
                 prompts=prompts,
                 images=None,
                 num_generations=1,
-                profiler=profiling_context(self.trainer, "vLLM.generate"),
+                profiler=self.ports.profile("vLLM.generate"),
             )
 
         results = []

@@ -3,11 +3,16 @@
 It replaces two things of GRPOTrainer and keeps the rest (datasets, reward functions, tools and environments, PEFT,
 accelerate / DeepSpeed, vLLM, logging, checkpoints, Hub):
 
-1. generation (`_generate_and_score_completions`): grow one rollout tree per prompt with a sampler, score every leaf
-   with TRL's reward functions, recompute π_old with one no-grad packed forward of the training model, compute the
-   method's turn credit, and return one packed row per tree (trees stay whole when TRL splits the generation batch
-   into micro-batches);
+1. generation (`_generate_and_score_completions`): one generation batch of `trl_tree.pipeline` (grow one rollout
+   tree per prompt with a sampler, score every leaf with TRL's reward functions, recompute π_old with one no-grad
+   packed forward of the training model, compute the method's turn credit), returned as one packed row per tree
+   (trees stay whole when TRL splits the generation batch into micro-batches);
 2. the loss (`_compute_loss`): one packed forward of the current policy and the method's turn-level loss.
+
+The pipeline knows no TRL: this class is the adapter that gives it narrow ports (`pipeline_ports`: GRPOTrainer's
+prompt rendering and environments, TRL's reward computation, the model's forward, the credit) and its unit
+(`rollout_unit`; TreeFlex's group is another), and the only place besides `engine_ports` that reaches TRL's private
+names (through `trl_internals`). Its generation metrics live in `generation_logging`.
 
 The configuration chooses the sampler, the credit and the loss independently from the method table
 (`trl_tree.methods`); the named trainers (`TreeOPSDTrainer`, `TreePOTrainer`, `AT2POTrainer`, `TreeAdvTrainer`) are
@@ -27,20 +32,22 @@ from datasets import IterableDataset
 from trl import GRPOTrainer
 from trl.chat_template_utils import parse_response
 from trl.data_utils import is_conversational
-from trl.trainer.utils import RepeatSampler, nanstd, repeat_iterable_dataset
+from trl.trainer.utils import RepeatSampler, repeat_iterable_dataset
 
-from .. import credit, losses, methods, trl_internals
+from .. import methods, pipeline, trl_internals
 from ..batch import LossInputs, TurnCredit
-from ..packing import PackedTrees, pack_cheapest, pack_trees, packed_token_logps, unwrap_model
+from ..packing import unwrap_model
 from ..rewards import guard_reward_func
-from ..rollout.engine import HFEngine, rollout_session
+from ..rollout.engine import HFEngine
 from ..rollout.env import EnvironmentPool, TreeEnvironment, environment_tools
 from ..rollout.samplers import SamplerSettings, TreeRoot, TurnLoop
-from ..tree import RolloutTree, render_tree
+from ..tree import RolloutTree
 from ..tree_attention import TREE_SDPA
-from . import components, model_card, resume
+from ..tree_unit import TreeUnits
+from . import components, engine_ports, model_card, resume
 from . import metrics as tree_metrics
 from .config import TreeConfig
+from .generation_logging import GenerationLogging
 from .tree_view_logging import TreeViewRecorder, at_global_step
 
 logger = logging.getLogger(__name__)
@@ -59,7 +66,7 @@ def _switched_off(obj, flag: str, when: bool):
         setattr(obj, flag, True)
 
 
-class TreeTrainer(GRPOTrainer):
+class TreeTrainer(GenerationLogging, GRPOTrainer):
     """A GRPOTrainer that grows rollout trees and trains unique turns with a turn-level loss.
 
     Use it directly with a `TreeConfig` to compose a sampler, a credit and a loss, or use a named preset
@@ -261,11 +268,12 @@ class TreeTrainer(GRPOTrainer):
         )
 
     def _build_engine(self):
+        """The generation backend, given narrow ports of this trainer (`engine_ports`), not the trainer itself."""
         if self.use_vllm:
             from ..rollout.vllm_engine import VLLMEngine
 
-            return VLLMEngine(self, with_scores=self.needs_entropies)
-        return HFEngine(self, with_scores=self.needs_entropies)
+            return VLLMEngine(engine_ports.vllm_ports(self), with_scores=self.needs_entropies)
+        return HFEngine(engine_ports.hf_ports(self), with_scores=self.needs_entropies)
 
     @property
     def needs_entropies(self) -> bool:
@@ -317,9 +325,8 @@ class TreeTrainer(GRPOTrainer):
     def _prepare_inputs(self, generation_batch):
         """GRPOTrainer's buffering of a generation batch into `steps_per_generation` micro-batches, with one change:
         the split happens *before* π_old is recomputed, so each micro-batch's π_old comes from exactly the packed
-        forward (same trees, same padding) that will train it, and the first block's log-ratio is exactly 0. (A
-        whole-batch forward pads differently and leaves ~1e-9 of noise, which Adam can blow up when every reward of
-        a block is equal.) Trees are not shuffled again: the prompt sampler already shuffles."""
+        forward (same trees, same padding) that will train it, and the first block's log-ratio is exactly 0 (why:
+        `trl_tree.pipeline.micro_batches`). Trees are not shuffled again: the prompt sampler already shuffles."""
         if not self.model.training:
             return self._generate_and_score_completions(self._one_row_per_prompt(generation_batch))
         generate_every = self.args.steps_per_generation * self.num_iterations
@@ -356,74 +363,48 @@ class TreeTrainer(GRPOTrainer):
         return self.generate_batch(inputs)
 
     def _generate_micro_batches(self, inputs: list[dict[str, Any]], num_chunks: int) -> list[dict[str, torch.Tensor]]:
-        """Grow and score one tree per prompt, then pack, recompute π_old and compute credit per micro-batch."""
+        """Algorithm 1's generation phase (`trl_tree.pipeline.generation_batch`) with this trainer's unit and ports:
+        grow and score one unit per prompt, then pack, recompute π_old and compute credit per micro-batch; logged."""
         mode = "train" if self.model.training else "eval"
-        prompts, trees, branches_per_tree, rewards = self._sample_scored_trees(inputs)
-        batches, per_turn, forward_tokens = self._micro_batches(trees, num_chunks, mode)
-        self._log_generation(mode, prompts, trees, branches_per_tree, rewards, per_turn, forward_tokens)
-        return batches
+        result = pipeline.generation_batch(self.rollout_unit(mode), self.pipeline_ports(), inputs, num_chunks)
+        self._log_generation(mode, result)
+        return result.batches
 
     def sample_trees(self, inputs: list[dict[str, Any]]) -> list[RolloutTree]:
         """Grow and score one tree per dataset row of `inputs`, without packing, credit or logging: the seam for
         training several losses on the very same trees (`benchmarks/bench_blocks.py`). `micro_batches(trees, E)`
         then gives what one generation batch of E optimizer blocks trains."""
-        return self._sample_scored_trees(inputs)[1]
+        mode = "train" if self.model.training else "eval"
+        return pipeline.grow_and_score(self.rollout_unit(mode), self.pipeline_ports(), inputs)[3]
 
     def micro_batches(self, trees: list[RolloutTree], num_chunks: int) -> list[dict[str, torch.Tensor]]:
         """`trees` split into `num_chunks` micro-batches as training splits a generation batch: packed, with π_old
         recomputed by the current model and the configured method's credit (`generate_batch`'s layout)."""
-        return self._micro_batches(trees, num_chunks, "train" if self.model.training else "eval")[0]
+        mode = "train" if self.model.training else "eval"
+        return pipeline.micro_batches(self.rollout_unit(mode), self.pipeline_ports(), trees, num_chunks)[0]
 
-    def _sample_scored_trees(self, inputs: list[dict[str, Any]]):
-        if any("image" in x or "images" in x for x in inputs):
-            raise ValueError(f"{type(self).__name__} supports text-only prompts; this batch has images.")
-        prompts, roots = self._prepare_roots(inputs)
-        with rollout_session(self.generation_engine):
-            branches_per_tree = self.sampler.sample(roots)
-        # a branch whose environment disagrees with its history (a diverged replay) is no leaf: its context and its
-        # world differ, so neither its reward nor its turns' credit mean anything (replay_divergence="drop")
-        self._diverged_per_tree = [sum(b.diverged_at is not None for b in branches) for branches in branches_per_tree]
-        branches_per_tree = [[b for b in branches if b.diverged_at is None] for branches in branches_per_tree]
+    def rollout_unit(self, mode: str) -> TreeUnits:
+        """What this trainer grows and trains per prompt (`trl_tree.pipeline.RolloutUnit`): a tree of the configured
+        sampler, generated by the current backend (read per batch: tests and users may swap it after init)."""
+        return TreeUnits(
+            self.sampler, self.generation_engine, trl_internals.tokenizer(self).pad_token_id, self.args.packing,
+            unwrap_model(self.model).config, self.mask_truncated_completions,
+            note=lambda name, value: trl_internals.metrics(self, mode)[name].append(value),
+        )
 
-        rewards = self._score_leaves(inputs, prompts, branches_per_tree)
-        trees = [
-            RolloutTree.from_trajectories(root.prompt_ids, [b.turns for b in branches], r.tolist())
-            for root, branches, r in zip(roots, branches_per_tree, rewards)
-        ]
-        return prompts, trees, branches_per_tree, rewards
-
-    def _micro_batches(self, units: list, num_chunks: int, mode: str):
-        """Split whole units (trees; TreeFlex's groups) into `num_chunks` micro-batches. Each is packed, gets π_old
-        from the very packed forward that will train it (T6: the first block's log-ratio is exactly 0), and its
-        credit. Returns the batches, every unit's per-turn credit, and the tokens the packed forwards process."""
-        size = len(units) // num_chunks
-        batches, per_turn, forward_tokens = [], [], 0
-        for start in range(0, len(units), size):
-            chunk = units[start : start + size]
-            packed, old_logps = self._pack_with_behaviour_logps(chunk, mode)
-            credit_of_chunk = [self.turn_credit(unit) for unit in chunk]
-            batch = {**packed.to(self.accelerator.device).to_dict(), "old_logps": old_logps}
-            batch.update(TurnCredit.stack(credit_of_chunk, self.accelerator.device).to_dict())
-            batches.append(batch)
-            per_turn += credit_of_chunk
-            forward_tokens += packed.num_forward_tokens
-        return batches, per_turn, forward_tokens
-
-    def _pack_with_behaviour_logps(self, trees: list[RolloutTree], mode: str) -> tuple[PackedTrees, torch.Tensor]:
-        """One micro-batch of trees packed, and π_old's log-probs on it (written back into the trees' turns)."""
-        packed = self._pack(trees)
-        if self.args.packing == "auto":
-            trl_internals.metrics(self, mode)["tree/packed_as_tree"].append(float(packed.input_ids.shape[1] == 1))
-        old_logps = self._behaviour_logps(packed, trees)
-        if self.mask_truncated_completions:
-            _mask_truncated_turns(packed, trees)
-        return packed, old_logps
-
-    def _pack(self, trees: list[RolloutTree]) -> PackedTrees:
-        """One micro-batch of trees in the configured layout ("auto": the cheaper forward for this model)."""
-        if self.args.packing == "auto":
-            return pack_cheapest(trees, trl_internals.tokenizer(self).pad_token_id, unwrap_model(self.model).config)
-        return pack_trees(trees, trl_internals.tokenizer(self).pad_token_id, layout=self.args.packing)
+    def pipeline_ports(self) -> pipeline.PipelinePorts:
+        """The pipeline's narrow view of this trainer: GRPOTrainer's prompt rendering and environments, TRL's reward
+        computation, the training model's no-grad forward for π_old, the method's credit. Built per batch, so an
+        instance's overrides (a test's spy on `turn_credit`) are the ones called."""
+        return pipeline.PipelinePorts(
+            prepare=self._prepare_roots,
+            score=self._score_leaves,
+            behaviour_logps=lambda packed: pipeline.behaviour_logps(
+                self.model, packed, self.accelerator.device, self.temperature
+            ),
+            credit=self.turn_credit,
+            device=self.accelerator.device,
+        )
 
     def _prepare_roots(self, inputs):
         """Reset one environment per prompt (its tools and state are the tree's root) and render the prompts.
@@ -474,16 +455,17 @@ class TreeTrainer(GRPOTrainer):
             roots.append(TreeRoot(prompt_ids=list(ids), env=env, tools=tools, environment=handle))
         return prompts, roots
 
-    def _score_leaves(self, inputs, prompts, branches_per_tree) -> list[torch.Tensor]:
-        """TRL's reward functions on every leaf: the completion is the whole multi-turn conversation after the prompt;
-        dataset columns are passed through (repeated per leaf), environments as `environments`."""
+    def _score_leaves(self, inputs, prompts, branches_per_tree) -> pipeline.LeafScores:
+        """TRL's reward functions on every leaf (`trl_tree.pipeline.Leaf`: a branch; TreeFlex: a search): the
+        completion is the whole multi-turn conversation after the prompt; dataset columns are passed through
+        (repeated per leaf), environments as `environments`."""
         leaf_inputs, leaf_prompts, completions, completion_ids, envs = [], [], [], [], []
         for x, prompt, branches in zip(inputs, prompts, branches_per_tree):
             for b in branches:
                 leaf_inputs.append(x)
                 leaf_prompts.append(prompt)
                 completions.append(b.messages if is_conversational({"prompt": prompt}) else _as_text(b.messages))
-                completion_ids.append(b.prefix_ids[b.prompt_len :])
+                completion_ids.append(b.completion_ids)
                 envs.append(b.env)
         # TRL's `_calculate_rewards` gathers every rank's rows, which needs equal counts: a sampler may give ranks
         # different numbers of leaves, so pad with repeats of the last leaf and drop their rewards afterwards.
@@ -495,14 +477,16 @@ class TreeTrainer(GRPOTrainer):
         per_func = trl_internals.calculate_rewards(self, leaf_inputs, leaf_prompts, completions, completion_ids)
         self._flush_reward_logs(n)
         start = self.accelerator.process_index * width
-        self._last_rewards_per_func = per_func[start : start + n].cpu()
-        return self._leaf_rewards_for_credit([len(b) for b in branches_per_tree])
+        per_func = per_func[start : start + n].cpu()
+        return pipeline.LeafScores(
+            per_func, self._weighted_rewards(per_func),
+            self._leaf_rewards_for_credit(per_func, [len(b) for b in branches_per_tree]),
+        )
 
-    def _leaf_rewards_for_credit(self, sizes: list[int]) -> list[torch.Tensor]:
+    def _leaf_rewards_for_credit(self, per_func: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
         """Each tree's leaf rewards for its credit: the reward functions combined by GRPO's
         `multi_objective_aggregation` with the tree as the group, and leaves that no function scores filled as
         `_rewards_for_credit` says."""
-        per_func = self._last_rewards_per_func
         unscored = torch.isnan(per_func).all(dim=1)
         weights, mode = self.reward_weights.cpu(), self.multi_objective_aggregation
         return [
@@ -510,10 +494,9 @@ class TreeTrainer(GRPOTrainer):
             for rows, none in zip(torch.split(per_func, sizes), torch.split(unscored, sizes))
         ]
 
-    def _weighted_rewards(self) -> torch.Tensor:
+    def _weighted_rewards(self, per_func: torch.Tensor) -> torch.Tensor:
         """GRPO's reward of each leaf: the weighted sum of the reward functions that apply (None → NaN: does not
         apply), NaN for a leaf that no function scores (TRL's `_calculate_rewards` has warned about it)."""
-        per_func = self._last_rewards_per_func
         rewards = (per_func * self.reward_weights.to(per_func.device).unsqueeze(0)).nansum(dim=1)
         return rewards.masked_fill(torch.isnan(per_func).all(dim=1), float("nan"))
 
@@ -535,22 +518,6 @@ class TreeTrainer(GRPOTrainer):
             trl_internals.metrics(self, mode)[name].append(self._mean_over_ranks(pending_metrics.get(name, [])))
         pending_metrics.clear()
 
-    @torch.no_grad()
-    def _behaviour_logps(self, packed: PackedTrees, trees: list[RolloutTree]) -> torch.Tensor:
-        """T6: π_old's log-probs, recomputed by the training model in the same packed forward code as π_θ (so the
-        first block's log-ratio is exactly 0), written back into each tree's turns for the likelihood backup."""
-        device_packed = packed.to(self.accelerator.device)
-        logps, _ = packed_token_logps(self.model, device_packed, temperature=self.temperature)
-        cpu = logps.detach().float().cpu()
-        for n, tree in enumerate(trees):
-            mask = packed.turn_ids[n] >= 0
-            ids, values = packed.turn_ids[n][mask], cpu[n][mask]
-            order = torch.argsort(ids, stable=True)
-            counts = torch.bincount(ids, minlength=tree.num_turns).tolist()
-            for turn, chunk in zip(tree.turns, torch.split(values[order], counts)):
-                turn.action_logps = chunk.tolist()
-        return logps.detach()
-
     def turn_credit(self, unit) -> TurnCredit:
         """The credit of one unit (a tree, over `tree.turns`; TreeFlex: a group) with everything its loss reads
         (`trl_tree.methods.turn_credit`)."""
@@ -562,10 +529,7 @@ class TreeTrainer(GRPOTrainer):
         """One packed forward of `model` over a micro-batch, flattened as the losses read it, and the tokens' entropies
         (trained tokens only, each unique token once) with `compute_entropy`. The loss, the tree view's "after"
         probabilities and the block benchmark all read the micro-batch through here."""
-        packed = PackedTrees.from_dict(inputs)
-        logps, entropy = packed_token_logps(model, packed, temperature=self.temperature, compute_entropy=compute_entropy)
-        batch = LossInputs.build(packed.turn_ids, logps, inputs["old_logps"], TurnCredit.from_dict(inputs))
-        return batch, entropy[packed.turn_ids >= 0] if entropy is not None else None
+        return pipeline.loss_inputs(model, inputs, self.temperature, compute_entropy)
 
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
@@ -581,11 +545,8 @@ class TreeTrainer(GRPOTrainer):
     def turn_loss(self, batch: LossInputs, mode: str) -> torch.Tensor:
         """The configured loss of one micro-batch (`trl_tree.methods.LOSSES`), logging its metrics and every method's
         mean |s_i|, the turns' log-ratio, per optimizer block."""
-        loss, loss_metrics = methods.LOSSES[self.args.loss].compute(batch, self.args)
-        with torch.no_grad():
-            s = losses.turn_mean_log_ratio(batch.logps, batch.old_logps, batch.turn_ids, batch.num_turns)
+        loss, loss_metrics = pipeline.block_loss(batch, self.args)
         block = self._optimizer_block()
-        loss_metrics["tree/abs_log_ratio/block_{block}"] = s.abs()
         tree_metrics.log_values(trl_internals.metrics(self, mode), self.accelerator, loss_metrics, block)
         return loss
 
@@ -649,142 +610,6 @@ class TreeTrainer(GRPOTrainer):
         if checkpoint is not None:
             resume.restore_state(self, checkpoint)
 
-    # ---------------------------------------------------------------- metrics
-
-    def _max_over_ranks(self, value: int) -> int:
-        return tree_metrics.max_over_ranks(self.accelerator, value)
-
-    def _gather_uneven(self, values: torch.Tensor) -> torch.Tensor:
-        return tree_metrics.gather_uneven(self.accelerator, values)
-
-    def _mean_over_ranks(self, values: list[float] | torch.Tensor) -> float:
-        return tree_metrics.mean_over_ranks(self.accelerator, values)
-
-    def _log_rollout_metrics(self, mode, group_sizes: list[int], lengths: list[int], clipped: list[bool],
-                             tool_calls: list[int], tool_failures: list[int]) -> None:
-        """GRPOTrainer's generation metrics under its names. A "completion" is a leaf trajectory (TreeFlex: a complete
-        search) and its group is its tree (TreeFlex: the task's searches); `group_sizes` are the leaves per tree.
-
-            rewards/<name>/mean, /std    nan-mean / nan-std of each reward function over the completions (None is NaN:
-                                         the function does not apply)
-            reward, reward_std           the same of the weighted reward sum; completions no function scores left out
-            frac_reward_zero_std         fraction of trees whose scored leaf rewards are all equal, so that the tree
-                                         gives no learning signal (GRPO's per group; fewer than 2 scored leaves too)
-            num_tokens                   `state.num_input_tokens_seen`, counted as GRPO counts it: per completion,
-                                         its prompt's tokens plus its generated tokens (tool results masked out, as
-                                         GRPO's tool_mask does), so a turn shared by several leaves counts once per
-                                         leaf. What the tree forwards is `tree/forward_tokens`, its unique tokens
-                                         `tree/unique_tokens` (TreeFlex: the packed forward tokens of its blocks)
-            completions/mean_length, /min_length, /max_length
-                                         the completion's generated tokens (tool observations excluded, as GRPO's
-                                         tool mask does)
-            completions/clipped_ratio    fraction of completions cut by the token budget (their last turn did not end
-                                         with EOS; TreeFlex: a block of the search was cut)
-            completions/mean_terminated_length, /min_terminated_length, /max_terminated_length
-                                         the same lengths over the completions that were not cut (0 if none)
-            tools/call_frequency         tool calls per completion (a leaf counts every call on its path)
-            tools/failure_frequency      failed calls / calls (0 without calls)
-        """
-        metrics = trl_internals.metrics(self, mode)
-        per_func, rewards = self._last_rewards_per_func, self._weighted_rewards()
-        for i, name in enumerate(self.reward_func_names):
-            column = self._gather_uneven(per_func[:, i])  # NaN dropped: GRPO's nan-aware statistics
-            metrics[f"rewards/{name}/mean"].append(torch.nanmean(column).item())
-            metrics[f"rewards/{name}/std"].append(nanstd(column).item())
-        all_rewards = self._gather_uneven(rewards)
-        metrics["reward"].append(torch.nanmean(all_rewards).item())
-        metrics["reward_std"].append(nanstd(all_rewards).item())
-        zero_std = [float(_no_reward_spread(r)) for r in torch.split(rewards, group_sizes)]
-        metrics["frac_reward_zero_std"].append(self._mean_over_ranks(zero_std))
-        metrics["num_tokens"] = [self.state.num_input_tokens_seen]
-        all_lengths = self._gather_uneven(torch.tensor(lengths, dtype=torch.float64))
-        cut = self._gather_uneven(torch.tensor(clipped, dtype=torch.float64)).bool()
-        metrics["completions/mean_length"].append(all_lengths.mean().item())
-        metrics["completions/min_length"].append(all_lengths.min().item())
-        metrics["completions/max_length"].append(all_lengths.max().item())
-        metrics["completions/clipped_ratio"].append(cut.double().mean().item())
-        terminated = all_lengths[~cut] if (~cut).any() else all_lengths.new_zeros(1)
-        metrics["completions/mean_terminated_length"].append(terminated.mean().item())
-        metrics["completions/min_terminated_length"].append(terminated.min().item())
-        metrics["completions/max_terminated_length"].append(terminated.max().item())
-        self._log_tool_use(metrics, tool_calls, tool_failures)
-
-    def _count_forward_tokens(self, mode: str, forward_tokens: int) -> None:
-        """Add this rank's `forward_tokens` (summed over ranks) to `state.num_input_tokens_seen`, as GRPO does in
-        training only."""
-        if mode == "train":
-            tokens = torch.tensor(float(forward_tokens), device=self.accelerator.device)
-            self.state.num_input_tokens_seen += int(self.accelerator.reduce(tokens, reduction="sum").item())
-
-    def _log_generation(self, mode, prompts, trees, branches_per_tree, rewards, per_turn, forward_tokens: int):
-        metrics = trl_internals.metrics(self, mode)
-        leaves = [b for branches in branches_per_tree for b in branches]
-        lengths = [sum(len(t.action_ids) for t in b.turns) for b in leaves]
-        # GRPO's num_tokens: every completion with its prompt, generated tokens only (not what the packed tree forwards)
-        self._count_forward_tokens(mode, sum(b.prompt_len + n for b, n in zip(leaves, lengths)))
-        self._log_rollout_metrics(
-            mode, [len(b) for b in branches_per_tree], lengths,
-            [b.turns[-1].truncated for b in leaves], [b.tool_calls for b in leaves], [b.tool_failures for b in leaves],
-        )
-        metrics["tree/leaves_per_tree"].append(self._mean_over_ranks([t.num_leaves for t in trees]))
-        metrics["tree/unique_turns"].append(self._mean_over_ranks([t.num_turns for t in trees]))
-        metrics["tree/unique_tokens"].append(self._mean_over_ranks([t.num_unique_tokens for t in trees]))
-        metrics["tree/flat_tokens"].append(self._mean_over_ranks([t.num_path_tokens for t in trees]))
-        metrics["tree/forward_tokens"].append(self._mean_over_ranks([forward_tokens / len(trees)]))
-        metrics["tree/turns_per_leaf"].append(self._mean_over_ranks([len(b.turns) for b in leaves]))
-        if self.environment_factories is not None:
-            metrics["tree/diverged_branches"].append(self._mean_over_ranks(self._diverged_per_tree))
-        self.log_turn_credit(metrics, per_turn)
-        if self.log_completions:
-            self._log_tree_completions(prompts, trees, branches_per_tree)
-            if self._tree_view is not None:
-                self._tree_view.record_trees(mode, prompts, trees, branches_per_tree, per_turn)
-
-    def _log_tool_use(self, metrics, calls: list[int], failures: list[int]) -> None:
-        """GRPOTrainer's tool metrics, one completion = one leaf (every call of its history, shared turns included):
-        `tools/call_frequency` = calls per completion, `tools/failure_frequency` = failed calls / calls (0 without
-        calls), both over all ranks. Logged only when the trainer has tools, as in GRPOTrainer."""
-        if not self.tools:
-            return
-        metrics["tools/call_frequency"].append(self._mean_over_ranks(calls))
-        total = torch.tensor([sum(failures), sum(calls)], dtype=torch.float64, device=self.accelerator.device)
-        total = self.accelerator.reduce(total, reduction="sum")
-        metrics["tools/failure_frequency"].append((total[0] / total[1]).item() if total[1] > 0 else 0.0)
-
-    def log_turn_credit(self, metrics, per_turn: list[TurnCredit]) -> None:
-        """Mean |A| of the turn credit over every rank's turns, and the loss's own credit metrics
-        (`trl_tree.methods.Loss.credit_metrics`; TreeOPSD: mean |q − 1/2|, how far the teachers move the policy)."""
-        values = {"tree/abs_turn_advantage": torch.cat([c.A.abs() for c in per_turn])}
-        values.update(methods.LOSSES[self.args.loss].credit_metrics(per_turn))
-        tree_metrics.log_values(metrics, self.accelerator, values)
-
-    def _log_tree_completions(self, prompts, trees, branches_per_tree):
-        rows_prompt, rows_completion, rows_tree, rows_adv = [], [], [], []
-        for prompt, tree, branches in zip(prompts, trees, branches_per_tree):
-            A = credit.standardize(torch.tensor(tree.rewards), min_leaves=1) if tree.num_leaves > 1 else [0.0]
-            text = render_tree(tree, trl_internals.tokenizer(self))
-            for k, b in enumerate(branches):
-                rows_prompt.append(prompt)
-                rows_completion.append(b.messages)
-                rows_tree.append(text if k == 0 else f"(leaf {k} of the tree above: turns {tree.paths[k]})")
-                rows_adv.append(float(A[k]))
-        self._log_completion_rows(rows_prompt, rows_completion, rows_adv, {"tree": rows_tree})
-
-    def _log_completion_rows(self, prompts: list, completions: list, advantages: list[float],
-                             extra: dict[str, list]) -> None:
-        """GRPOTrainer's completions table (`log_completions`), one row per leaf (TreeFlex: per search) of every rank,
-        with each reward function's column. Objects are gathered, so ranks may hold different numbers of rows."""
-        from accelerate.utils import gather_object
-
-        logs = trl_internals.completion_logs(self)
-        logs["prompt"].extend(gather_object(prompts))
-        logs["completion"].extend(gather_object(completions))
-        for i, name in enumerate(self.reward_func_names):
-            logs["rewards"][name].extend(gather_object(self._last_rewards_per_func[:, i].tolist()))
-        logs["advantages"].extend(gather_object(advantages))
-        for column, rows in extra.items():  # GRPOTrainer.log prints and saves the table
-            logs["extra"][column].extend(gather_object(rows))
-
 
 # -------------------------------------------------------------------- helpers
 
@@ -820,12 +645,6 @@ def _after_text_prompt(prefix: list[int], text_prompt_ids) -> list[int]:
     return prefix
 
 
-def _no_reward_spread(rewards: torch.Tensor) -> bool:
-    """A tree's leaf rewards (NaN: unscored) give no learning signal: fewer than two are scored, or all are equal."""
-    scored = rewards[~torch.isnan(rewards)]
-    return scored.numel() < 2 or bool(torch.isclose(scored.std(), scored.new_zeros(())))
-
-
 def _rewards_for_credit(rewards: torch.Tensor) -> torch.Tensor:
     """One tree's (or TreeFlex group's) leaf rewards for its credit, with GRPO's treatment of unscored leaves.
 
@@ -839,18 +658,3 @@ def _rewards_for_credit(rewards: torch.Tensor) -> torch.Tensor:
         return rewards
     fill = rewards[~unscored].mean() if (~unscored).any() else rewards.new_zeros(())
     return rewards.masked_fill(unscored, fill.item())
-
-
-def _mask_truncated_turns(packed: PackedTrees, trees: list[RolloutTree]) -> None:
-    """GRPO's `mask_truncated_completions` on a tree: GRPO masks every token of a truncated completion, so a turn is
-    context, not trained, unless some trajectory through it finished uncut (GRPO would train those tokens through that
-    completion). A turn cut by the budget is masked, and so is a complete turn (a tool call) that only truncated
-    trajectories pass: otherwise the truncated leaves' rewards would still train it, and a batch of only truncated
-    trajectories would not give GRPO's zero loss and zero gradient."""
-    for n, tree in enumerate(trees):
-        finished = {i for path in tree.paths if not any(tree.turns[j].truncated for j in path) for i in path}
-        truncated = [i for i in range(tree.num_turns) if i not in finished]
-        if truncated:
-            hit = torch.isin(packed.turn_ids[n], torch.tensor(truncated, device=packed.turn_ids.device))
-            packed.turn_ids[n][hit] = -1
-            packed.score_index[n][hit] = -1

@@ -4,7 +4,7 @@ generation batch when `log_completions` is on.
 When and where, following how `GRPOTrainer.log` handles its completions table:
 
 1. **collect** (every rank, at generation): each tree's (or TreeFlex group's) turns, decoded texts, leaf rewards and
-   the per-turn credit the trainer has just computed for it (`TreeTrainer._micro_batches`), in the order of the
+   the per-turn credit the trainer has just computed for it (`trl_tree.pipeline.micro_batches`), in the order of the
    credit tensors;
 2. **finish** (every rank, `on_step_end` of the optimizer step that completes the generation batch, or of the last
    step of training): one extra no-grad packed forward per micro-batch of the buffered generation batch gives each
@@ -72,9 +72,10 @@ class TreeViewRecorder(TrainerCallback):
     def _rows(self, n: int) -> list[dict | None]:
         return self.rows if len(self.rows) == n else [None] * n
 
-    def record_trees(self, mode: str, prompts, trees, branches_per_tree, per_turn) -> None:
+    def record_trees(self, mode: str, prompts, trees, branches_per_tree, per_turn, per_func) -> None:
+        """One generation batch's trees; `per_func`: every leaf's reward-function values (`LeafScores.per_func`)."""
         decode = self._decode
-        columns = self._reward_columns([len(b) for b in branches_per_tree])
+        columns = self._reward_columns(per_func, [len(b) for b in branches_per_tree])
         args = self.trainer.args
         records = [
             tree_record(tree, credit, decode, prompt, leaf_rounds=[getattr(b, "round", 0) for b in branches],
@@ -96,9 +97,8 @@ class TreeViewRecorder(TrainerCallback):
     def _decode(self, ids: list[int]) -> str:
         return trl_internals.tokenizer(self.trainer).decode(ids, skip_special_tokens=False)
 
-    def _reward_columns(self, sizes: list[int]) -> list[dict[str, list]]:
+    def _reward_columns(self, per_func, sizes: list[int]) -> list[dict[str, list]]:
         """Each reward function's value per leaf, split per tree (NaN: the function did not apply → None)."""
-        per_func = self.trainer._last_rewards_per_func
         names = self.trainer.reward_func_names
         out = []
         for rows in torch.split(per_func, sizes):

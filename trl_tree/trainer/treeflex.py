@@ -34,26 +34,27 @@ Design decisions
 - **Loss** (F3): `losses.dual_clip_loss` per token, PPO clip ε (ε_high) and for A < 0 the dual clip at −c·A, c = 3.
 - **Credit and loss come from the method table** (`trl_tree.methods`: credit "search", loss "dual_clip"), like every
   other method's; this trainer differs only in its unit (a group of searches made of causal blocks, grown by a
-  harness) and how it packs it.
+  harness) and how it packs it: `FlexUnits` is that unit for `trl_tree.pipeline`, which runs the tree trainers'
+  generation batch unchanged (a search is a scored leaf, `FlexSearch.completion_ids`; no fake branch).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from .. import credit, trl_internals
-from ..packing import PackedTrees, pack_trees, packed_token_logps, pad_rows
+from .. import credit, methods, trl_internals
+from ..packing import PackedTrees, pack_trees, pad_rows
+from ..pipeline import GenerationBatch, Grown
 from ..rollout.flex_harness import FlexBlock, FlexHarness, FlexKit, FlexSearch, FlexTask
 from ..rollout.special_tokens import observation_messages
 from ..tree import RolloutTree
 from .base import TreeTrainer
 from .config import TreeFlexConfig
 
-__all__ = ["FlexGroup", "TreeFlexConfig", "TreeFlexTrainer", "pack_groups"]
+__all__ = ["FlexGroup", "FlexUnits", "TreeFlexConfig", "TreeFlexTrainer", "pack_groups"]
 
 # ---------------------------------------------------------------------------------------------------------------
 # A task's group as trainable blocks
@@ -156,21 +157,49 @@ def pack_groups(groups: list[FlexGroup], pad_token_id: int) -> PackedTrees:
     return packed
 
 
+class FlexUnits:
+    """TreeFlex's unit for the pipeline (`trl_tree.pipeline.RolloutUnit`): per task, the harness's K complete
+    searches (the leaves, scored like a tree's) laid out as one `FlexGroup`, packed one row per block.
+
+    π_old is not written back: the search credit reads only the terminal scores and the turns' penalties, and
+    truncated turns are already masked by `FlexGroup.build` / `pack_groups`.
+    """
+
+    def __init__(self, harness: FlexHarness, kit: FlexKit, pad_id: int, mask_truncated: bool, process_penalty):
+        self.harness, self.kit, self.pad_id = harness, kit, pad_id
+        self.mask_truncated, self.process_penalty = mask_truncated, process_penalty
+
+    def grow(self, prompts: list, roots: list) -> Grown:
+        tasks = [FlexTask(p, r.prompt_ids, r.env, r.tools, r.environment) for p, r in zip(prompts, roots)]
+        searches_per_task = self.harness.run(tasks, self.kit)
+        if len(searches_per_task) != len(tasks) or any(not s for s in searches_per_task):
+            raise ValueError("The harness must return a non-empty list of complete searches for every task.")
+        return Grown(searches_per_task)
+
+    def build(self, inputs: list[dict], roots: list, leaves: list[list[FlexSearch]], rewards: list[Tensor]):
+        """One group per task; `process_penalty(example, search, block, turn_index)` adds to each turn's penalty."""
+        roles = tuple(self.harness.roles)
+        groups = []
+        for example, searches, r in zip(inputs, leaves, rewards):
+            def extra(search, block, i, example=example):
+                return self.process_penalty(example, search, block, i)
+
+            groups.append(FlexGroup.build(searches, r, roles, extra, self.mask_truncated))
+        return groups
+
+    def pack(self, groups: list[FlexGroup]) -> PackedTrees:
+        return pack_groups(groups, self.pad_id)
+
+    def record_behaviour(self, packed: PackedTrees, old_logps: Tensor, groups: list[FlexGroup]) -> None:
+        return None
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Trainer
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class _Scored:
-    """What `TreeTrainer._score_leaves` reads from a leaf, for one complete search."""
-
-    messages: list[dict]
-    prefix_ids: list[int]
-    env: Any
-    prompt_len: int = 0
-
-
+@methods.preset("treeflex")  # name, tags and config class from the method table
 class TreeFlexTrainer(TreeTrainer):
     """Drop-in `GRPOTrainer` replacement training with TreeFlex.
 
@@ -196,10 +225,6 @@ class TreeFlexTrainer(TreeTrainer):
         trainer.train()
         ```
     """
-
-    _name = "TreeFlex"
-    _tag_names = ["trl", "trl-tree", "treeflex"]
-    config_class = TreeFlexConfig
 
     def __init__(self, model, reward_funcs=None, args: TreeFlexConfig | None = None, harness: FlexHarness | None = None,
                  **kwargs):
@@ -271,53 +296,25 @@ class TreeFlexTrainer(TreeTrainer):
 
     # ---------------------------------------------------------------- generation
 
-    def _generate_micro_batches(self, inputs: list[dict[str, Any]], num_chunks: int) -> list[dict[str, Tensor]]:
-        """Run the harness on one generation batch of tasks, score the searches and build one group per task; then,
-        as for trees (`TreeTrainer._micro_batches`), pack whole groups per micro-batch and recompute π_old on each
-        with the very packed forward that trains it (a whole-batch forward would differ by ~1e-9, which Adam turns
-        into real updates when every advantage is 0)."""
-        mode = "train" if self.model.training else "eval"
-        if any("image" in x or "images" in x for x in inputs):
-            raise ValueError("TreeFlexTrainer supports text-only prompts; this batch has images.")
-        prompts, roots = self._prepare_roots(inputs)
-        tasks = [FlexTask(p, r.prompt_ids, r.env, r.tools, r.environment) for p, r in zip(prompts, roots)]
-        searches_per_task = self.harness.run(tasks, self.flex_kit())
-        if len(searches_per_task) != len(tasks) or any(not s for s in searches_per_task):
-            raise ValueError("The harness must return a non-empty list of complete searches for every task.")
-
-        scores = self._score_leaves(inputs, prompts, [[_as_scored(s) for s in ss] for ss in searches_per_task])
-        roles = tuple(self.harness.roles)
-        groups = []
-        for example, searches, r in zip(inputs, searches_per_task, scores):
-            def extra(search, block, i, example=example):
-                return self.process_penalty(example, search, block, i)
-
-            groups.append(FlexGroup.build(searches, r, roles, extra, self.mask_truncated_completions))
-        batches, per_turn, forward_tokens = self._micro_batches(groups, num_chunks, mode)
-        self._log_flex(mode, prompts, groups, scores, per_turn, forward_tokens)
-        return batches
-
-    def _pack_with_behaviour_logps(self, groups: list[FlexGroup], mode: str) -> tuple[PackedTrees, Tensor]:
-        """One micro-batch of whole groups (one row per block) and π_old's log-probs on it."""
-        packed = pack_groups(groups, trl_internals.tokenizer(self).pad_token_id)
-        with torch.no_grad():
-            old_logps, _ = packed_token_logps(self.model, packed.to(self.accelerator.device),
-                                              temperature=self.temperature)
-        return packed, old_logps
+    def rollout_unit(self, mode: str) -> FlexUnits:
+        """TreeFlex's unit for the pipeline: a task's group of complete searches, grown by the harness."""
+        return FlexUnits(self.harness, self.flex_kit(), trl_internals.tokenizer(self).pad_token_id,
+                         self.mask_truncated_completions, self.process_penalty)
 
     # ---------------------------------------------------------------- metrics
 
-    def _log_flex(self, mode, prompts, groups: list[FlexGroup], scores, per_turn, forward_tokens: int):
+    def _log_generation(self, mode, result: GenerationBatch) -> None:
         """GRPO's metrics (`TreeTrainer._log_rollout_metrics`: a completion is a complete search, its group the task's
         searches; a search counts as cut when any of its turns was cut by its block's budget) and TreeFlex's own."""
+        prompts, groups, per_turn = result.prompts, result.units, result.per_turn
         metrics = trl_internals.metrics(self, mode)
         searches = [s for g in groups for s in g.searches]
-        self._count_forward_tokens(mode, forward_tokens)
+        self._count_forward_tokens(mode, result.forward_tokens)
         self._log_rollout_metrics(
             mode, [len(g.searches) for g in groups],
             [sum(len(t.action_ids) for b in s.blocks for t in b.turns) for s in searches],
             [any(t.truncated for b in s.blocks for t in b.turns) for s in searches],
-            [s.tool_calls for s in searches], [s.tool_failures for s in searches],
+            [s.tool_calls for s in searches], [s.tool_failures for s in searches], result.scores,
         )
         metrics["tree/leaves_per_tree"].append(self._mean_over_ranks([len(g.searches) for g in groups]))
         metrics["treeflex/blocks_per_search"].append(self._mean_over_ranks([len(s.blocks) for s in searches]))
@@ -333,11 +330,11 @@ class TreeFlexTrainer(TreeTrainer):
             share = [float(g.lengths[g.turn_role == r].sum() / g.lengths.sum().clamp(min=1)) for g in groups]
             metrics[f"treeflex/token_share/{role}"].append(self._mean_over_ranks(share))
         if self.log_completions:
-            self._log_flex_completions(prompts, groups)
+            self._log_flex_completions(prompts, groups, result.scores.per_func)
             if self._tree_view is not None:
                 self._tree_view.record_flex(mode, prompts, groups, per_turn)
 
-    def _log_flex_completions(self, prompts, groups: list[FlexGroup]):
+    def _log_flex_completions(self, prompts, groups: list[FlexGroup], per_func: Tensor):
         rows_prompt, rows_completion, rows_adv, rows_blocks = [], [], [], []
         for prompt, group in zip(prompts, groups):
             advantages = credit.group_normalize(group.scores)
@@ -346,9 +343,5 @@ class TreeFlexTrainer(TreeTrainer):
                 rows_completion.append(search.completion)
                 rows_adv.append(a)
                 rows_blocks.append(" | ".join(f"{b.role}:{len(b.context_ids)}+{len(b.turns)}t" for b in search.blocks))
-        self._log_completion_rows(rows_prompt, rows_completion, rows_adv, {"blocks": rows_blocks})
+        self._log_completion_rows(rows_prompt, rows_completion, rows_adv, {"blocks": rows_blocks}, per_func)
 
-
-def _as_scored(search: FlexSearch) -> _Scored:
-    generated = [tok for block in search.blocks for turn in block.turns for tok in turn.action_ids]
-    return _Scored(messages=search.completion, prefix_ids=generated, env=search.env)

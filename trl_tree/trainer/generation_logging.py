@@ -1,0 +1,163 @@
+"""The generation metrics of the tree trainers, under GRPOTrainer's names (docs/design.md §2, "Layers").
+
+A mixin of `TreeTrainer`: what one generation batch (`trl_tree.pipeline.GenerationBatch`) logs, reduced over the
+ranks (`trainer.metrics`), the completions table of `log_completions` and the tree view's page. Its own file so that
+the trainer module is the adapter from GRPOTrainer to the pipeline only; TreeFlex overrides `_log_generation`.
+"""
+
+from __future__ import annotations
+
+import torch
+from trl.trainer.utils import nanstd
+
+from .. import credit, methods, pipeline, trl_internals
+from ..batch import TurnCredit
+from ..tree import render_tree
+from . import metrics as tree_metrics
+
+
+class GenerationLogging:
+    """Logging of a generation batch; mixed into `TreeTrainer` (reads its accelerator, args, reward names, tools)."""
+
+    def _max_over_ranks(self, value: int) -> int:
+        return tree_metrics.max_over_ranks(self.accelerator, value)
+
+    def _gather_uneven(self, values: torch.Tensor) -> torch.Tensor:
+        return tree_metrics.gather_uneven(self.accelerator, values)
+
+    def _mean_over_ranks(self, values: list[float] | torch.Tensor) -> float:
+        return tree_metrics.mean_over_ranks(self.accelerator, values)
+
+    def _log_rollout_metrics(self, mode, group_sizes: list[int], lengths: list[int], clipped: list[bool],
+                             tool_calls: list[int], tool_failures: list[int], scores: pipeline.LeafScores) -> None:
+        """GRPOTrainer's generation metrics under its names. A "completion" is a leaf trajectory (TreeFlex: a complete
+        search) and its group is its tree (TreeFlex: the task's searches); `group_sizes` are the leaves per tree.
+
+            rewards/<name>/mean, /std    nan-mean / nan-std of each reward function over the completions (None is NaN:
+                                         the function does not apply)
+            reward, reward_std           the same of the weighted reward sum; completions no function scores left out
+            frac_reward_zero_std         fraction of trees whose scored leaf rewards are all equal, so that the tree
+                                         gives no learning signal (GRPO's per group; fewer than 2 scored leaves too)
+            num_tokens                   `state.num_input_tokens_seen`, counted as GRPO counts it: per completion,
+                                         its prompt's tokens plus its generated tokens (tool results masked out, as
+                                         GRPO's tool_mask does), so a turn shared by several leaves counts once per
+                                         leaf. What the tree forwards is `tree/forward_tokens`, its unique tokens
+                                         `tree/unique_tokens` (TreeFlex: the packed forward tokens of its blocks)
+            completions/mean_length, /min_length, /max_length
+                                         the completion's generated tokens (tool observations excluded, as GRPO's
+                                         tool mask does)
+            completions/clipped_ratio    fraction of completions cut by the token budget (their last turn did not end
+                                         with EOS; TreeFlex: a block of the search was cut)
+            completions/mean_terminated_length, /min_terminated_length, /max_terminated_length
+                                         the same lengths over the completions that were not cut (0 if none)
+            tools/call_frequency         tool calls per completion (a leaf counts every call on its path)
+            tools/failure_frequency      failed calls / calls (0 without calls)
+        """
+        metrics = trl_internals.metrics(self, mode)
+        per_func, rewards = scores.per_func, scores.weighted
+        for i, name in enumerate(self.reward_func_names):
+            column = self._gather_uneven(per_func[:, i])  # NaN dropped: GRPO's nan-aware statistics
+            metrics[f"rewards/{name}/mean"].append(torch.nanmean(column).item())
+            metrics[f"rewards/{name}/std"].append(nanstd(column).item())
+        all_rewards = self._gather_uneven(rewards)
+        metrics["reward"].append(torch.nanmean(all_rewards).item())
+        metrics["reward_std"].append(nanstd(all_rewards).item())
+        zero_std = [float(_no_reward_spread(r)) for r in torch.split(rewards, group_sizes)]
+        metrics["frac_reward_zero_std"].append(self._mean_over_ranks(zero_std))
+        metrics["num_tokens"] = [self.state.num_input_tokens_seen]
+        all_lengths = self._gather_uneven(torch.tensor(lengths, dtype=torch.float64))
+        cut = self._gather_uneven(torch.tensor(clipped, dtype=torch.float64)).bool()
+        metrics["completions/mean_length"].append(all_lengths.mean().item())
+        metrics["completions/min_length"].append(all_lengths.min().item())
+        metrics["completions/max_length"].append(all_lengths.max().item())
+        metrics["completions/clipped_ratio"].append(cut.double().mean().item())
+        terminated = all_lengths[~cut] if (~cut).any() else all_lengths.new_zeros(1)
+        metrics["completions/mean_terminated_length"].append(terminated.mean().item())
+        metrics["completions/min_terminated_length"].append(terminated.min().item())
+        metrics["completions/max_terminated_length"].append(terminated.max().item())
+        self._log_tool_use(metrics, tool_calls, tool_failures)
+
+    def _count_forward_tokens(self, mode: str, forward_tokens: int) -> None:
+        """Add this rank's `forward_tokens` (summed over ranks) to `state.num_input_tokens_seen`, as GRPO does in
+        training only."""
+        if mode == "train":
+            tokens = torch.tensor(float(forward_tokens), device=self.accelerator.device)
+            self.state.num_input_tokens_seen += int(self.accelerator.reduce(tokens, reduction="sum").item())
+
+    def _log_generation(self, mode, result: pipeline.GenerationBatch) -> None:
+        """One generation batch's metrics (GRPO's and the tree's), its completions table and its tree-view page."""
+        prompts, trees, branches_per_tree, per_turn = result.prompts, result.units, result.grown.leaves, result.per_turn
+        metrics = trl_internals.metrics(self, mode)
+        leaves = [b for branches in branches_per_tree for b in branches]
+        lengths = [sum(len(t.action_ids) for t in b.turns) for b in leaves]
+        # GRPO's num_tokens: every completion with its prompt, generated tokens only (not what the packed tree forwards)
+        self._count_forward_tokens(mode, sum(b.prompt_len + n for b, n in zip(leaves, lengths)))
+        self._log_rollout_metrics(
+            mode, [len(b) for b in branches_per_tree], lengths,
+            [b.turns[-1].truncated for b in leaves], [b.tool_calls for b in leaves], [b.tool_failures for b in leaves],
+            result.scores,
+        )
+        metrics["tree/leaves_per_tree"].append(self._mean_over_ranks([t.num_leaves for t in trees]))
+        metrics["tree/unique_turns"].append(self._mean_over_ranks([t.num_turns for t in trees]))
+        metrics["tree/unique_tokens"].append(self._mean_over_ranks([t.num_unique_tokens for t in trees]))
+        metrics["tree/flat_tokens"].append(self._mean_over_ranks([t.num_path_tokens for t in trees]))
+        metrics["tree/forward_tokens"].append(self._mean_over_ranks([result.forward_tokens / len(trees)]))
+        metrics["tree/turns_per_leaf"].append(self._mean_over_ranks([len(b.turns) for b in leaves]))
+        if self.environment_factories is not None:
+            metrics["tree/diverged_branches"].append(self._mean_over_ranks(result.grown.diverged))
+        self.log_turn_credit(metrics, per_turn)
+        if self.log_completions:
+            self._log_tree_completions(prompts, trees, branches_per_tree, result.scores.per_func)
+            if self._tree_view is not None:
+                self._tree_view.record_trees(mode, prompts, trees, branches_per_tree, per_turn, result.scores.per_func)
+
+    def _log_tool_use(self, metrics, calls: list[int], failures: list[int]) -> None:
+        """GRPOTrainer's tool metrics, one completion = one leaf (every call of its history, shared turns included):
+        `tools/call_frequency` = calls per completion, `tools/failure_frequency` = failed calls / calls (0 without
+        calls), both over all ranks. Logged only when the trainer has tools, as in GRPOTrainer."""
+        if not self.tools:
+            return
+        metrics["tools/call_frequency"].append(self._mean_over_ranks(calls))
+        total = torch.tensor([sum(failures), sum(calls)], dtype=torch.float64, device=self.accelerator.device)
+        total = self.accelerator.reduce(total, reduction="sum")
+        metrics["tools/failure_frequency"].append((total[0] / total[1]).item() if total[1] > 0 else 0.0)
+
+    def log_turn_credit(self, metrics, per_turn: list[TurnCredit]) -> None:
+        """Mean |A| of the turn credit over every rank's turns, and the loss's own credit metrics
+        (`trl_tree.methods.Loss.credit_metrics`; TreeOPSD: mean |q − 1/2|, how far the teachers move the policy)."""
+        values = {"tree/abs_turn_advantage": torch.cat([c.A.abs() for c in per_turn])}
+        values.update(methods.LOSSES[self.args.loss].credit_metrics(per_turn))
+        tree_metrics.log_values(metrics, self.accelerator, values)
+
+    def _log_tree_completions(self, prompts, trees, branches_per_tree, per_func: torch.Tensor):
+        rows_prompt, rows_completion, rows_tree, rows_adv = [], [], [], []
+        for prompt, tree, branches in zip(prompts, trees, branches_per_tree):
+            A = credit.standardize(torch.tensor(tree.rewards), min_leaves=1) if tree.num_leaves > 1 else [0.0]
+            text = render_tree(tree, trl_internals.tokenizer(self))
+            for k, b in enumerate(branches):
+                rows_prompt.append(prompt)
+                rows_completion.append(b.messages)
+                rows_tree.append(text if k == 0 else f"(leaf {k} of the tree above: turns {tree.paths[k]})")
+                rows_adv.append(float(A[k]))
+        self._log_completion_rows(rows_prompt, rows_completion, rows_adv, {"tree": rows_tree}, per_func)
+
+    def _log_completion_rows(self, prompts: list, completions: list, advantages: list[float],
+                             extra: dict[str, list], per_func: torch.Tensor) -> None:
+        """GRPOTrainer's completions table (`log_completions`), one row per leaf (TreeFlex: per search) of every rank,
+        with each reward function's column. Objects are gathered, so ranks may hold different numbers of rows."""
+        from accelerate.utils import gather_object
+
+        logs = trl_internals.completion_logs(self)
+        logs["prompt"].extend(gather_object(prompts))
+        logs["completion"].extend(gather_object(completions))
+        for i, name in enumerate(self.reward_func_names):
+            logs["rewards"][name].extend(gather_object(per_func[:, i].tolist()))
+        logs["advantages"].extend(gather_object(advantages))
+        for column, rows in extra.items():  # GRPOTrainer.log prints and saves the table
+            logs["extra"][column].extend(gather_object(rows))
+
+
+def _no_reward_spread(rewards: torch.Tensor) -> bool:
+    """A tree's leaf rewards (NaN: unscored) give no learning signal: fewer than two are scored, or all are equal."""
+    scored = rewards[~torch.isnan(rewards)]
+    return scored.numel() < 2 or bool(torch.isclose(scored.std(), scored.new_zeros(())))
