@@ -21,6 +21,17 @@ def _one_torch_thread():
 
 
 @pytest.fixture
+def event_loop_thread():
+    """GRPOTrainer's event loop for async tools: a daemon thread running one loop for the whole run."""
+    from trl.trainer.utils import shutdown_event_loop_in_daemon, start_event_loop_in_daemon
+
+    thread, loop, ready = start_event_loop_in_daemon(name="tests-async-tools")
+    ready.wait()
+    yield loop
+    shutdown_event_loop_in_daemon(thread, loop)
+
+
+@pytest.fixture
 def benchmark_script(monkeypatch):
     """`benchmark_script("bench_blocks")`: a script under `benchmarks/` as a module (the scripts import `common` from
     their folder), fresh for this test and gone after it."""

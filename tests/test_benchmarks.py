@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_packing import PAD, branching_tree, tiny_model
+from tests.trees import PAD, branching_tree, tiny_model
 from trl_tree.packing import _padding_sees_itself, block_mask, pack_trees, packed_token_logps
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -324,6 +324,10 @@ def test_bench_packing_gpu_cpu_smoke_writes_runs(tmp_path):
     assert {r["variant"] for r in result["runs"]} == {"tree_sdpa", "tree_chains", "paths_sdpa"}
     for run in result["runs"]:
         assert {"seconds", "forward_tokens", "unique_tokens", "path_tokens", "max_abs_logp_diff_vs_paths"} <= set(run)
+    # every layout computes the same log-probs as the path rows: in float32 on CPU only the order of the sums differs,
+    # a few ULPs of a log-prob of magnitude < 16 (one ULP is 2^-20 ≈ 9.5e-7 there; measured: at most 1.5e-6); a wrong
+    # mask (a token seeing a sibling branch, or missing its prefix) moves log-probs by 1e-2 and more
+    assert all(run["max_abs_logp_diff_vs_paths"] < 1e-5 for run in result["runs"]), result["runs"]
     assert result["speedup_paths_over_tree"]
     assert {choice["picks"] for choice in result["auto_sdpa"].values()} <= {"tree", "paths"}
 

@@ -259,7 +259,7 @@ def test_multi_objective_aggregation_is_grpos_arithmetic_over_a_trees_leaves():
 
 
 def test_the_trainer_scores_leaves_with_the_configured_aggregation(tmp_path):
-    from tests.test_trainer_scripted import REPLIES
+    from tests.scripted import REPLIES
 
     def short(completions, **kwargs):
         return [1.0 / len(c[-1]["content"]) for c in completions]

@@ -16,14 +16,13 @@ from trl import GRPOConfig, GRPOTrainer
 from tests.scripted import (
     AFTER_TOOL,
     CALL_1_PLUS_1,
+    REPLIES,
+    TwoRoleScript,
     arithmetic_dataset,
-    config,
     contains_answer,
-    scripted_engine,
+    scripted_trainer,
     tiny,
 )
-from tests.test_trainer_scripted import REPLIES
-from tests.test_treeflex_trainer import TwoRoleScript
 from tests.trees import deep_tree, flatten, hotpot_like_tree, perturbed
 from trl_tree import (
     TreeConfig,
@@ -35,7 +34,6 @@ from trl_tree import (
     losses,
     trl_internals,
 )
-from trl_tree.rollout.engine import ScriptedEngine
 from trl_tree.testing import calculator
 from trl_tree.trainer.base import TreeTrainer
 
@@ -79,25 +77,15 @@ def grpo_keys(tmp_path_factory):
 
 def _tree_trainer(tmp_path, cls=TreeOPSDTrainer, config_cls=TreeOPSDConfig, reward_funcs=None, dataset=None,
                   replies=REPLIES, callbacks=(), **overrides):
-    model, tok = tiny()
-    trainer = cls(
-        model=model, reward_funcs=reward_funcs or [contains_answer, logging_reward],
-        args=config(config_cls, tmp_path, **overrides), train_dataset=dataset or arithmetic_dataset(1),
-        processing_class=tok, tools=[calculator], callbacks=list(callbacks),
-    )  # fmt: skip
-    trainer.generation_engine = scripted_engine(tok, replies)
-    return trainer
+    reward_funcs = reward_funcs or [contains_answer, logging_reward]
+    return scripted_trainer(cls, config_cls, tmp_path, replies, reward_funcs=reward_funcs, dataset=dataset,
+                            callbacks=callbacks, **overrides)
 
 
 def _flex_trainer(tmp_path, callbacks=()):
-    model, tok = tiny()
-    args = config(TreeFlexConfig, tmp_path, num_searches=2, max_blocks=3, max_turns=3, max_completion_length=160)
-    trainer = TreeFlexTrainer(
-        model=model, reward_funcs=[contains_answer, logging_reward], args=args, train_dataset=arithmetic_dataset(1),
-        processing_class=tok, tools=[calculator], callbacks=list(callbacks),
-    )  # fmt: skip
-    trainer.generation_engine = ScriptedEngine(TwoRoleScript(tok), [tok.convert_tokens_to_ids("<|im_end|>")])
-    return trainer
+    return scripted_trainer(TreeFlexTrainer, TreeFlexConfig, tmp_path, script=TwoRoleScript,
+                            reward_funcs=[contains_answer, logging_reward], callbacks=callbacks, num_searches=2,
+                            max_blocks=3, max_turns=3, max_completion_length=160)
 
 
 CLIP_RATIO = {f"clip_ratio/{k}" for k in ("low_mean", "low_min", "high_mean", "high_max", "region_mean")}

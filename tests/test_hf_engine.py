@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import StaticCache
 
-from tests.scripted import arithmetic_dataset, config, contains_answer, hf_engine, tiny
-from trl_tree import TreeConfig, TreeOPSDConfig, TreeOPSDTrainer
+from tests.scripted import config, hf_engine, untooled_trainer
+from trl_tree import TreeConfig
 from trl_tree.rollout.engine import HFEngine
 from trl_tree.trainer.engine_ports import hf_ports
 
@@ -20,10 +20,7 @@ BUDGETS = [24, 24, 9, 24]
 
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory):
-    model, tok = tiny()
-    args = config(TreeOPSDConfig, tmp_path_factory.mktemp("hf_engine"))
-    return TreeOPSDTrainer(model=model, reward_funcs=contains_answer, args=args,
-                           train_dataset=arithmetic_dataset(1), processing_class=tok)
+    return untooled_trainer(tmp_path_factory.mktemp("hf_engine"))
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from tests.scripted import arithmetic_dataset, config, contains_answer, hf_engine, tiny
+from tests.scripted import arithmetic_dataset, config, contains_answer, hf_engine, tiny, untooled_trainer
 from trl_tree import TreeOPSDConfig, TreeOPSDTrainer
 from trl_tree.envs.agent_eval import GreedyEngine
 from trl_tree.rollout import prefix_cache
@@ -22,10 +22,7 @@ BUDGET = 12
 
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory):
-    model, tok = tiny()
-    args = config(TreeOPSDConfig, tmp_path_factory.mktemp("prefix_cache"))
-    return TreeOPSDTrainer(model=model, reward_funcs=contains_answer, args=args,
-                           train_dataset=arithmetic_dataset(1), processing_class=tok)
+    return untooled_trainer(tmp_path_factory.mktemp("prefix_cache"))
 
 
 def _tokens(g, vocab, n):

@@ -24,121 +24,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from datasets import Dataset
 from transformers import TrainerCallback
 
-from tests.scripted import CALL_1_PLUS_1, config, contains_answer, tiny
-from trl_tree import TreeFlexConfig, TreeFlexTrainer, TreeOPSDConfig, TreeOPSDTrainer, TreePOConfig, TreePOTrainer
-from trl_tree.rollout.engine import ScriptedEngine
-from trl_tree.rollout.flex_harness import REFLECTION_PROMPT
-from trl_tree.testing import calculator
+from tests.resume_runs import count_generations, flex_trainer, logged, train, tree_trainer
+from trl_tree import TreePOConfig, TreePOTrainer
 from trl_tree.trainer import resume
-
-TOOL_HEADER = "</tool_response><|im_end|>\n<|im_start|>assistant\n"
-# two trees per micro-batch and E = 2 optimizer blocks per generation batch; per_device_train_batch_size counts
-# trajectories of budget (2 trees × G), so the trainers below set it from their own G
-RUN = dict(steps_per_generation=2, gradient_accumulation_steps=1, max_steps=4, save_strategy="steps", save_steps=1,
-           logging_steps=1)
-
-
-def sampled_engine(tok, options) -> ScriptedEngine:
-    """Stands in for sampling from the model: the reply to a history is drawn, with torch's global generator, from
-    `options(history_text)`."""
-    eos = tok.convert_tokens_to_ids("<|im_end|>")
-
-    def script(prefix):
-        choices = options(tok.decode(prefix, skip_special_tokens=False))
-        reply = choices[int(torch.randint(len(choices), ()))]
-        return tok.encode(reply, add_special_tokens=False) + [eos]
-
-    return ScriptedEngine(script, [eos])
-
-
-def agent_turn(text: str) -> list[str]:
-    """Call the calculator (half the time, so trajectories have 1 to max_turns turns) or answer."""
-    if text.endswith(TOOL_HEADER):
-        return [CALL_1_PLUS_1, CALL_1_PLUS_1, "The answer is 2.", "The answer is 3."]
-    return [CALL_1_PLUS_1, CALL_1_PLUS_1, "The answer is 2.", "I do not know."]
-
-
-def two_role_turn(text: str) -> list[str]:
-    """TreeFlex's two roles: Reflection instructs or answers; an Execution segment calls or writes its card."""
-    if REFLECTION_PROMPT[:40] in text:
-        return ["Compute 1+1 with the calculator.", "<answer>2</answer>", "<answer>3</answer>"]
-    return ["Card: 1+1 = 2."] if text.endswith(TOOL_HEADER) else [CALL_1_PLUS_1, "Card: no call needed."]
-
-
-class RecordingRandom(random.Random):
-    """The sampler's generator, recording its anchor draws (upper bound T − 1, anchor) per generation batch."""
-
-    def __init__(self, rng: random.Random):
-        super().__init__()
-        self.setstate(rng.getstate())
-        self.draws_by_batch = []
-
-    def randint(self, a, b):
-        value = super().randint(a, b)
-        self.draws_by_batch[-1].append((b, value))
-        return value
-
-
-def questions(n: int) -> Dataset:
-    return Dataset.from_dict({
-        "prompt": [[{"role": "user", "content": f"What is 1+1? (question {i})"}] for i in range(n)],
-        "answer": ["2"] * n,
-    })
-
-
-def tree_trainer(output_dir, trees=2, config_class=TreeOPSDConfig, trainer_class=TreeOPSDTrainer, **changes):
-    """The TreeOPSD run (`trees` per micro-batch); `changes` are config fields set otherwise than in it."""
-    model, tok = tiny()
-    fields = {"num_initial_rollouts": 2, "num_branches": 2, **changes}
-    args = config(config_class, output_dir, **fields, max_turns=4, max_completion_length=160,
-                  per_device_train_batch_size=trees * config_class.num_generations_for(**fields), **RUN)
-    trainer = trainer_class(model=model, reward_funcs=contains_answer, args=args, train_dataset=questions(8),
-                            processing_class=tok, tools=[calculator])
-    trainer.generation_engine = sampled_engine(tok, agent_turn)
-    trainer.sampler.rng = RecordingRandom(trainer.sampler.rng)
-    return trainer
-
-
-def flex_trainer(output_dir):
-    model, tok = tiny()
-    args = config(TreeFlexConfig, output_dir, num_searches=2, max_blocks=3, max_turns=3, max_completion_length=200,
-                  per_device_train_batch_size=2 * TreeFlexConfig.num_generations_for(num_searches=2), **RUN)
-    trainer = TreeFlexTrainer(model=model, reward_funcs=contains_answer, args=args, train_dataset=questions(8),
-                              processing_class=tok, tools=[calculator])
-    trainer.generation_engine = sampled_engine(tok, two_role_turn)
-    return trainer
-
-
-def count_generations(trainer) -> list[int]:
-    """Record the `_step` of every generation batch the trainer generates."""
-    steps = []
-    original = trainer._generate_micro_batches
-
-    def spy(inputs, num_chunks):
-        if trainer.model.training:
-            steps.append(trainer._step)
-            if isinstance(getattr(trainer.sampler, "rng", None), RecordingRandom):
-                trainer.sampler.rng.draws_by_batch.append([])
-        return original(inputs, num_chunks)
-
-    trainer._generate_micro_batches = spy
-    return steps
-
-
-def train(make, output_dir, resume_from=None):
-    """Train to max_steps (from a checkpoint if given); return the trainer, its parameters and its generation steps."""
-    trainer = make(output_dir)
-    generations = count_generations(trainer)
-    trainer.train(resume_from_checkpoint=resume_from)
-    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    return trainer, params, generations
-
-
-def logged(trainer, key: str) -> dict[int, float]:
-    return {e["step"]: e[key] for e in trainer.state.log_history if key in e}
 
 
 def assert_same_run(resumed, params, full, full_params):
@@ -409,3 +299,36 @@ def test_two_processes_resume_exactly(tmp_path, method):
         assert r["world"] == 2 and r["state_saved"]
         assert r["full_generations"] == [0, 2] and r["resumed_generations"] == [2]
         assert r["same_params"] and r["same_rewards"] and r["same_losses"], r
+
+
+# ------------------------------------------------------------------------------------------------- real sampling
+
+
+def sampled_by_the_model(output_dir):
+    """The warm-started tiny model sampling its own trees with `model.generate` (the `HFEngine`, through the prefix
+    KV store, `generation_cache="prefix"`) and calling a real calculator: nothing scripted."""
+    from tests.launch.tiny_tree_run import build_trainer
+
+    return build_trainer(str(output_dir), max_steps=4, save_strategy="steps", save_steps=1)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_sampled(tmp_path_factory):
+    out = tmp_path_factory.mktemp("full_sampled")
+    trainer, params, generations = train(sampled_by_the_model, out)
+    assert generations == [0, 2]
+    return out, trainer, params
+
+
+@pytest.mark.parametrize("checkpoint", [1, 2])
+def test_resume_of_a_model_sampled_run_equals_the_uninterrupted_run(uninterrupted_sampled, tmp_path, checkpoint):
+    """Exact resume on the real sampling path: the prefix store is rebuilt from nothing after the resume, the second
+    generation batch is drawn by `model.generate` from the restored torch generator, and the final parameters are
+    bitwise those of the run that never stopped."""
+    from trl_tree.rollout.engine import HFEngine
+
+    out, full, full_params = uninterrupted_sampled
+    assert isinstance(full.generation_engine, HFEngine) and full.generation_engine.cache == "prefix"
+    trainer, params, generations = train(sampled_by_the_model, tmp_path, out / f"checkpoint-{checkpoint}")
+    assert generations == [2]
+    assert_same_run(trainer, params, full, full_params)

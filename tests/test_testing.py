@@ -25,16 +25,22 @@ from trl_tree.testing import (
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
-    """A fresh cache, so the first call builds and later calls load; TRL_TREE_CACHE is what scripts would read."""
-    path = str(tmp_path_factory.mktemp("trl_tree_cache"))
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRL_TREE_CACHE", path)
-        yield path
+    """A fresh cache for this file's tests, so the first call builds and later calls load."""
+    return str(tmp_path_factory.mktemp("trl_tree_cache"))
+
+
+@pytest.fixture(autouse=True)
+def _cache_env(cache_dir, monkeypatch):
+    """TRL_TREE_CACHE (what scripts read) points at that cache during each test of this file and is restored after
+    it: set for the whole session, it would send every later test file to an empty cache, so their speed and the
+    warm starts they find would depend on the order the files run in. The session fixtures below are built before
+    this one runs, so they name the folder themselves."""
+    monkeypatch.setenv("TRL_TREE_CACHE", cache_dir)
 
 
 @pytest.fixture(scope="session")
 def tiny(cache_dir):
-    return tiny_model_and_tokenizer()
+    return tiny_model_and_tokenizer(cache_dir)
 
 
 @pytest.fixture(scope="session")
@@ -45,7 +51,7 @@ def tokenizer(tiny):
 @pytest.fixture(scope="session")
 def warm(cache_dir):
     """A tiny model warm-started on calculator conversations, with the loss curve it produced."""
-    model, tokenizer = tiny_model_and_tokenizer()
+    model, tokenizer = tiny_model_and_tokenizer(cache_dir)
     losses = warm_start(model, tokenizer, calculator_conversations(64), tools=[calculator])
     return model, add_response_schema(tokenizer), losses
 

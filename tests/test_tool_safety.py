@@ -10,7 +10,6 @@ from types import SimpleNamespace
 from typing import Any, Literal, Optional
 
 import pytest
-from trl.trainer.utils import shutdown_event_loop_in_daemon, start_event_loop_in_daemon
 
 from tests.scripted import config
 from trl_tree import TreeOPSDConfig
@@ -24,15 +23,6 @@ needs_sigalrm = pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="no 
 
 def call(name, **arguments):
     return {"type": "function", "function": {"name": name, "arguments": arguments}}
-
-
-@pytest.fixture
-def event_loop_thread():
-    """GRPOTrainer's event loop for async tools: a daemon thread running one loop for the whole run."""
-    thread, loop, ready = start_event_loop_in_daemon(name="test-tool-safety")
-    ready.wait()
-    yield loop
-    shutdown_event_loop_in_daemon(thread, loop)
 
 
 # ---------------------------------------------------------------- 5. an async tool that swallows cancellation

@@ -14,7 +14,6 @@ import time
 
 import pytest
 from trl import GRPOConfig, GRPOTrainer
-from trl.trainer.utils import shutdown_event_loop_in_daemon, start_event_loop_in_daemon
 
 from tests.scripted import (
     AFTER_TOOL,
@@ -23,6 +22,7 @@ from tests.scripted import (
     arithmetic_dataset,
     config,
     scripted_engine,
+    scripted_trainer,
     tiny,
     tool_call,
 )
@@ -70,12 +70,9 @@ def grpo_generation(tmp_path, tools, replies, num_generations):
 
 def tree_generation(tmp_path, tools, replies, **overrides):
     """Grow one scripted tree with TreeOPSDTrainer (no training step)."""
-    model, tok = tiny()
     recorder = Recorder()
-    args = config(TreeOPSDConfig, tmp_path / "tree", **overrides)
-    trainer = TreeOPSDTrainer(model=model, reward_funcs=recorder, args=args, train_dataset=arithmetic_dataset(2),
-                              processing_class=tok, tools=tools)
-    trainer.generation_engine = scripted_engine(tok, replies)
+    trainer = scripted_trainer(TreeOPSDTrainer, TreeOPSDConfig, tmp_path / "tree", replies, reward_funcs=recorder,
+                               dataset=arithmetic_dataset(2), tools=tools, **overrides)
     trainer.generate_batch([trainer.train_dataset[0]])
     return trainer, recorder
 
@@ -235,15 +232,6 @@ def _raiser(error):
         raise error
 
     return tool, async_tool
-
-
-@pytest.fixture
-def event_loop_thread():
-    """GRPOTrainer's event loop for async tools: a daemon thread running one loop for the whole run."""
-    thread, loop, ready = start_event_loop_in_daemon(name="test-async-tools")
-    ready.wait()
-    yield loop
-    shutdown_event_loop_in_daemon(thread, loop)
 
 
 def _loop_is_alive(loop) -> bool:

@@ -8,11 +8,13 @@ import torch
 from tests.scripted import (
     AFTER_TOOL,
     CALL_1_PLUS_1,
+    REPLIES,
     CounterEnv,
     arithmetic_dataset,
     config,
     contains_answer,
     scripted_engine,
+    scripted_trainer,
     tiny,
     unchanged_after_training,
 )
@@ -21,25 +23,9 @@ from trl_tree.batch import TurnCredit
 from trl_tree.rollout.samplers import SamplerSettings
 from trl_tree.testing import calculator
 
-# Initial trajectories (M = 2): τ1 calls the calculator then answers 2 (R=1); τ2 gives up (R=0, T=1).
-# Branches (N = 1): τ1 → anchor 1, answers 3 (R=0); τ2 → anchor 0 (T=1): calls, then answers 2 (R=1, same
-# history as τ1: a merged leaf of multiplicity 2). τ2's continuation starts as soon as τ2 ends, so the engine sees
-# τ1's answer, then (one call later) τ2's continuation's answer before τ1's continuation's: the replies' order.
-REPLIES = {
-    "<|im_start|>assistant\n": [CALL_1_PLUS_1, "I do not know.", CALL_1_PLUS_1],
-    AFTER_TOOL: ["The answer is 2.", "The answer is 2.", "The answer is 3."],
-}
-
 
 def _trainer(cls, config_cls, tmp_path, n_prompts=1, replies=REPLIES, **overrides):
-    model, tok = tiny()
-    args = config(config_cls, tmp_path, **overrides)
-    trainer = cls(
-        model=model, reward_funcs=contains_answer, args=args, train_dataset=arithmetic_dataset(n_prompts),
-        processing_class=tok, tools=[calculator],
-    )
-    trainer.generation_engine = scripted_engine(tok, replies)
-    return trainer
+    return scripted_trainer(cls, config_cls, tmp_path, replies, dataset=arithmetic_dataset(n_prompts), **overrides)
 
 
 def _path_logp_sums(model, tree):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.scripted import arithmetic_dataset, config, contains_answer, tiny
-from tests.test_packing import PAD, branching_tree, tiny_model
+from tests.trees import PAD, branching_tree, tiny_model
 from trl_tree import RolloutTree, TreeOPSDConfig, TreeOPSDTrainer, Turn
 from trl_tree.packing import dense_attention_mask, pack_trees, packed_token_logps
 from trl_tree.testing import calculator

@@ -11,9 +11,35 @@ from html.parser import HTMLParser
 import pytest
 import torch
 
-from tests.scripted import AFTER_TOOL, arithmetic_dataset, config, contains_answer, scripted_engine, tiny
-from tests.test_trainer_scripted import REPLIES
-from trl_tree import AT2POConfig, AT2POTrainer, RolloutTree, TreeOPSDConfig, TreeOPSDTrainer, Turn, cli, losses
+from tests.scripted import (
+    AFTER_TOOL,
+    REPLIES,
+    TAU,
+    TWO_ROLE_FIELDS,
+    TwoRoleScript,
+    arithmetic_dataset,
+    captured_units,
+    config,
+    contains_answer,
+    math_entropy_script,
+    scripted_engine,
+    scripted_trainer,
+    tiny,
+)
+from trl_tree import (
+    AT2POConfig,
+    AT2POTrainer,
+    RolloutTree,
+    TreeAdvConfig,
+    TreeAdvTrainer,
+    TreeFlexConfig,
+    TreeFlexTrainer,
+    TreeOPSDConfig,
+    TreeOPSDTrainer,
+    Turn,
+    cli,
+    losses,
+)
 from trl_tree import credit as credit_lib
 from trl_tree import tree_view as tv
 from trl_tree.batch import LossInputs, TurnCredit
@@ -93,15 +119,8 @@ def _assert_turns_once_with_credit(page: _Page, data: dict, credits: list[dict],
 
 
 def _tree_trainer(cls, config_cls, tmp_path, replies=REPLIES, **overrides):
-    model, tok = tiny()
-    args = config(config_cls, tmp_path, log_completions=True, **overrides)
-    trainer = cls(model=model, reward_funcs=contains_answer, args=args, train_dataset=arithmetic_dataset(1),
-                  processing_class=tok, tools=[calculator])
-    trainer.generation_engine = scripted_engine(tok, replies)
-    trees = []
-    original = trainer.turn_credit
-    trainer.turn_credit = lambda tree: trees.append(tree) or original(tree)
-    return trainer, trees
+    trainer = scripted_trainer(cls, config_cls, tmp_path, replies, log_completions=True, **overrides)
+    return trainer, captured_units(trainer)
 
 
 # ------------------------------------------------------------------------------------------------------ methods
@@ -153,12 +172,10 @@ def test_at2po_page_marks_the_expansion_round_of_each_new_turn(tmp_path):
 
 
 def test_treeadv_page_shows_token_level_branch_points(tmp_path):
-    from tests.test_treeadv_trainer import TAU, _math_script
-    from tests.test_treeadv_trainer import _trainer as treeadv_trainer
-
-    trainer, trees = treeadv_trainer(tmp_path, _math_script(), num_initial_rollouts=2, entropy_threshold=TAU,
-                                     max_branches_per_tree=2, min_segment_length=3, max_turns=1,
-                                     log_completions=True)
+    trainer = scripted_trainer(TreeAdvTrainer, TreeAdvConfig, tmp_path, script=math_entropy_script(), tools=None,
+                               num_initial_rollouts=2, entropy_threshold=TAU, max_branches_per_tree=2,
+                               min_segment_length=3, max_turns=1, log_completions=True)
+    trees = captured_units(trainer)
     trainer.train()
     _, data, page = _only_page(tmp_path)
     _assert_turns_once_with_credit(page, data, _credit_per_unit(trainer))
@@ -168,9 +185,9 @@ def test_treeadv_page_shows_token_level_branch_points(tmp_path):
 
 
 def test_treeflex_page_shows_searches_blocks_and_turn_credit(tmp_path):
-    from tests.test_treeflex_trainer import _trainer as treeflex_trainer
-
-    trainer, groups = treeflex_trainer(tmp_path, log_completions=True)
+    trainer = scripted_trainer(TreeFlexTrainer, TreeFlexConfig, tmp_path, script=TwoRoleScript, log_completions=True,
+                               **TWO_ROLE_FIELDS)
+    groups = captured_units(trainer)
     trainer.train()
     _, data, page = _only_page(tmp_path)
     _assert_turns_once_with_credit(page, data, _credit_per_unit(trainer))

@@ -14,12 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.scripted import arithmetic_dataset, config, contains_answer, scripted_engine, tiny
-from tests.test_trainer_scripted import REPLIES
+from tests.scripted import (
+    REPLIES,
+    arithmetic_dataset,
+    scripted_trainer,
+)
 from trl_tree import RolloutTree, TreeOPSDConfig, TreeOPSDTrainer, Turn, cli
 from trl_tree import tree_view as tv
 from trl_tree.envs.hotpot import build_prompt
-from trl_tree.testing import calculator
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -87,13 +89,8 @@ class _Dom(HTMLParser):
 
 
 def _trainer(tmp_path, replies=REPLIES, dataset=None, **overrides):
-    model, tok = tiny()
-    args = config(TreeOPSDConfig, tmp_path, log_completions=True, **overrides)
-    trainer = TreeOPSDTrainer(model=model, reward_funcs=contains_answer, args=args,
-                              train_dataset=dataset or arithmetic_dataset(1), processing_class=tok,
-                              tools=[calculator])
-    trainer.generation_engine = scripted_engine(tok, replies)
-    return trainer
+    return scripted_trainer(TreeOPSDTrainer, TreeOPSDConfig, tmp_path, replies, dataset=dataset, log_completions=True,
+                            **overrides)
 
 
 def _chain_tree(texts, rewards, branches):

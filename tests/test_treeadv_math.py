@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from tests.trees import deep_tree, flatten, grad, hotpot_like_tree, perturbed
+from tests.trees import deep_tree, flat_gspo_token, flatten, grad, hotpot_like_tree, perturbed
 from trl_tree import RolloutTree, Turn, credit, losses
 
 
@@ -82,18 +82,6 @@ def _flat_grpo(tree, lp, old, spans, A, eps_lo, eps_hi):
     return -torch.stack(per_path).mean()
 
 
-def _flat_gspo_token(tree, lp, old, spans, A, eps_lo, eps_hi):
-    """GSPO-token exactly as written in the GSPO paper, one flat sequence per trajectory."""
-    per_path = []
-    for path in tree.paths:
-        idx = [j for i in path for j in spans[i]]
-        adv = torch.cat([A[i].expand(len(spans[i])) for i in path])
-        s = (lp[idx] - old[idx]).mean().exp()
-        s_t = s.detach() * (lp[idx] - lp[idx].detach()).exp()
-        per_path.append(torch.minimum(s_t * adv, s_t.clamp(1 - eps_lo, 1 + eps_hi) * adv).mean())
-    return -torch.stack(per_path).mean()
-
-
 @pytest.mark.parametrize("tree_fn", [hotpot_like_tree, deep_tree])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_grpo_surrogate_with_path_weights_equals_flat_grpo_over_the_k_sequences(tree_fn, seed):
@@ -122,7 +110,7 @@ def test_gspo_token_on_unique_tokens_equals_gspo_token_over_the_k_sequences(tree
         return losses.gspo_token_loss(lp, old, turn_ids, A, *pairs, epsilon_low=eps[0], epsilon_high=eps[1])
 
     def flat(lp):
-        return _flat_gspo_token(tree, lp, old, spans, A, *eps)
+        return flat_gspo_token(tree, [lp[s] for s in spans], [old[s] for s in spans], A, *eps)
 
     path_tokens = [[j for i in p for j in spans[i]] for p in tree.paths]
     s = [(logps[idx] - old[idx]).mean().exp() for idx in path_tokens]

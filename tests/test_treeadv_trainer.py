@@ -9,55 +9,31 @@ import statistics
 import pytest
 import torch
 
-from tests.scripted import CALL_1_PLUS_1, arithmetic_dataset, config, contains_answer, tiny, tool_call
+from tests.scripted import (
+    CALL_1_PLUS_1,
+    TAU,
+    EntropyScript,
+    arithmetic_dataset,
+    captured_units,
+    config,
+    contains_answer,
+    math_entropy_script,
+    scripted_trainer,
+    tiny,
+    tool_call,
+)
+from tests.trees import flat_gspo_token
 from trl_tree import TreeAdvConfig, TreeAdvTrainer, TreeConfig, TreeTrainer, Turn
 from trl_tree.batch import TurnCredit
-from trl_tree.rollout.engine import ScriptedEngine
 from trl_tree.rollout.samplers import Branch
 from trl_tree.rollout.token_branching import split_turns
 from trl_tree.testing import calculator
 
-TAU = 1.0
-HEADER = "<|im_start|>assistant\n"
-
-
-class EntropyScript:
-    """Replies by the text of the current assistant turn so far (after the last assistant header): `roots` are
-    consumed in order for an empty turn, `continuations` map a mid-turn head to its continuation, `after_tool` maps
-    the last tool response to the next turn. Root texts come with per-token entropies {token index: entropy}."""
-
-    def __init__(self, tok, roots, continuations=None, after_tool=None):
-        self.tok, self.eos = tok, tok.convert_tokens_to_ids("<|im_end|>")
-        self.roots = list(roots)
-        self.continuations = continuations or {}
-        self.after_tool = after_tool or {}
-
-    def ids(self, text):
-        return self.tok.encode(text, add_special_tokens=False) + [self.eos]
-
-    def __call__(self, prefix):
-        history = self.tok.decode(prefix)
-        turn = history.split(HEADER)[-1]
-        if turn == "" and "<tool_response>" in history:
-            text, high = self.after_tool[history.split("<tool_response>\n")[-1].split("\n")[0]], {}
-        elif turn == "":
-            text, high = self.roots.pop(0)
-        else:
-            text, high = self.continuations[turn], {}
-        ids = self.ids(text)
-        return ids, [high.get(j, 0.0) for j in range(len(ids))]
-
 
 def _trainer(tmp_path, script, cls=TreeAdvTrainer, config_cls=TreeAdvConfig, n_prompts=1, tools=None, **overrides):
-    model, tok = tiny()
-    args = config(config_cls, tmp_path, **overrides)
-    trainer = cls(model=model, reward_funcs=contains_answer, args=args, train_dataset=arithmetic_dataset(n_prompts),
-                  processing_class=tok, tools=tools)
-    trainer.generation_engine = ScriptedEngine(script(tok), [tok.convert_tokens_to_ids("<|im_end|>")])
-    captured = []
-    original = trainer.turn_credit
-    trainer.turn_credit = lambda tree: captured.append(tree) or original(tree)
-    return trainer, captured
+    trainer = scripted_trainer(cls, config_cls, tmp_path, script=script, dataset=arithmetic_dataset(n_prompts),
+                               tools=tools, **overrides)
+    return trainer, captured_units(trainer)
 
 
 def _leaf_advantages(rewards):
@@ -73,19 +49,6 @@ def _assert_segment_advantages(tree, A_batch):
         assert math.isclose(A_batch[i].item(), sum(below) / len(below), abs_tol=1e-5), i
 
 
-# Single turn, no tools. Root 1 (13 tokens with <|im_end|>): entropies above τ at token 1 (too close to the start for
-# L = 3), 4 (taken), 6 (within L of 4), 7 (eligible, but the cap of 2 is spent), 10 (taken), 11 (too close to the
-# end). Root 2 (10 tokens): token 7 (taken), token 5 below τ.
-ROOT_1 = ("Let me think. The answer is 2.", {1: 3.0, 4: 2.0, 6: 1.8, 7: 1.3, 10: 1.5, 11: 1.2, 9: 0.9})
-ROOT_2 = ("I think the answer is 3.", {7: 1.2, 5: 0.5})
-CONTINUATIONS = {"Let me th": "ink the answer is 3.", "Let me think. The answer is": " 2!",
-                 "I think the answer is": " 2."}
-
-
-def _math_script(n_prompts=1):
-    return lambda tok: EntropyScript(tok, [ROOT_1, ROOT_2] * n_prompts, CONTINUATIONS)
-
-
 def _cut_offsets(tree, first):
     """Offsets (in the root trajectory's completion) where the chain of segments starting at node `first` is cut."""
     offsets, node, pos = [], first, 0
@@ -97,7 +60,7 @@ def _cut_offsets(tree, first):
 
 
 def test_branches_start_at_high_entropy_tokens_within_the_cap_and_min_segment_length(tmp_path):
-    trainer, captured = _trainer(tmp_path, _math_script(), num_initial_rollouts=2, entropy_threshold=TAU,
+    trainer, captured = _trainer(tmp_path, math_entropy_script(), num_initial_rollouts=2, entropy_threshold=TAU,
                                  max_branches_per_tree=2, min_segment_length=3, max_turns=1)
     batch = trainer.generate_batch([trainer.train_dataset[0]])
     tree = captured[0]
@@ -215,22 +178,10 @@ def test_without_branching_treeadv_equals_flat_grpo(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _flat_gspo_token(tree, lp, old, A, eps):
-    """GSPO-token as in the GSPO paper over the tree's K root-to-leaf sequences (values only)."""
-    per_path = []
-    for path in tree.paths:
-        lps = torch.cat([lp[i] for i in path])
-        olds = torch.cat([old[i] for i in path])
-        adv = torch.cat([A[i].expand(len(lp[i])) for i in path])
-        s = (lps - olds).mean().exp()
-        per_path.append(torch.minimum(s * adv, s.clamp(1 - eps, 1 + eps) * adv).mean())
-    return -torch.stack(per_path).mean()
-
-
 def test_gspo_token_loss_in_the_trainer_equals_gspo_token_over_each_trees_sequences(tmp_path):
     """Two branched trees in one batch: the per-turn path ranges rebuild every (path, turn) pair with global ids."""
     eps = 0.02
-    trainer, captured = _trainer(tmp_path, _math_script(2), n_prompts=2, num_initial_rollouts=2, max_turns=1,
+    trainer, captured = _trainer(tmp_path, math_entropy_script(2), n_prompts=2, num_initial_rollouts=2, max_turns=1,
                                  entropy_threshold=TAU, max_branches_per_tree=2, min_segment_length=3,
                                  loss="gspo_token", epsilon=eps, epsilon_high=eps)
     batch = trainer.generate_batch([trainer.train_dataset[0], trainer.train_dataset[1]])
@@ -246,7 +197,7 @@ def test_gspo_token_loss_in_the_trainer_equals_gspo_token_over_each_trees_sequen
         ids = batch["turn_ids"][n, 0]
         lp = [logps[n, 0][ids == i] for i in range(tree.num_turns)]
         old = [batch["old_logps"][n, 0][ids == i] for i in range(tree.num_turns)]
-        expected.append(_flat_gspo_token(tree, lp, old, TurnCredit.from_dict(batch).A[n], eps))
+        expected.append(flat_gspo_token(tree, lp, old, TurnCredit.from_dict(batch).A[n], eps))
         ratios += [torch.cat([lp[i] - old[i] for i in p]).mean().exp().item() for p in tree.paths]
     assert any(abs(r - 1) > eps for r in ratios) and any(abs(r - 1) < eps for r in ratios)  # clips both ways
     assert math.isclose(loss, torch.stack(expected).mean().item(), rel_tol=1e-5, abs_tol=1e-7)

@@ -14,8 +14,21 @@ import torch
 from trl.trainer.utils import split_tensor_dict
 
 from tests.remote_env import RemoteCounterEnv, SessionServer
-from tests.scripted import CALL_1_PLUS_1, arithmetic_dataset, config, contains_answer, tiny, tool_call
-from tests.test_trainer_scripted import CounterEnv  # the same stateful counter world
+from tests.scripted import (
+    EXECUTE_AFTER_TOOL,
+    EXECUTE_FIRST,
+    REFLECT,
+    TWO_ROLE_FIELDS,
+    CounterEnv,
+    TwoRoleScript,
+    arithmetic_dataset,
+    captured_units,
+    config,
+    contains_answer,
+    scripted_trainer,
+    tiny,
+    tool_call,
+)
 from trl_tree import TreeFlexConfig, TreeFlexTrainer, Turn, losses
 from trl_tree.batch import LossInputs, TurnCredit
 from trl_tree.losses import aggregation_weights
@@ -24,39 +37,11 @@ from trl_tree.rollout.engine import ScriptedEngine
 from trl_tree.rollout.flex_harness import (
     EXECUTION,
     REFLECTION,
-    REFLECTION_PROMPT,
     FlexBlock,
     FlexSearch,
 )
 from trl_tree.testing import calculator
 from trl_tree.trainer.treeflex import FlexGroup, pack_groups
-
-REFLECT = {
-    0: ["Compute 1+1 with the calculator.", "Compute 1+1."],
-    1: ["<resume>1</resume> Check the sum once more.", "<resume>7</resume> Check it."],
-    2: ["<answer>2</answer>", "<answer>3</answer>"],
-}
-EXECUTE_FIRST = [CALL_1_PLUS_1, CALL_1_PLUS_1, CALL_1_PLUS_1, "<tool_call>{oops</tool_call>"]
-EXECUTE_AFTER_TOOL = ["Card: 1+1 = 2.", "Card: 1+1 = 2.", "Card: checked, 2.", "Card: the call failed."]
-TOOL_HEADER = "</tool_response><|im_end|>\n<|im_start|>assistant\n"
-
-
-class TwoRoleScript:
-    """Replies by role (the Reflection system prompt is in the history) and by progress, in call order."""
-
-    def __init__(self, tok, reflect=REFLECT, first=EXECUTE_FIRST, after=EXECUTE_AFTER_TOOL):
-        self.tok, self.mark = tok, REFLECTION_PROMPT[:40]
-        self.reflect = {k: list(v) for k, v in reflect.items()}
-        self.first, self.after = list(first), list(after)
-        self.eos = tok.convert_tokens_to_ids("<|im_end|>")
-
-    def __call__(self, prefix):
-        text = self.tok.decode(prefix, skip_special_tokens=False)
-        if self.mark in text:
-            reply = self.reflect[text.count("Checkpoint card (node")].pop(0)
-        else:
-            reply = (self.after if text.endswith(TOOL_HEADER) else self.first).pop(0)
-        return self.tok.encode(reply, add_special_tokens=False) + [self.eos]
 
 
 class Penalise(TreeFlexTrainer):
@@ -68,18 +53,9 @@ class Penalise(TreeFlexTrainer):
 
 
 def _trainer(tmp_path, cls=TreeFlexTrainer, reward=contains_answer, n_prompts=1, **overrides):
-    model, tok = tiny()
-    # search 1's malformed call is answered with an error observation and its segment goes on to its card
-    fields = dict(num_searches=2, max_blocks=3, max_turns=3, max_completion_length=160, malformed_tool_calls="observe")
-    fields.update(overrides)
-    args = config(TreeFlexConfig, tmp_path, **fields)
-    trainer = cls(model=model, reward_funcs=reward, args=args, train_dataset=arithmetic_dataset(n_prompts),
-                  processing_class=tok, tools=[calculator])
-    trainer.generation_engine = ScriptedEngine(TwoRoleScript(tok), [tok.convert_tokens_to_ids("<|im_end|>")])
-    groups = []
-    original = trainer.turn_credit
-    trainer.turn_credit = lambda group: groups.append(group) or original(group)
-    return trainer, groups
+    trainer = scripted_trainer(cls, TreeFlexConfig, tmp_path, script=TwoRoleScript, reward_funcs=reward,
+                               dataset=arithmetic_dataset(n_prompts), **{**TWO_ROLE_FIELDS, **overrides})
+    return trainer, captured_units(trainer)
 
 
 @pytest.fixture(scope="module")

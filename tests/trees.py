@@ -4,6 +4,7 @@ the loss tests use to feed a tree to a loss the way the trainer does and to diff
 import math
 
 import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from trl_tree import RolloutTree, Turn
 
@@ -98,3 +99,71 @@ def grad(loss_fn, logps: torch.Tensor) -> torch.Tensor:
     logps = logps.clone().requires_grad_(True)
     (g,) = torch.autograd.grad(loss_fn(logps), logps)
     return g
+
+
+def flat_gspo_token(tree: RolloutTree, lp, old, A: torch.Tensor, eps_low: float, eps_high: float | None = None):
+    """GSPO-token exactly as written in the GSPO paper, one flat sequence per root-to-leaf path of `tree` (the
+    reference the tree loss must equal). `lp[i]`, `old[i]`: turn i's token log-probs under π_θ and π_old (anything
+    indexable by turn); `A[i]`: its advantage. s = exp(mean log-ratio over the sequence), s_t = sg(s)·π_θ/sg(π_θ)."""
+    eps_high = eps_low if eps_high is None else eps_high
+    per_path = []
+    for path in tree.paths:
+        lps, olds = torch.cat([lp[i] for i in path]), torch.cat([old[i] for i in path])
+        adv = torch.cat([A[i].expand(len(lp[i])) for i in path])
+        s = (lps - olds).mean().exp()
+        s_t = s.detach() * (lps - lps.detach()).exp()
+        per_path.append(torch.minimum(s_t * adv, s_t.clamp(1 - eps_low, 1 + eps_high) * adv).mean())
+    return -torch.stack(per_path).mean()
+
+
+# ------------------------------------------------------------------------------------------- random trees, random model
+# (the packing tests compare packed forwards with path forwards on these; so do the attention and benchmark tests)
+
+VOCAB = 300
+PAD = 0
+
+
+def tiny_model(attn_implementation: str = "sdpa") -> Qwen3ForCausalLM:
+    """A random tiny Qwen3; a large init range makes every output depend strongly on its context."""
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+    )
+    model = Qwen3ForCausalLM(config).float().eval()
+    model.set_attn_implementation(attn_implementation)
+    return model
+
+
+def random_ids(gen: torch.Generator, n: int) -> list[int]:
+    return torch.randint(1, VOCAB, (n,), generator=gen).tolist()
+
+
+def random_turn(gen: torch.Generator, n_action: int, n_obs: int) -> Turn:
+    return Turn(random_ids(gen, n_action), [0.0] * n_action, random_ids(gen, n_obs))
+
+
+def branching_tree(seed: int = 0, prompt_len: int = 6) -> RolloutTree:
+    """Depth 3-4, branching from the prompt and at depths 1 and 2, a merged duplicate path, turns with and without
+    observations, and a leaf whose tokens equal an inner turn's (a distinct node: terminal-ness differs)."""
+    gen = torch.Generator().manual_seed(seed)
+    a1, a2, a3, a3b = random_turn(gen, 4, 3), random_turn(gen, 3, 2), random_turn(gen, 5, 0), random_turn(gen, 2, 0)
+    b2, b3 = random_turn(gen, 3, 0), random_turn(gen, 4, 2)
+    c1, c2, c3, c4 = random_turn(gen, 2, 2), random_turn(gen, 3, 3), random_turn(gen, 1, 1), random_turn(gen, 4, 0)
+    trajectories = [
+        [a1, a2, a3],
+        [a1, a2, a3b],  # branch at depth 2
+        [a1, b2, b3],  # branch at depth 1 (b2 has no observation)
+        [a1, a2, a3],  # duplicate: merges into the first path
+        [c1, c2, c3, c4],  # branch from the prompt, depth 4
+        [a1, a2],  # a2 as a leaf: a new node next to the inner a2
+    ]
+    return RolloutTree.from_trajectories(random_ids(gen, prompt_len), trajectories, [0.0] * len(trajectories))

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from tests.test_packing import PAD, branching_tree, tiny_model
+from tests.trees import PAD, branching_tree, tiny_model
 from trl_tree import methods
 from trl_tree.batch import TurnCredit
 from trl_tree.packing import pack_trees, packed_token_logps

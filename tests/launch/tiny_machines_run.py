@@ -27,7 +27,7 @@ import torch
 from transformers import TrainerCallback
 
 from tests.launch.tiny_tree_run import build_trainer
-from tests.test_resume import count_generations, logged
+from tests.resume_runs import count_generations, logged
 
 MAX_STEPS = 4  # two generation batches of E = 2 optimizer blocks
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from tests.test_resume import flex_trainer, logged, train, tree_trainer
+from tests.resume_runs import flex_trainer, logged, train, tree_trainer
 from trl_tree.trainer import resume
 
 

@@ -18,8 +18,7 @@ os.environ.update(TRACKIO_DIR=str(OUT / "trackio"), WANDB_MODE="offline", WANDB_
                   TRL_EXPERIMENTAL_SILENCE="1", WANDB_DISABLE_GIT="true")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.scripted import arithmetic_dataset, config, contains_answer, scripted_engine, tiny  # noqa: E402
-from tests.test_trainer_scripted import REPLIES  # noqa: E402
+from tests.scripted import REPLIES, arithmetic_dataset, config, contains_answer, scripted_engine, tiny  # noqa: E402
 from trl_tree import TreeOPSDConfig, TreeOPSDTrainer  # noqa: E402
 from trl_tree.testing import calculator  # noqa: E402
 
@@ -56,30 +55,21 @@ def trackio_rows() -> list[dict]:
     return rows
 
 
-def wandb_rows() -> list[dict]:
-    """The history rows of the offline run file (W&B's record log: a LevelDB-style log of protobuf records)."""
-    import struct
-
-    from wandb.proto import wandb_internal_pb2
+def wandb_rows(wait_s: float = 120.0) -> list[dict]:
+    """The history rows of the offline run file, once W&B's writer has finished it (its exit record is written):
+    `wandb.finish()` hands the last records to W&B's service process, which writes them on its own time (on loaded
+    cores the last page's row came seconds later, so reading at once lost it)."""
+    import time
 
     (run_file,) = OUT.glob("wandb/offline-run-*/run-*.wandb")
-    data = run_file.read_bytes()
-    ident, magic, _ = struct.unpack("<4sHB", data[:7])
-    assert ident == b":W&B" and magic == 0xBEE1, (ident, magic)
-    block, pos, pending, rows = 32768, 7, b"", []
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # a record header never straddles a block: the rest is padding
-            pos += block - pos % block
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
-        if kind == 0:
+    deadline = time.monotonic() + wait_s
+    while True:
+        records = _wandb_records(run_file.read_bytes())
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
             break
-        pending = chunk if kind in (1, 2) else pending + chunk
-        if kind not in (1, 4):  # FIRST / MIDDLE: the record goes on in the next block
-            continue
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(pending)
+        time.sleep(0.5)
+    rows = []
+    for record in records:
         if record.WhichOneof("record_type") == "history":
             items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item}
             entry = {"step": items.get("_step"), "global_step": items.get("train/global_step"),
@@ -88,6 +78,34 @@ def wandb_rows() -> list[dict]:
                 entry["page"] = (run_file.parent / "files" / items["tree_view/path"]).read_text(encoding="utf-8")
             rows.append(entry)
     return rows
+
+
+def _wandb_records(data: bytes) -> list:
+    """The protobuf records of a W&B run file (a LevelDB-style log: 32 KiB blocks of chunks, FULL/FIRST/MIDDLE/LAST)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    ident, magic, _ = struct.unpack("<4sHB", data[:7])
+    assert ident == b":W&B" and magic == 0xBEE1, (ident, magic)
+    block, pos, pending, records = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a record header never straddles a block: the rest is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if pos + 7 + length > len(data):  # the writer is still writing this chunk
+            break
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind == 0:
+            break
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind not in (1, 4):  # FIRST / MIDDLE: the record goes on in the next block
+            continue
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(pending)
+        records.append(record)
+    return records
 
 
 if __name__ == "__main__":

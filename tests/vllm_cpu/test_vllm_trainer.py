@@ -20,7 +20,8 @@ from datasets import Dataset  # noqa: E402
 
 from trl_tree import TreeOPSDConfig, TreeOPSDTrainer  # noqa: E402
 from trl_tree.rollout.vllm_engine import VLLMEngine, vllm_cpu_weight_sync  # noqa: E402
-from trl_tree.testing import calculator, calculator_conversations, tiny_model_and_tokenizer, warm_start  # noqa: E402
+from trl_tree.testing import calculator, calculator_conversations, tiny_model_and_tokenizer, tiny_model_path  # noqa: E402
+from trl_tree.warm_start import cached_warm_start, model_fingerprint  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -37,7 +38,9 @@ def test_treeopsd_samples_trees_with_vllm_and_trains(tmp_path):
     model, tok = tiny_model_and_tokenizer()
     conversations = calculator_conversations(64, seed=0)
     torch.manual_seed(0)
-    warm_start(model, tok, conversations, tools=[calculator], steps=150)
+    # the suite's one cached warm start (tests/launch/tiny_tree_run.py trains the same 150 steps on the same data)
+    cached_warm_start(model, tok, conversations, base=model_fingerprint(tiny_model_path()), tools=[calculator],
+                      steps=150)
     ds = Dataset.from_dict({"prompt": [c[:1] for c in conversations[:4]],
                             "answer": [c[-1]["content"].split()[-1].rstrip(".") for c in conversations[:4]]})
     args = TreeOPSDConfig(
