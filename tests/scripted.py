@@ -6,6 +6,7 @@ the reply scripts (`REPLIES`, TreeFlex's `TwoRoleScript`, TreeAdv's `EntropyScri
 log-probability (`credit_and_logp_change`).
 """
 
+import dataclasses
 import json
 
 import torch
@@ -185,6 +186,9 @@ def config(cls, tmp_path, trees_per_micro_batch=1, **overrides):
         learning_rate=1e-2,
         seed=0,
     )
+    # the small tree's fields only where the class has them (TreeFlexConfig grows no tree: its group is num_searches)
+    own = {f.name for f in dataclasses.fields(cls)}
+    defaults = {k: v for k, v in defaults.items() if k in own or k not in ("num_initial_rollouts", "num_branches")}
     defaults.update(overrides)
     defaults.setdefault("per_device_train_batch_size", trees_per_micro_batch * cls.num_generations_for(**defaults))
     return cls(**defaults)

@@ -119,6 +119,19 @@ def test_help_all_lists_every_option_of_both_forms(form, capsys):
     assert every <= set(re.findall(r"--[a-z_0-9]+", full))
 
 
+def test_treeflex_help_lists_none_of_the_tree_fields(capsys):
+    """TreeFlex grows no tree: `trl-tree treeflex --help-all` has its own fields, and none of the tree samplers'."""
+    full = set(re.findall(r"--[a-z_0-9]+", _help(["treeflex", "--reward_funcs", "accuracy_reward", "--help-all"],
+                                                   capsys)))
+    assert {"--num_searches", "--max_blocks", "--max_turns", "--tool_timeout", "--num_generations"} <= full
+    tree_fields = ("num_initial_rollouts", "num_branches", "anchor_rule", "expansion_rounds", "branches_per_round",
+                   "expansion_mode", "sibling_penalty", "entropy_threshold", "max_branches_per_tree",
+                   "min_segment_length", "branching_rounds", "reward_std", "target_radius", "packing")
+    assert [name for name in tree_fields if f"--{name}" in full] == []
+    tree_help = set(re.findall(r"--[a-z_0-9]+", _help(["treeadv", "--help-all"], capsys)))
+    assert {f"--{name}" for name in tree_fields} <= tree_help
+
+
 def test_every_option_the_short_help_names_is_a_field_of_a_script():
     """The hand-picked groups of the short help (rewards and data, common training, the example's) name real fields:
     a renamed field fails here, not as a silently shorter help."""

@@ -43,6 +43,25 @@ def test_every_field_a_component_reads_exists_on_its_config():
             assert set(component.fields) <= fields, (component.name, set(component.fields) - fields)
 
 
+def test_treeflex_config_has_none_of_the_fields_only_tree_components_read():
+    """TreeFlexConfig shares `TreeTrainerConfig` with the tree configs, not `TreeConfig`: the fields that only the
+    tree samplers, credits and losses of the table read (M, N, the expansion and token-branching fields, reward_std,
+    target_radius, packing) are not fields of it, so they are not in `trl-tree treeflex --help` either."""
+    from trl_tree.trainer.config import TreeTrainerConfig
+
+    def read_by(unit):
+        return {name for table in (methods.SAMPLERS, methods.CREDITS, methods.LOSSES)
+                for component in table.values() if component.unit == unit for name in component.fields}
+
+    tree_only = read_by("tree") - read_by("group") - {f.name for f in dataclasses.fields(TreeTrainerConfig)}
+    assert {"num_initial_rollouts", "num_branches", "anchor_rule", "expansion_rounds", "branches_per_round",
+            "expansion_mode", "sibling_penalty", "entropy_threshold", "max_branches_per_tree", "min_segment_length",
+            "branching_rounds", "reward_std", "target_radius", "packing"} <= tree_only
+    assert not tree_only & {f.name for f in dataclasses.fields(TreeFlexConfig)}
+    assert issubclass(TreeConfig, TreeTrainerConfig) and issubclass(TreeFlexConfig, TreeTrainerConfig)
+    assert not issubclass(TreeFlexConfig, TreeConfig)
+
+
 @pytest.mark.parametrize(
     "choice, needed",
     [
@@ -276,3 +295,17 @@ def test_every_tree_credit_views_one_value_per_leaf():
             assert view.shape == (tree.num_leaves,), name
             if "reward_std" in entry.fields:
                 assert torch.equal(view, methods.leaf_advantages(tree, args)), name
+
+
+def test_a_plain_tree_trainer_refuses_treeflexs_config(tmp_path):
+    """TreeFlexConfig shares only the base with the tree configs: `TreeTrainer` cannot train it (no sampler,
+    credit or packing fields), and says which config it needs."""
+    from trl_tree import TreeFlexConfig, TreeTrainer
+    from trl_tree.testing import tiny_model_and_tokenizer
+
+    model, tok = tiny_model_and_tokenizer()
+    args = TreeFlexConfig(output_dir=str(tmp_path), num_searches=2, max_blocks=2, use_cpu=True, report_to="none",
+                          per_device_train_batch_size=2)
+    with pytest.raises(TypeError, match="TreeTrainer needs a TreeConfig"):
+        TreeTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
+                    processing_class=tok)

@@ -7,6 +7,7 @@ Writes OUT/report-rank{r}.json per rank: world size, whether every trainable par
 accelerate's distributed type and the class of the model the trainer trains (its DDP / DeepSpeed / FSDP wrapper).
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -105,11 +106,14 @@ def build_trainer(out: str, use_lora: bool = False, max_steps: int = 2, packing:
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
-    tree_fields = {"num_initial_rollouts": 2, "num_branches": 1, **overrides}
+    # the small tree of every tree config (TreeFlexConfig has no tree fields: its group is `num_searches`)
+    own = {f.name for f in dataclasses.fields(config_cls)}
+    tree_fields = {k: v for k, v in {"num_initial_rollouts": 2, "num_branches": 1, "packing": packing}.items() if k in own}
+    tree_fields.update(overrides)
     one_tree = config_cls.num_generations_for(**tree_fields)  # per_device_train_batch_size counts trajectories
     args = config_cls(
         output_dir=out, per_device_train_batch_size=one_tree, gradient_accumulation_steps=1, steps_per_generation=2,
-        max_steps=max_steps, packing=packing, **tree_fields, max_turns=3, max_completion_length=max_completion_length,
+        max_steps=max_steps, **tree_fields, max_turns=3, max_completion_length=max_completion_length,
         learning_rate=1e-2, logging_steps=1, report_to="none", bf16=False, gradient_checkpointing=False,
         use_cpu=not torch.cuda.is_available(), seed=0, **{"save_strategy": "no", **config_fields},
     )

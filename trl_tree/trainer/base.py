@@ -46,7 +46,7 @@ from ..tree_attention import TREE_SDPA
 from ..tree_unit import TreeUnits
 from . import components, engine_ports, model_card, resume
 from . import metrics as tree_metrics
-from .config import TreeConfig
+from .config import TreeConfig, TreeTrainerConfig
 from .generation_logging import GenerationLogging
 from .tree_view_logging import TreeViewRecorder, at_global_step
 
@@ -77,13 +77,14 @@ class TreeTrainer(GenerationLogging, GRPOTrainer):
     _name = "Tree"
     _tag_names = ["trl", "trl-tree"]
     config_class = TreeConfig
+    config_base: type[TreeTrainerConfig] = TreeConfig  # what `args` must be an instance of
     create_model_card = model_card.create_tree_model_card
 
-    def __init__(self, model, reward_funcs=None, args: TreeConfig | None = None, **kwargs):
+    def __init__(self, model, reward_funcs=None, args: TreeTrainerConfig | None = None, **kwargs):
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = self.config_class(f"{str(name).split('/')[-1]}-{self._name}")
-        if not isinstance(args, TreeConfig):
+        if not isinstance(args, self.config_base):  # TreeConfig; TreeFlexTrainer's is TreeFlexConfig
             raise TypeError(
                 f"{type(self).__name__} needs a TreeConfig such as {self.config_class.__name__} (got "
                 f"{type(args).__name__}): the tree fields (sampler, credit, loss, num_initial_rollouts, …) live there."
@@ -122,8 +123,12 @@ class TreeTrainer(GenerationLogging, GRPOTrainer):
         so the tree layout stays cheaper than path rows at any length. Every other forward (generation, causal rows)
         is transformers' sdpa itself, and the setting is not saved with the model (`trl_tree.tree_attention`)."""
         base = unwrap_model(self.model)
-        if self.args.packing != "paths" and getattr(base.config, "_attn_implementation", None) == "sdpa":
+        if self._forwards_tree_rows() and getattr(base.config, "_attn_implementation", None) == "sdpa":
             base.set_attn_implementation(TREE_SDPA)
+
+    def _forwards_tree_rows(self) -> bool:
+        """Whether training forwards packed tree rows (with `subtree_end`): every `packing` but "paths"."""
+        return self.args.packing != "paths"
 
     def _check_enough_prompts(self):
         """A dataset smaller than one generation batch would train 0 steps and exit as if it had succeeded."""

@@ -91,7 +91,7 @@ def check_generations_fit(args) -> None:
     if isinstance(G, bool) or not isinstance(G, int) or G <= MAX_LEAVES_PER_TREE:
         return
     if not isinstance(per_leaf, int) or per_leaf < 1:
-        return  # no token bound to state: the field's own check refuses it (`TreeConfig._check_tree_fields`)
+        return  # no token bound to state: the field's own check refuses it (`TreeTrainerConfig._check_tree_fields`)
     asks = (f"num_generations={G:,} asks for trees of at least K = {G:,} leaves per prompt (every sampler's K is at "
             "least its cost in trajectories of budget)")
     _refuse(args, TreeSize(G, Fraction(G), G * methods.choice("sampler", args.sampler).leaf_tokens(args)), asks,

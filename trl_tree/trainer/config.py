@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 _GRPO_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
 # GRPO's completions per micro-batch when unset (8 in TRL 1.x): the tree configs default to the same prompts per step
 GRPO_DEFAULT_BATCH_SIZE = _GRPO_DEFAULTS["per_device_train_batch_size"]
-# GRPO options without an effect on any tree trainer, and what to use instead (`TreeConfig.unused_grpo_options`)
+# GRPO options without an effect on any tree trainer, and what to use instead
+# (`TreeTrainerConfig.unused_grpo_options`)
 _REJECTED_ADVICE = {
     "loss_type": "the aggregation is the chosen `loss`'s own (treeopsd/treepo: token mean per tree; atpo/grpo/"
     "gspo_token: GRPO's mean over root-to-leaf paths; TreeFlex: `aggregation`): choose it with `loss`.",
@@ -87,54 +88,18 @@ def _component_field(kind: str, default: str, what: str, unit: str = "tree"):
 
 
 @dataclass
-class TreeConfig(GRPOConfig):
-    """Fields shared by every tree trainer (the sampler budget, tools, packing).
-
-    Composition (the method table, `trl_tree.methods`): `sampler`, `credit` and `loss` are chosen independently
-    among the registered tree components (`methods.SAMPLERS`, `CREDITS`, `LOSSES`; each field's help lists them, read
-    from the table); the named configs are presets. TreeFlex's group components go together (`TreeFlexConfig`).
-    Only the chosen components' own fields are validated (`methods.check_fields`).
+class TreeTrainerConfig(GRPOConfig):
+    """Fields and checks shared by every tree trainer, TreeFlex included (`TreeConfig`, `TreeFlexConfig`): the turn
+    limit, tools and tool safety, stateful environments, generation (cache, chunks, turn cap), the budget G
+    (`num_generations`) and the batch sizes that count trajectories of budget, and the GRPO options a tree trainer
+    reads or refuses. Not used on its own: a subclass declares `sampler`, `credit` and `loss` (the method table's
+    components, `trl_tree.methods`), its sampler's own fields and `_check_composition`.
 
     Parameters:
-        sampler (`str`, defaults to `"init_expand"`): how trees grow (its help lists the registered samplers).
-        credit (`str`, defaults to `"likelihood"`): how leaf advantages are backed up to turns.
-        loss (`str`, defaults to `"treeopsd"`): the turn-level objective.
-        reward_std (`str`, defaults to `"sample"`): leaf standardisation: `"sample"` (ddof = 1, no epsilon; TreeOPSD
-            T1, TreeAdv D1) or `"population"` (ddof = 0, + 1e-6; AT2PO A3).
-        num_initial_rollouts (`int`, *optional*): M, complete trajectories sampled per prompt. Defaults to the
-            preset's M (4; AT2PO 10) or, when only `num_generations` is set, to the M whose budget is G.
-        num_branches (`int`, *optional*): N, continuations branched from each initial trajectory at uniformly drawn
-            turn prefixes ("init_expand"). K = M(N + 1); (4, 2) matches GRPO's G = 8 in expected cost. Defaults to 2;
-            when only `num_generations` is set and no M reaches it with N = 2 (G = 3, 5, 7, ...), to the N ≥ 1
-            nearest to 2 that does (G = 3: (M, N) = (2, 1)), said in a log line at start-up.
-        anchor_rule (`str`, defaults to `"uniform"`): N turn indices uniformly from {1..T−1} with replacement (index
-            0, a resample from the prompt, when T = 1).
-        expansion_rounds (`int`, defaults to `2`): L, rounds of entropy-guided expansion ("entropy_guided").
-        branches_per_round (`int`, defaults to `6`): K new branches per round ("entropy_guided").
-        expansion_mode (`str`, defaults to `"entropy"`): `"entropy"` (A2 node scores) or `"random"` (ablation).
-        sibling_penalty (`float`, defaults to `0.05`): α in S_i = H_i − α·max(0, siblings − 1).
-        entropy_threshold (`float`, defaults to `1.0`): τ_H in nats ("token_entropy", TreeAdv): action tokens whose
-            entropy exceeds it are branch points inside a completion. `float("inf")` turns branching off.
-        max_branches_per_tree (`int`, defaults to `2`): cap on branch points (new leaves) per tree ("token_entropy");
-            each of the M trees has 1 to 1 + this many leaves.
-        min_segment_length (`int`, defaults to `8`): both pieces of a segment split at a branch point keep at least
-            this many tokens ("token_entropy").
-        branching_rounds (`int`, defaults to `1`): rounds of token-level branching; a continuation may branch again
-            in a later round ("token_entropy").
-        target_radius (`float`, defaults to `0.25`): ρ for the "treeopsd" loss: q ∈ [1/2 − ρ, 1/2 + ρ], 0 < ρ < 1/2.
         max_turns (`int`, *optional*, defaults to `5`): assistant turns per trajectory, the final answer included
             (the paper's five for multi-hop QA). A tool call in the last allowed turn ends the trajectory unexecuted.
             With GRPO's `max_tool_calling_iterations` = k set instead, it is k + 1 (TRL's loop: at most k rounds of
             tool execution, each followed by one more generation).
-        packing (`str`, defaults to `"tree"`): `"tree"` forwards each tree once as a packed row of its unique tokens
-            with an ancestor-only attention mask (flex_attention / sdpa / eager); `"paths"` forwards one causal row
-            per root-to-leaf path (any attention kernel, e.g. flash-attention) and still trains each unique token once.
-            `"auto"` picks one of the two per micro-batch from the cost of the forward (`packing.pack_cheapest`):
-            "tree" with flex_attention or tree_sdpa, "paths" with kernels that take no mask, and with a dense-mask
-            kernel (eager) whichever costs fewer multiply-adds, since a dense mask pays all T² pairs of a long tree
-            row. Same log-probs either way. With "tree" or "auto" the trainer switches an sdpa policy to
-            `"tree_sdpa"` (`trl_tree.tree_attention`): tree rows are attended chain by chain, computing only the
-            visible pairs; every other forward is sdpa's own.
         tool_timeout (`float` or `None`, defaults to `30.0`): seconds a tool call may run before it becomes an error
             observation ("timed out after … s"), in every mode and for every kind of tool; the trainer enforces it
             from outside, so a tool cannot extend it (an async tool that catches its cancellation runs on in the
@@ -274,36 +239,15 @@ class TreeConfig(GRPOConfig):
             recomputed by the training model, and the sampler's log-probs are not used. With `use_vllm=True` it must
             stay False, so that the run does not silently differ from the GRPO run it replaces.
         Rejected when set to anything but GRPOConfig's default, all named in one error with what to use instead
-        (`TreeConfig.unused_grpo_options`): loss_type, scale_rewards, delta, importance_sampling_level, beta,
+        (`TreeTrainerConfig.unused_grpo_options`): loss_type, scale_rewards, delta, importance_sampling_level, beta,
         num_iterations, top_entropy_quantile, entropy_coef, use_adaptive_entropy, off_policy_mask_threshold,
         use_transformers_continuous_batching, epsilon / epsilon_high (for the losses without a clip),
         max_tool_calling_iterations (TreeFlex).
     """
 
-    sampler: str = _component_field("sampler", "init_expand", "How trees grow")
-    credit: str = _component_field("credit", "likelihood", "How leaf rewards are backed up to turns")
-    loss: str = _component_field("loss", "treeopsd", "The turn-level objective")
-    reward_std: str = field(default="sample", metadata={"help": "sample (ddof=1) | population (ddof=0, +1e-6)"})
-    num_initial_rollouts: int | None = field(
-        default=None, metadata={"help": "M: full trajectories per prompt (default: the preset's, or from num_generations)."}
-    )
-    num_branches: int | None = field(
-        default=None, metadata={"help": "N: continuations per initial trajectory (default 2, or from num_generations)."}
-    )
-    anchor_rule: str = field(default="uniform", metadata={"help": "Branch points: 'uniform' over turn prefixes."})
-    expansion_rounds: int = field(default=2, metadata={"help": "L: entropy-guided expansion rounds."})
-    branches_per_round: int = field(default=6, metadata={"help": "K: new branches per expansion round."})
-    expansion_mode: str = field(default="entropy", metadata={"help": "entropy | random"})
-    sibling_penalty: float = field(default=0.05, metadata={"help": "α of the AT2PO node score."})
-    entropy_threshold: float = field(default=1.0, metadata={"help": "τ_H (nats): branch inside turns above it."})
-    max_branches_per_tree: int = field(default=2, metadata={"help": "Cap on token-level branch points per tree."})
-    min_segment_length: int = field(default=8, metadata={"help": "Fewest tokens per split segment."})
-    branching_rounds: int = field(default=1, metadata={"help": "Rounds of token-level branching."})
-    target_radius: float = field(default=0.25, metadata={"help": "ρ: q ∈ [1/2 − ρ, 1/2 + ρ], 0 < ρ < 1/2."})
     max_turns: int | None = field(
         default=None, metadata={"help": "Assistant turns per trajectory, the final answer included (default 5)."}
     )
-    packing: str = field(default="tree", metadata={"help": "'tree' (one packed row per tree), 'paths' or 'auto'."})
     tool_timeout: float | None = field(default=30.0, metadata={"help": "Seconds a tool call may run."})
     tool_execution: str = field(
         default="main",
@@ -365,15 +309,16 @@ class TreeConfig(GRPOConfig):
         default=False, metadata={"help": "Not applied: π_old is recomputed by the training model (False with vLLM)."}
     )
 
-    default_num_initial_rollouts: ClassVar[int] = 4  # the preset's M when neither M nor G is set
-    default_num_branches: ClassVar[int] = 2  # the preset's N unless only G is set and N = 2 cannot reach it
     default_max_turns: ClassVar[int] = 5
     maps_tool_calling_iterations: ClassVar[bool] = True  # TreeFlex's max_turns is per segment, not per trajectory
 
     def __post_init__(self):
         from .components import check_generations_fit, check_tree_size
 
-        check_generations_fit(self)  # before the budget arithmetic derives M or N from a G no tree could hold
+        if type(self) is TreeTrainerConfig:
+            raise TypeError("TreeTrainerConfig is the shared base: use TreeConfig (or a preset) or TreeFlexConfig.")
+        check_generations_fit(self)  # before the budget arithmetic derives the sampler's budget field from a G no
+        # tree could hold
         self._check_composition()
         self._check_tree_fields()
         check_tree_size(self)  # the tree's leaves and tokens, from the resolved fields, for every sampler
@@ -408,42 +353,26 @@ class TreeConfig(GRPOConfig):
             return fields["num_generations"]
         args = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
         probe = SimpleNamespace(**{**args, **fields})
-        if "num_branches" in vars(probe) and probe.num_branches is None:
-            probe.num_branches = cls.default_num_branches
+        cls._check_sampler_kind(probe.sampler)  # another kind's sampler reads fields this class does not have
+        cls._probe_defaults(probe)
         field_name = budget_field(probe)
         if getattr(probe, field_name) is None:
             setattr(probe, field_name, cls._default_budget(field_name))
         return num_generations_of(probe)
 
     @classmethod
+    def _check_sampler_kind(cls, sampler: str) -> None:
+        """A ValueError unless `sampler` is one this class trains (a tree sampler, or a TreeFlex harness)."""
+        raise NotImplementedError
+
+    @classmethod
+    def _probe_defaults(cls, probe) -> None:
+        """`num_generations_for`'s what-if config: fill the sampler fields the class resolves at construction."""
+
+    @classmethod
     def _default_budget(cls, field_name: str) -> int:
-        return cls.default_num_initial_rollouts
-
-    def _resolve_branches(self):
-        """N unset: the preset's N, unless G alone is given (M unset too), the sampler lets N be derived
-        (`methods.Sampler.derived`) and no M reaches G with it; then the N ≥ 1 nearest to it that does
-        (`components.shape_for_generations`), so that a G GRPO accepts (3, 5, 7) is not refused for a default the user
-        never chose. A user-given N is kept, and `_resolve_budget` checks it."""
-        from .components import budget_field, budget_for_generations, budget_formula, shape_for_generations
-
-        if self.num_branches is not None:
-            return
-        preferred, G = self.default_num_branches, self.num_generations
-        self.num_branches = preferred
-        derives_n = "num_branches" in methods.SAMPLERS[self.sampler].derived
-        if (not derives_n or getattr(self, budget_field(self)) is not None or not isinstance(G, int) or G < 1
-                or budget_for_generations(self, G) is not None):
-            return
-        chosen = shape_for_generations(self, G, "num_branches", preferred)
-        if chosen is None:
-            return  # no (M, N) gives G: `_resolve_budget` raises, listing the settings that do
-        M, self.num_branches = chosen
-        logger.warning(
-            f"num_generations={G} → M={M}, N={self.num_branches}: no M gives G = {G} with the default N = {preferred} "
-            f"(a tree costs {budget_formula(self.sampler)} trajectories), so N = {self.num_branches} (K = "
-            f"{M * (self.num_branches + 1)} leaves per tree)."
-            " Set num_initial_rollouts and num_branches to choose another split."
-        )
+        """The value of the sampler's budget field (`Sampler.budget_field`) when neither it nor G is set."""
+        raise NotImplementedError
 
     def _resolve_budget(self):
         """num_generations ↔ the sampler's budget: derive whichever is unset, or check that the two agree."""
@@ -596,22 +525,9 @@ class TreeConfig(GRPOConfig):
         methods.check_units(self)
 
     def _check_composition(self):
-        self._check_components()
-        sampler = methods.SAMPLERS[self.sampler]
-        if sampler.unit != "tree":
-            raise ValueError(
-                f"sampler={self.sampler!r} is TreeFlex's harness: use TreeFlexConfig and TreeFlexTrainer for it."
-            )
-        self._resolve_branches()
-        methods.check_fields(self)  # before the budget arithmetic, which needs valid shapes
-        self._resolve_budget()
-        if self.num_initial_rollouts < 1:
-            raise ValueError(f"num_initial_rollouts (M) must be ≥ 1; got {self.num_initial_rollouts}.")
-        if self.leaves_per_tree < 2:
-            raise ValueError(
-                f"A tree needs K ≥ 2 leaves to standardise rewards; this configuration gives K = {self.leaves_per_tree}"
-                f" (sampler={self.sampler!r}: K = {sampler.leaves_formula}, M = {self.num_initial_rollouts})."
-            )
+        """The chosen components, checked and resolved: the subclass's own (a tree's sampler fields, TreeFlex's
+        fixed credit and loss), ending with `_resolve_budget`."""
+        raise NotImplementedError
 
     def _check_tree_fields(self):
         self._apply_tool_calling_iterations()
@@ -624,8 +540,6 @@ class TreeConfig(GRPOConfig):
                 f"multi_objective_aggregation must be one of {MULTI_OBJECTIVE_AGGREGATIONS}; got "
                 f"{self.multi_objective_aggregation!r}."
             )
-        if self.packing not in PACKING_LAYOUTS:
-            raise ValueError(f"packing must be one of {PACKING_LAYOUTS}; got {self.packing!r}.")
         check_tool_execution(self.tool_execution)
         check_max_tool_calls_per_turn(self.max_tool_calls_per_turn)
         if self.malformed_tool_calls not in MALFORMED_TOOL_CALL_POLICIES:
@@ -675,9 +589,151 @@ class TreeConfig(GRPOConfig):
 
 
 @dataclass
+class TreeConfig(TreeTrainerConfig):
+    """The tree trainers' config: `TreeTrainerConfig` (tools, turn limit, generation, budget G, batch sizes) plus
+    the fields of the tree components and the training layout, which it owns: `sampler`, `credit`, `loss`,
+    `reward_std`, the tree samplers' fields (`num_initial_rollouts`, `num_branches`, `anchor_rule`,
+    `expansion_rounds`, `branches_per_round`, `expansion_mode`, `sibling_penalty`, `entropy_threshold`,
+    `max_branches_per_tree`, `min_segment_length`, `branching_rounds`), the teacher radius `target_radius` and
+    `packing`. TreeFlex, which grows no tree, has its own (`TreeFlexConfig`, on the same base).
+
+    Composition (the method table, `trl_tree.methods`): `sampler`, `credit` and `loss` are chosen independently
+    among the registered tree components (`methods.SAMPLERS`, `CREDITS`, `LOSSES`; each field's help lists them, read
+    from the table); the named configs are presets. TreeFlex's group components go together (`TreeFlexConfig`).
+    Only the chosen components' own fields are validated (`methods.check_fields`).
+
+    Parameters:
+        sampler (`str`, defaults to `"init_expand"`): how trees grow (its help lists the registered samplers).
+        credit (`str`, defaults to `"likelihood"`): how leaf advantages are backed up to turns.
+        loss (`str`, defaults to `"treeopsd"`): the turn-level objective.
+        reward_std (`str`, defaults to `"sample"`): leaf standardisation: `"sample"` (ddof = 1, no epsilon; TreeOPSD
+            T1, TreeAdv D1) or `"population"` (ddof = 0, + 1e-6; AT2PO A3).
+        num_initial_rollouts (`int`, *optional*): M, complete trajectories sampled per prompt. Defaults to the
+            preset's M (4; AT2PO 10) or, when only `num_generations` is set, to the M whose budget is G.
+        num_branches (`int`, *optional*): N, continuations branched from each initial trajectory at uniformly drawn
+            turn prefixes ("init_expand"). K = M(N + 1); (4, 2) matches GRPO's G = 8 in expected cost. Defaults to 2;
+            when only `num_generations` is set and no M reaches it with N = 2 (G = 3, 5, 7, ...), to the N ≥ 1
+            nearest to 2 that does (G = 3: (M, N) = (2, 1)), said in a log line at start-up.
+        anchor_rule (`str`, defaults to `"uniform"`): N turn indices uniformly from {1..T−1} with replacement (index
+            0, a resample from the prompt, when T = 1).
+        expansion_rounds (`int`, defaults to `2`): L, rounds of entropy-guided expansion ("entropy_guided").
+        branches_per_round (`int`, defaults to `6`): K new branches per round ("entropy_guided").
+        expansion_mode (`str`, defaults to `"entropy"`): `"entropy"` (A2 node scores) or `"random"` (ablation).
+        sibling_penalty (`float`, defaults to `0.05`): α in S_i = H_i − α·max(0, siblings − 1).
+        entropy_threshold (`float`, defaults to `1.0`): τ_H in nats ("token_entropy", TreeAdv): action tokens whose
+            entropy exceeds it are branch points inside a completion. `float("inf")` turns branching off.
+        max_branches_per_tree (`int`, defaults to `2`): cap on branch points (new leaves) per tree ("token_entropy");
+            each of the M trees has 1 to 1 + this many leaves.
+        min_segment_length (`int`, defaults to `8`): both pieces of a segment split at a branch point keep at least
+            this many tokens ("token_entropy").
+        branching_rounds (`int`, defaults to `1`): rounds of token-level branching; a continuation may branch again
+            in a later round ("token_entropy").
+        target_radius (`float`, defaults to `0.25`): ρ for the "treeopsd" loss: q ∈ [1/2 − ρ, 1/2 + ρ], 0 < ρ < 1/2.
+        packing (`str`, defaults to `"tree"`): `"tree"` forwards each tree once as a packed row of its unique tokens
+            with an ancestor-only attention mask (flex_attention / sdpa / eager); `"paths"` forwards one causal row
+            per root-to-leaf path (any attention kernel, e.g. flash-attention) and still trains each unique token once.
+            `"auto"` picks one of the two per micro-batch from the cost of the forward (`packing.pack_cheapest`):
+            "tree" with flex_attention or tree_sdpa, "paths" with kernels that take no mask, and with a dense-mask
+            kernel (eager) whichever costs fewer multiply-adds, since a dense mask pays all T² pairs of a long tree
+            row. Same log-probs either way. With "tree" or "auto" the trainer switches an sdpa policy to
+            `"tree_sdpa"` (`trl_tree.tree_attention`): tree rows are attended chain by chain, computing only the
+            visible pairs; every other forward is sdpa's own.
+
+        The shared fields (tools, turns, generation, G and the GRPO options): `TreeTrainerConfig`.
+    """
+
+    sampler: str = _component_field("sampler", "init_expand", "How trees grow")
+    credit: str = _component_field("credit", "likelihood", "How leaf rewards are backed up to turns")
+    loss: str = _component_field("loss", "treeopsd", "The turn-level objective")
+    reward_std: str = field(default="sample", metadata={"help": "sample (ddof=1) | population (ddof=0, +1e-6)"})
+    num_initial_rollouts: int | None = field(
+        default=None, metadata={"help": "M: full trajectories per prompt (default: the preset's, or from num_generations)."}
+    )
+    num_branches: int | None = field(
+        default=None, metadata={"help": "N: continuations per initial trajectory (default 2, or from num_generations)."}
+    )
+    anchor_rule: str = field(default="uniform", metadata={"help": "Branch points: 'uniform' over turn prefixes."})
+    expansion_rounds: int = field(default=2, metadata={"help": "L: entropy-guided expansion rounds."})
+    branches_per_round: int = field(default=6, metadata={"help": "K: new branches per expansion round."})
+    expansion_mode: str = field(default="entropy", metadata={"help": "entropy | random"})
+    sibling_penalty: float = field(default=0.05, metadata={"help": "α of the AT2PO node score."})
+    entropy_threshold: float = field(default=1.0, metadata={"help": "τ_H (nats): branch inside turns above it."})
+    max_branches_per_tree: int = field(default=2, metadata={"help": "Cap on token-level branch points per tree."})
+    min_segment_length: int = field(default=8, metadata={"help": "Fewest tokens per split segment."})
+    branching_rounds: int = field(default=1, metadata={"help": "Rounds of token-level branching."})
+    target_radius: float = field(default=0.25, metadata={"help": "ρ: q ∈ [1/2 − ρ, 1/2 + ρ], 0 < ρ < 1/2."})
+    packing: str = field(default="tree", metadata={"help": "'tree' (one packed row per tree), 'paths' or 'auto'."})
+
+    default_num_initial_rollouts: ClassVar[int] = 4  # the preset's M when neither M nor G is set
+    default_num_branches: ClassVar[int] = 2  # the preset's N unless only G is set and N = 2 cannot reach it
+
+    @classmethod
+    def _check_sampler_kind(cls, sampler: str) -> None:
+        if methods.choice("sampler", sampler).unit != "tree":
+            raise ValueError(
+                f"sampler={sampler!r} is TreeFlex's harness: use TreeFlexConfig and TreeFlexTrainer for it."
+            )
+
+    @classmethod
+    def _probe_defaults(cls, probe) -> None:
+        if "num_branches" in vars(probe) and probe.num_branches is None:
+            probe.num_branches = cls.default_num_branches
+
+    @classmethod
+    def _default_budget(cls, field_name: str) -> int:
+        return cls.default_num_initial_rollouts
+
+    def _resolve_branches(self):
+        """N unset: the preset's N, unless G alone is given (M unset too), the sampler lets N be derived
+        (`methods.Sampler.derived`) and no M reaches G with it; then the N ≥ 1 nearest to it that does
+        (`components.shape_for_generations`), so that a G GRPO accepts (3, 5, 7) is not refused for a default the user
+        never chose. A user-given N is kept, and `_resolve_budget` checks it."""
+        from .components import budget_field, budget_for_generations, budget_formula, shape_for_generations
+
+        if self.num_branches is not None:
+            return
+        preferred, G = self.default_num_branches, self.num_generations
+        self.num_branches = preferred
+        derives_n = "num_branches" in methods.SAMPLERS[self.sampler].derived
+        if (not derives_n or getattr(self, budget_field(self)) is not None or not isinstance(G, int) or G < 1
+                or budget_for_generations(self, G) is not None):
+            return
+        chosen = shape_for_generations(self, G, "num_branches", preferred)
+        if chosen is None:
+            return  # no (M, N) gives G: `_resolve_budget` raises, listing the settings that do
+        M, self.num_branches = chosen
+        logger.warning(
+            f"num_generations={G} → M={M}, N={self.num_branches}: no M gives G = {G} with the default N = {preferred} "
+            f"(a tree costs {budget_formula(self.sampler)} trajectories), so N = {self.num_branches} (K = "
+            f"{M * (self.num_branches + 1)} leaves per tree)."
+            " Set num_initial_rollouts and num_branches to choose another split."
+        )
+
+    def _check_composition(self):
+        self._check_components()
+        self._check_sampler_kind(self.sampler)
+        sampler = methods.SAMPLERS[self.sampler]
+        self._resolve_branches()
+        methods.check_fields(self)  # before the budget arithmetic, which needs valid shapes
+        self._resolve_budget()
+        if self.num_initial_rollouts < 1:
+            raise ValueError(f"num_initial_rollouts (M) must be ≥ 1; got {self.num_initial_rollouts}.")
+        if self.leaves_per_tree < 2:
+            raise ValueError(
+                f"A tree needs K ≥ 2 leaves to standardise rewards; this configuration gives K = {self.leaves_per_tree}"
+                f" (sampler={self.sampler!r}: K = {sampler.leaves_formula}, M = {self.num_initial_rollouts})."
+            )
+
+    def _check_tree_fields(self):
+        super()._check_tree_fields()
+        if self.packing not in PACKING_LAYOUTS:
+            raise ValueError(f"packing must be one of {PACKING_LAYOUTS}; got {self.packing!r}.")
+
+
+@dataclass
 class TreeOPSDConfig(TreeConfig):
     """Configuration of `TreeOPSDTrainer` (paper §2–3, Alg. 1): init-expand (M, N) trees with uniform anchors,
-    likelihood-weighted credit, the Bernoulli forward-KL to q = 1/2 + V/τ. See `TreeConfig` for every field."""
+    likelihood-weighted credit, the Bernoulli forward-KL to q = 1/2 + V/τ. See `TreeConfig` (and its base `TreeTrainerConfig`) for every field."""
 
 
 @dataclass
@@ -727,7 +783,7 @@ class TreeAdvConfig(TreeConfig):
     Switches: `loss="gspo_token"` (GSPO-token; GSPO clips the sequence ratio tightly, e.g. `epsilon=3e-4,
     epsilon_high=4e-4`), `entropy_threshold=float("inf")` (no branching: GRPO with G = M), `num_initial_rollouts`
     (the paper's 1, 2, 4 trees), `branching_rounds` (deeper trees), `credit="path"` (no segment credit: each token
-    takes its trajectory's advantage, as in GRPO). See `TreeConfig` for every field."""
+    takes its trajectory's advantage, as in GRPO). See `TreeConfig` (and its base `TreeTrainerConfig`) for every field."""
 
     sampler: str = _component_field("sampler", "token_entropy", "How trees grow")
     credit: str = _component_field("credit", "leaf_mean", "How leaf rewards are backed up to turns (D2: leaf_mean)")
@@ -738,8 +794,13 @@ class TreeAdvConfig(TreeConfig):
 
 
 @dataclass
-class TreeFlexConfig(TreeConfig):
-    """Configuration of `TreeFlexTrainer` (docs/design.md §3 F1–F4). Shares `TreeConfig`'s tool and budget fields.
+class TreeFlexConfig(TreeTrainerConfig):
+    """Configuration of `TreeFlexTrainer` (docs/design.md §3 F1–F4). The shared fields (tools, turn limit, generation,
+    budget G, batch sizes, GRPO options) are `TreeTrainerConfig`'s, as for the tree trainers; it owns `sampler`,
+    `credit`, `loss`, `num_searches`, `max_blocks`, `penalty_mode`, `aggregation`, `role_lambda`, `dual_clip_c` and
+    `max_card_chars`. TreeFlex grows no tree, so it has none of `TreeConfig`'s tree fields (`num_initial_rollouts`,
+    `num_branches`, `anchor_rule`, the expansion and token-branching fields, `reward_std`, `target_radius`,
+    `packing`: every block is one causal path, packed as a one-path tree row).
 
     Parameters:
         sampler (`str`, defaults to `"two_role"`): the built-in harness (Reflection + Execution segments). Ignored
@@ -761,8 +822,6 @@ class TreeFlexConfig(TreeConfig):
         max_turns (`int`, defaults to `5`): assistant turns per Execution segment (per block of a custom harness).
         max_completion_length: token budget of one block after its context (generated plus appended tokens).
         tool_failure_penalty (`float`, defaults to `-1.0`): Q per malformed or rejected tool call (≤ 0).
-        num_initial_rollouts, num_branches, target_radius, anchor_rule, expansion_*: unused (None or ignored);
-            `packing` too: every block is one causal path.
     """
 
     sampler: str = _component_field("sampler", "two_role", "The harness (or pass harness=)", unit="group")
@@ -777,17 +836,17 @@ class TreeFlexConfig(TreeConfig):
     role_lambda: float = field(default=0.0, metadata={"help": "λ: weight of the role mean in the aggregation."})
     dual_clip_c: float = field(default=3.0, metadata={"help": "c of the dual clip (A < 0), c > 1."})
     max_card_chars: int | None = field(default=2000, metadata={"help": "Cut for cards copied into other blocks."})
-    # tree-sampler fields that do not apply (None keeps them out of the model card)
-    num_initial_rollouts: int | None = field(default=None, metadata={"help": "Unused by TreeFlex."})
-    num_branches: int | None = field(default=None, metadata={"help": "Unused by TreeFlex."})
-    target_radius: float | None = field(default=None, metadata={"help": "Unused by TreeFlex."})
-    anchor_rule: str | None = field(default=None, metadata={"help": "Unused by TreeFlex."})
 
     maps_tool_calling_iterations: ClassVar[bool] = False  # max_turns is per segment here
 
     @classmethod
     def _default_budget(cls, field_name: str) -> int:
         return 4  # num_searches
+
+    @classmethod
+    def _check_sampler_kind(cls, sampler: str) -> None:
+        if sampler not in harnesses():
+            raise ValueError(f"sampler must be one of {harnesses()}; got {sampler!r}.")
 
     def _check_composition(self):
         preset = methods.METHODS["treeflex"]
@@ -798,8 +857,7 @@ class TreeFlexConfig(TreeConfig):
                     f"TreeFlexConfig.{name} is fixed to {want!r} (got {value!r}): TreeFlex's credit and loss are F1–F3;"
                     " vary them with penalty_mode, aggregation, role_lambda and dual_clip_c."
                 )
-        if self.sampler not in harnesses():
-            raise ValueError(f"sampler must be one of {harnesses()}; got {self.sampler!r}.")
+        self._check_sampler_kind(self.sampler)
         self._check_components()
         methods.check_fields(self)  # the harness's, the search credit's and the dual clip's own fields
         self._resolve_budget()

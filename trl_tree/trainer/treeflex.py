@@ -226,6 +226,8 @@ class TreeFlexTrainer(TreeTrainer):
         ```
     """
 
+    config_base = TreeFlexConfig
+
     def __init__(self, model, reward_funcs=None, args: TreeFlexConfig | None = None, harness: FlexHarness | None = None,
                  **kwargs):
         if args is not None and not isinstance(args, TreeFlexConfig):
@@ -239,6 +241,10 @@ class TreeFlexTrainer(TreeTrainer):
         if self._harness is not None:
             return self._harness
         return super().build_sampler(loop)
+
+    def _forwards_tree_rows(self) -> bool:
+        """Always: each block is packed as a one-path tree row (`pack_groups`), so TreeFlex has no `packing`."""
+        return True
 
     @property
     def harness(self) -> FlexHarness:
