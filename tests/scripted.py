@@ -217,7 +217,7 @@ def hf_engine(trainer, monkeypatch, cache: str, with_scores: bool = False, **gen
     return HFEngine(hf_ports(trainer), with_scores=with_scores)
 
 
-def turn_mean_logps(trainer, batch) -> torch.Tensor:
+def turn_mean_logps(trainer, batch) -> tuple[torch.Tensor, torch.Tensor]:
     """Each unique turn's mean log-prob under the trainer's model on a generated micro-batch, through the trainer's own
     `loss_inputs` (NaN for a turn without trained tokens), and the turns' credit A as the loss reads it."""
     with torch.no_grad():

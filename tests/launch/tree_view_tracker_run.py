@@ -65,8 +65,11 @@ def wandb_rows(wait_s: float = 120.0) -> list[dict]:
     deadline = time.monotonic() + wait_s
     while True:
         records = _wandb_records(run_file.read_bytes())
-        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
             break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{run_file} has no exit record {wait_s:.0f} s after wandb.finish(): W&B's writer did "
+                               "not finish the run file, so its rows cannot be checked")
         time.sleep(0.5)
     rows = []
     for record in records:
