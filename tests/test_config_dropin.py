@@ -469,7 +469,7 @@ def test_a_prompt_longer_than_the_models_positions_is_an_error_naming_both_lengt
 def test_a_completion_budget_that_cannot_fit_the_positions_warns_once(tmp_path, caplog):
     """max_completion_length ≥ the model's positions: no prompt leaves room for it, said at start-up; a prompt that
     fits but leaves less than max_completion_length is said once, at the first batch that has one."""
-    with caplog.at_level("WARNING", logger="trl_tree.trainer.base"):
+    with caplog.at_level("WARNING", logger="trl_tree.trainer.prompts"):
         _long_prompt_trainer(tmp_path, max_positions=64, words=1, max_completion_length=96)
     assert "max_completion_length (96)" in caplog.text and "max_position_embeddings (64)" in caplog.text
     caplog.clear()
@@ -477,7 +477,7 @@ def test_a_completion_budget_that_cannot_fit_the_positions_warns_once(tmp_path, 
     assert "max_completion_length" not in caplog.text  # 96 < 4096: fine at start-up
     prompt_len = len(trl_internals.tokenize_prompts(trainer, [trainer.train_dataset[0]["prompt"]])[0][0])
     trainer.model.config.max_position_embeddings = prompt_len + 50  # fits, but not with 96 more tokens
-    with caplog.at_level("WARNING", logger="trl_tree.trainer.base"):
+    with caplog.at_level("WARNING", logger="trl_tree.trainer.prompts"):
         trainer.generate_batch([trainer.train_dataset[0]])
         trainer.generate_batch([trainer.train_dataset[0]])
     assert caplog.text.count("leaves fewer than max_completion_length") == 1

@@ -234,10 +234,10 @@ def guard_reward_func(func, name: str):
     nansum / nanmean skip both, so a NaN cannot mean anything else there, and a reward function written for it must
     work here. A NaN becomes None, with a warning the first time for each function, since a NaN is more often a bug
     than a choice. A leaf that no function scores is then handled as GRPO handles such a completion (see
-    `trainer.base._rewards_for_credit`). ±inf is an error: GRPO gives it no meaning (its group's advantages become inf
-    or NaN), and a tree would back it up into every ancestor. A 1-D tensor or array of rewards is read as GRPOTrainer
-    reads it; strings, nested values or a wrong count are errors that say what to return. A model-based reward (an
-    `nn.Module`) is left as it is. An async function stays async (TRL awaits it on its event loop).
+    `trainer.scoring._rewards_for_credit`). ±inf is an error: GRPO gives it no meaning (its group's advantages become
+    inf or NaN), and a tree would back it up into every ancestor. A 1-D tensor or array of rewards is read as
+    GRPOTrainer reads it; strings, nested values or a wrong count are errors that say what to return. A model-based
+    reward (an `nn.Module`) is left as it is. An async function stays async (TRL awaits it on its event loop).
     """
     import torch
     from trl.trainer.utils import is_async_callable

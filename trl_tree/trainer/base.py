@@ -11,8 +11,11 @@ accelerate / DeepSpeed, vLLM, logging, checkpoints, Hub):
 
 The pipeline knows no TRL: this class is the adapter that gives it narrow ports (`pipeline_ports`: GRPOTrainer's
 prompt rendering and environments, TRL's reward computation, the model's forward, the credit) and its unit
-(`rollout_unit`; TreeFlex's group is another), and the only place besides `engine_ports` that reaches TRL's private
-names (through `trl_internals`). Its generation metrics live in `generation_logging`.
+(`rollout_unit`; TreeFlex's group is another), and logs what comes back. The TRL-side jobs behind those ports are
+mixins of their own, each reaching TRL's private names only through `trl_internals`: `prompts` (render and check the
+prompts, parse a turn after them), `environments` (the environment pool, resets, a root's tools), `scoring` (TRL's
+reward computation on every leaf, padded per rank) and `generation_logging` (the generation metrics); the generation
+backends get their ports from `engine_ports`.
 
 The configuration chooses the sampler, the credit and the loss independently from the method table
 (`trl_tree.methods`); the named trainers (`TreeOPSDTrainer`, `TreePOTrainer`, `AT2POTrainer`, `TreeAdvTrainer`) are
@@ -24,22 +27,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import logging
 from typing import Any
 
 import torch
 from datasets import IterableDataset
 from trl import GRPOTrainer
-from trl.chat_template_utils import parse_response
-from trl.data_utils import is_conversational
 from trl.trainer.utils import RepeatSampler, repeat_iterable_dataset
 
 from .. import methods, pipeline, trl_internals
 from ..batch import LossInputs, TurnCredit
 from ..packing import unwrap_model
-from ..rewards import guard_reward_func
 from ..rollout.engine import HFEngine
-from ..rollout.env import EnvironmentPool, TreeEnvironment, environment_tools
 from ..rollout.samplers import SamplerSettings, TreeRoot, TurnLoop
 from ..tree import RolloutTree
 from ..tree_attention import TREE_SDPA
@@ -47,10 +45,11 @@ from ..tree_unit import TreeUnits
 from . import components, engine_ports, model_card, resume
 from . import metrics as tree_metrics
 from .config import TreeConfig, TreeTrainerConfig
+from .environments import EnvironmentHandling
 from .generation_logging import GenerationLogging
+from .prompts import PromptRendering
+from .scoring import RewardScoring
 from .tree_view_logging import TreeViewRecorder, at_global_step
-
-logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -66,7 +65,7 @@ def _switched_off(obj, flag: str, when: bool):
         setattr(obj, flag, True)
 
 
-class TreeTrainer(GenerationLogging, GRPOTrainer):
+class TreeTrainer(PromptRendering, EnvironmentHandling, RewardScoring, GenerationLogging, GRPOTrainer):
     """A GRPOTrainer that grows rollout trees and trains unique turns with a turn-level loss.
 
     Use it directly with a `TreeConfig` to compose a sampler, a credit and a loss, or use a named preset
@@ -103,7 +102,7 @@ class TreeTrainer(GenerationLogging, GRPOTrainer):
         self._check_enough_prompts()
         self._resize_completion_logs(args.prompts_per_generation * args.leaves_per_tree)
         self._hide_fork_from_tools()
-        self.reward_funcs = [guard_reward_func(f, n) for f, n in zip(self.reward_funcs, self.reward_func_names)]
+        self._guard_reward_funcs()
         self.generation_engine = self._build_engine()
         self._turn_loop = self._build_turn_loop()
         self.sampler = self.build_sampler(self._turn_loop)
@@ -155,54 +154,6 @@ class TreeTrainer(GenerationLogging, GRPOTrainer):
             f"per optimizer step; E = {a.num_optimizer_blocks} optimizer blocks per generation batch."
         )
 
-    def _position_limit(self) -> int | None:
-        """The model's `max_position_embeddings` (a multimodal model's text config), what GRPOTrainer's tool loop
-        caps sequences at; None when the config has none."""
-        config = unwrap_model(self.model).config
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        return getattr(config, "max_position_embeddings", None)
-
-    def _warn_if_budget_exceeds_positions(self):
-        """A completion budget the model's positions cannot hold even after a one-token prompt: said once here, since
-        GRPOTrainer does not refuse it either (transformers' generate runs on past the positions)."""
-        limit, budget = self._position_limit(), self.args.max_completion_length
-        if limit is not None and budget >= limit:
-            logger.warning(
-                f"max_completion_length ({budget}) is not below the model's max_position_embeddings ({limit}): no "
-                "prompt leaves room for a full completion, and tokens past the model's positions are generated and "
-                f"trained on positions it never learned. Lower max_completion_length below {limit} minus your longest "
-                "prompt."
-            )
-
-    def _check_prompt_lengths(self, prompt_ids) -> None:
-        """A prompt at or past the model's positions is an error at its batch: TRL 1.16's GRPOConfig has no
-        max_prompt_length (GRPOTrainer truncates no prompt), and generate would continue past the positions without
-        a word. A prompt that fits but leaves less than max_completion_length is said once (completions there run
-        past the positions too)."""
-        limit = self._position_limit()
-        if limit is None:
-            return
-        budget = self.args.max_completion_length
-        for i, ids in enumerate(prompt_ids):
-            if len(ids) >= limit:
-                raise ValueError(
-                    f"Prompt {i} of this batch renders to {len(ids)} tokens (chat template and tool schemas "
-                    f"included), but the model has max_position_embeddings = {limit}: it cannot be continued without "
-                    "running past the model's positions. GRPOConfig has no max_prompt_length to truncate it; shorten "
-                    "the prompt, or filter the dataset on the rendered prompt length (dataset.filter) to prompts "
-                    + (f"below {limit - budget} tokens, which leaves room for max_completion_length = {budget}."
-                       if budget < limit else f"below {limit} tokens, and lower max_completion_length ({budget}).")
-                )
-            # budget ≥ limit: every prompt is short of room, which start-up has said already
-            if len(ids) + budget > limit and budget < limit and not getattr(self, "_warned_prompt_room", False):
-                self._warned_prompt_room = True
-                logger.warning(
-                    f"Prompt {i} of this batch has {len(ids)} tokens and leaves fewer than max_completion_length "
-                    f"({budget}) of the model's max_position_embeddings ({limit}): a trajectory that uses its whole "
-                    "budget runs past the model's positions. Filter the dataset to prompts below "
-                    f"{limit - budget} tokens or lower max_completion_length (said once per run)."
-                )
-
     def get_total_train_batch_size(self, args) -> int:
         """transformers' samples per optimizer step (`train_samples_per_second` and the start-up "Total train batch
         size"). GRPO's dataloader repeats each prompt G times, so its samples are completions; ours yields each prompt
@@ -253,25 +204,6 @@ class TreeTrainer(GenerationLogging, GRPOTrainer):
         }
         trl_internals.set_completion_logs(self, logs)
 
-    def _hide_fork_from_tools(self):
-        """An environment's `fork()` is how we branch it, not a tool for the model."""
-        if self.environment_factories is None:
-            return
-        env_tools = trl_internals.environment_tools_by_name(self)
-        for name, tools in env_tools.items():
-            env_tools[name] = [t for t in tools if getattr(t, "__name__", "") != "fork"]
-        self.tools = [t for t in self.tools if getattr(t, "__name__", "") != "fork"]
-
-    def _build_environment_pool(self) -> EnvironmentPool | None:
-        """GRPOTrainer's pool (its probe instances included), grown when trees need more instances, and the
-        `environment_branching` rule."""
-        if self.environment_factories is None:
-            return None
-        pool = trl_internals.environment_pool(self)
-        return EnvironmentPool(
-            self.environment_factories, pool, self.args.environment_branching, self.args.replay_divergence
-        )
-
     def _build_engine(self):
         """The generation backend, given narrow ports of this trainer (`engine_ports`), not the trainer itself."""
         if self.use_vllm:
@@ -315,12 +247,6 @@ class TreeTrainer(GenerationLogging, GRPOTrainer):
         """The configured sampler (`trl_tree.methods.SAMPLERS`), seeded per process."""
         seed = self.args.seed + 1000 * self.accelerator.process_index
         return methods.SAMPLERS[self.args.sampler].build(self.args, loop, seed)
-
-    def _parse_action(self, ids: list[int], prefix: list[int]) -> dict:
-        if not self.tools:
-            return {"role": "assistant", "content": trl_internals.tokenizer(self).decode(ids, skip_special_tokens=True)}
-        prefix = _after_text_prompt(prefix, getattr(self, "_text_prompt_ids", ()))
-        return parse_response(trl_internals.tokenizer(self), ids, prefix=prefix, tools=self.tools)
 
     def _any_rank_active(self, flag: bool) -> bool:
         return tree_metrics.any_rank(self.accelerator, flag)
@@ -412,116 +338,18 @@ class TreeTrainer(GenerationLogging, GRPOTrainer):
         )
 
     def _prepare_roots(self, inputs):
-        """Reset one environment per prompt (its tools and state are the tree's root) and render the prompts.
-
-        Environments come from the pool: the previous batch's instances are free again here (as GRPOTrainer reuses
-        its pool every batch), and each tree takes more from it for its other trajectories and replayed branches.
-
-        As in GRPOTrainer, `prompt` may be missing only when an environment owns the data (its `reset()` supplies the
-        prompt); otherwise a dataset without it is an error, not a batch of empty prompts."""
-        if self.environment_factories is None and any("prompt" not in x for x in inputs):
-            raise KeyError(
-                f"{type(self).__name__}: the dataset has no 'prompt' column (an example has the keys "
-                f"{sorted(next(x for x in inputs if 'prompt' not in x))}). As GRPOTrainer does, the tree trainers read "
-                "each example's prompt from 'prompt' (a string, or a list of chat messages): rename the column, or "
-                "pass environment_factory= when an environment's reset() provides the prompt."
-            )
-        prompts = [x.get("prompt", [{"role": "user", "content": ""}]) for x in inputs]
+        """The pipeline's `prepare` port: per row, its prompt (`prompts.PromptRendering`), its environment reset
+        (`environments.EnvironmentHandling`; its tools and state are the tree's root) and the rendered prompt ids."""
+        prompts = self._dataset_prompts(inputs)
         if self._tree_view is not None:  # the tree view shows each prompt's question and gold answer from its row
             self._tree_view.note_rows(inputs)
-        envs, handles = [None] * len(inputs), [None] * len(inputs)
-        if self.environment_factories is not None:
-            multi = trl_internals.multi_environment(self)
-            names = [x.get("environment") if multi else None for x in inputs]
-            trl_internals.set_batch_environments(self, names)
-            self.environment_pool.release()
-            for i, (x, name) in enumerate(zip(inputs, names)):
-                if name not in self.environment_factories:
-                    raise ValueError(
-                        f"Example has environment={name!r}, not among {list(self.environment_factories)}."
-                    )
-                kwargs = {k: v for k, v in x.items() if k != "environment"} if multi else x
-                handles[i] = TreeEnvironment(self.environment_pool, name, kwargs, self._turn_loop.run_call)
-                envs[i] = handles[i].start()
-                observation = handles[i].reset_observation
-                if isinstance(observation, str) and is_conversational({"prompt": prompts[i]}):
-                    last = prompts[i][-1]
-                    prompts[i] = prompts[i][:-1] + [{**last, "content": last["content"] + observation}]
-        prompt_ids, _, _ = trl_internals.tokenize_prompts(self, prompts)
-        self._check_prompt_lengths(prompt_ids)
-        # a plain-text prompt is no chat turn: the response parser must not read it as the assistant's message
-        conversational = is_conversational({"prompt": prompts[0]})
-        self._text_prompt_ids = [] if conversational else sorted((list(p) for p in prompt_ids), key=len, reverse=True)
-        roots = []
-        for ids, env, handle in zip(prompt_ids, envs, handles):
-            tools = {t.__name__: t for t in trl_internals.standalone_tools(self)}
-            if env is not None:
-                tools.update({m.__name__: m for m in environment_tools(env)})
-            roots.append(TreeRoot(prompt_ids=list(ids), env=env, tools=tools, environment=handle))
-        return prompts, roots
-
-    def _score_leaves(self, inputs, prompts, branches_per_tree) -> pipeline.LeafScores:
-        """TRL's reward functions on every leaf (`trl_tree.pipeline.Leaf`: a branch; TreeFlex: a search): the
-        completion is the whole multi-turn conversation after the prompt; dataset columns are passed through
-        (repeated per leaf), environments as `environments`."""
-        leaf_inputs, leaf_prompts, completions, completion_ids, envs = [], [], [], [], []
-        for x, prompt, branches in zip(inputs, prompts, branches_per_tree):
-            for b in branches:
-                leaf_inputs.append(x)
-                leaf_prompts.append(prompt)
-                completions.append(b.messages if is_conversational({"prompt": prompt}) else _as_text(b.messages))
-                completion_ids.append(b.completion_ids)
-                envs.append(b.env)
-        # TRL's `_calculate_rewards` gathers every rank's rows, which needs equal counts: a sampler may give ranks
-        # different numbers of leaves, so pad with repeats of the last leaf and drop their rewards afterwards.
-        n = len(leaf_inputs)
-        width = self._max_over_ranks(n)
-        for column in (leaf_inputs, leaf_prompts, completions, completion_ids, envs):
-            column.extend(column[-1:] * (width - n))
-        self.environments = envs if self.environment_factories is not None else None
-        per_func = trl_internals.calculate_rewards(self, leaf_inputs, leaf_prompts, completions, completion_ids)
-        self._flush_reward_logs(n)
-        start = self.accelerator.process_index * width
-        per_func = per_func[start : start + n].cpu()
-        return pipeline.LeafScores(
-            per_func, self._weighted_rewards(per_func),
-            self._leaf_rewards_for_credit(per_func, [len(b) for b in branches_per_tree]),
-        )
-
-    def _leaf_rewards_for_credit(self, per_func: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-        """Each tree's leaf rewards for its credit: the reward functions combined by GRPO's
-        `multi_objective_aggregation` with the tree as the group, and leaves that no function scores filled as
-        `_rewards_for_credit` says."""
-        unscored = torch.isnan(per_func).all(dim=1)
-        weights, mode = self.reward_weights.cpu(), self.multi_objective_aggregation
-        return [
-            _rewards_for_credit(components.aggregate_leaf_rewards(rows, weights, mode).masked_fill(none, float("nan")))
-            for rows, none in zip(torch.split(per_func, sizes), torch.split(unscored, sizes))
+        envs, handles = self._reset_environments(inputs, prompts)
+        prompt_ids = self._render_prompts(prompts)
+        roots = [
+            TreeRoot(prompt_ids=list(ids), env=env, tools=self._root_tools(env), environment=handle)
+            for ids, env, handle in zip(prompt_ids, envs, handles)
         ]
-
-    def _weighted_rewards(self, per_func: torch.Tensor) -> torch.Tensor:
-        """GRPO's reward of each leaf: the weighted sum of the reward functions that apply (None → NaN: does not
-        apply), NaN for a leaf that no function scores (TRL's `_calculate_rewards` has warned about it)."""
-        rewards = (per_func * self.reward_weights.to(per_func.device).unsqueeze(0)).nansum(dim=1)
-        return rewards.masked_fill(torch.isnan(per_func).all(dim=1), float("nan"))
-
-    def _flush_reward_logs(self, num_rows: int) -> None:
-        """What reward functions passed to TRL's `log_metric` / `log_extra` callbacks, flushed as GRPOTrainer's
-        `_generate_and_score_completions` (which the tree trainers replace) does: each metric averaged over the values
-        of all ranks into `_metrics`, each extra column (one value per leaf) into the completions table. Values of the
-        rows that pad a rank for `_calculate_rewards` are dropped. Column and metric names are sorted so every rank
-        gathers them in the same order."""
-        from accelerate.utils import gather_object
-
-        mode = "train" if self.model.training else "eval"
-        pending_metrics, pending_extra = trl_internals.pending_reward_logs(self)
-        for column in sorted(set(gather_object(list(pending_extra)))):
-            values = pending_extra.get(column, [None] * num_rows)[:num_rows]
-            trl_internals.completion_logs(self)["extra"][column].extend(gather_object(values))
-        pending_extra.clear()
-        for name in sorted(set(gather_object(list(pending_metrics)))):
-            trl_internals.metrics(self, mode)[name].append(self._mean_over_ranks(pending_metrics.get(name, [])))
-        pending_metrics.clear()
+        return prompts, roots
 
     def turn_credit(self, unit) -> TurnCredit:
         """The credit of one unit (a tree, over `tree.turns`; TreeFlex: a group) with everything its loss reads
@@ -631,35 +459,3 @@ class _EngineProxy:
     @property
     def resumes_turns(self) -> bool:
         return getattr(self.trainer.generation_engine, "resumes_turns", False)
-
-
-def _as_text(messages: list[dict]) -> str:
-    return "".join(m.get("content") or "" for m in messages if m.get("role") == "assistant")
-
-
-def _after_text_prompt(prefix: list[int], text_prompt_ids) -> list[int]:
-    """The history after its plain-text prompt (the longest of `text_prompt_ids` it starts with), else all of it.
-
-    TRL's response parser reads everything after the last assistant header of `prefix` as the assistant's message. A
-    plain-text prompt has no header, so the parser would hand the prompt's text to reward functions as the start of
-    the completion; the response starts right after the prompt, as with an empty prefix.
-    """
-    for ids in text_prompt_ids:
-        if prefix[: len(ids)] == ids:
-            return prefix[len(ids) :]
-    return prefix
-
-
-def _rewards_for_credit(rewards: torch.Tensor) -> torch.Tensor:
-    """One tree's (or TreeFlex group's) leaf rewards for its credit, with GRPO's treatment of unscored leaves.
-
-    GRPOTrainer gives a completion that no reward function scores (every one returned None) advantage 0 and leaves it
-    out of its group's mean. A tree needs a reward on every leaf, so such a leaf takes the mean of the scored leaves:
-    its standardised advantage is 0 and the baseline is the scored leaves' mean (the spread still counts every leaf).
-    A tree with no scored leaf gets 0 everywhere, hence no signal.
-    """
-    unscored = torch.isnan(rewards)
-    if not unscored.any():
-        return rewards
-    fill = rewards[~unscored].mean() if (~unscored).any() else rewards.new_zeros(())
-    return rewards.masked_fill(unscored, fill.item())

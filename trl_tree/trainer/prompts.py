@@ -1,0 +1,117 @@
+"""Prompt rendering of the tree trainers: dataset rows to prompt token ids, as GRPOTrainer's (docs/design.md §2).
+
+A mixin of `TreeTrainer`. GRPOTrainer renders prompts inside the generation step the tree trainers replace, so they
+redo its part here: read each row's `prompt`, tokenize it with TRL's chat template and tool schemas (through
+`trl_internals`), and check it against the model's positions, which TRL 1.16 does not (its GRPOConfig has no
+max_prompt_length). A plain-text prompt is remembered for the response parser (`_parse_action`), which would read it
+as the start of the assistant's message otherwise. Its own file so that the trainer module is the adapter from
+GRPOTrainer to the pipeline only.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from trl.chat_template_utils import parse_response
+from trl.data_utils import is_conversational
+
+from .. import trl_internals
+from ..packing import unwrap_model
+
+logger = logging.getLogger(__name__)
+
+
+class PromptRendering:
+    """Prompts read, rendered and checked; mixed into `TreeTrainer` (reads its args, model, tools, environments)."""
+
+    def _dataset_prompts(self, inputs: list[dict]) -> list:
+        """Each row's `prompt` (a string or chat messages). As in GRPOTrainer, it may be missing only when an
+        environment owns the data (its `reset()` supplies the prompt); otherwise a dataset without it is an error,
+        not a batch of empty prompts."""
+        if self.environment_factories is None and any("prompt" not in x for x in inputs):
+            raise KeyError(
+                f"{type(self).__name__}: the dataset has no 'prompt' column (an example has the keys "
+                f"{sorted(next(x for x in inputs if 'prompt' not in x))}). As GRPOTrainer does, the tree trainers read "
+                "each example's prompt from 'prompt' (a string, or a list of chat messages): rename the column, or "
+                "pass environment_factory= when an environment's reset() provides the prompt."
+            )
+        return [x.get("prompt", [{"role": "user", "content": ""}]) for x in inputs]
+
+    def _render_prompts(self, prompts: list) -> list:
+        """The prompts' token ids (TRL's `_tokenize_prompts`: chat template and tool schemas), checked against the
+        model's positions; plain-text prompts are remembered for `_parse_action`."""
+        prompt_ids, _, _ = trl_internals.tokenize_prompts(self, prompts)
+        self._check_prompt_lengths(prompt_ids)
+        # a plain-text prompt is no chat turn: the response parser must not read it as the assistant's message
+        conversational = is_conversational({"prompt": prompts[0]})
+        self._text_prompt_ids = [] if conversational else sorted((list(p) for p in prompt_ids), key=len, reverse=True)
+        return prompt_ids
+
+    def _parse_action(self, ids: list[int], prefix: list[int]) -> dict:
+        """One generated turn as an assistant message (TRL's response parser; tool calls parsed when there are
+        tools), read after the prompt when the prompt is plain text."""
+        if not self.tools:
+            return {"role": "assistant", "content": trl_internals.tokenizer(self).decode(ids, skip_special_tokens=True)}
+        prefix = _after_text_prompt(prefix, getattr(self, "_text_prompt_ids", ()))
+        return parse_response(trl_internals.tokenizer(self), ids, prefix=prefix, tools=self.tools)
+
+    def _position_limit(self) -> int | None:
+        """The model's `max_position_embeddings` (a multimodal model's text config), what GRPOTrainer's tool loop
+        caps sequences at; None when the config has none."""
+        config = unwrap_model(self.model).config
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        return getattr(config, "max_position_embeddings", None)
+
+    def _warn_if_budget_exceeds_positions(self):
+        """A completion budget the model's positions cannot hold even after a one-token prompt: said once here, since
+        GRPOTrainer does not refuse it either (transformers' generate runs on past the positions)."""
+        limit, budget = self._position_limit(), self.args.max_completion_length
+        if limit is not None and budget >= limit:
+            logger.warning(
+                f"max_completion_length ({budget}) is not below the model's max_position_embeddings ({limit}): no "
+                "prompt leaves room for a full completion, and tokens past the model's positions are generated and "
+                f"trained on positions it never learned. Lower max_completion_length below {limit} minus your longest "
+                "prompt."
+            )
+
+    def _check_prompt_lengths(self, prompt_ids) -> None:
+        """A prompt at or past the model's positions is an error at its batch: TRL 1.16's GRPOConfig has no
+        max_prompt_length (GRPOTrainer truncates no prompt), and generate would continue past the positions without
+        a word. A prompt that fits but leaves less than max_completion_length is said once (completions there run
+        past the positions too)."""
+        limit = self._position_limit()
+        if limit is None:
+            return
+        budget = self.args.max_completion_length
+        for i, ids in enumerate(prompt_ids):
+            if len(ids) >= limit:
+                raise ValueError(
+                    f"Prompt {i} of this batch renders to {len(ids)} tokens (chat template and tool schemas "
+                    f"included), but the model has max_position_embeddings = {limit}: it cannot be continued without "
+                    "running past the model's positions. GRPOConfig has no max_prompt_length to truncate it; shorten "
+                    "the prompt, or filter the dataset on the rendered prompt length (dataset.filter) to prompts "
+                    + (f"below {limit - budget} tokens, which leaves room for max_completion_length = {budget}."
+                       if budget < limit else f"below {limit} tokens, and lower max_completion_length ({budget}).")
+                )
+            # budget ≥ limit: every prompt is short of room, which start-up has said already
+            if len(ids) + budget > limit and budget < limit and not getattr(self, "_warned_prompt_room", False):
+                self._warned_prompt_room = True
+                logger.warning(
+                    f"Prompt {i} of this batch has {len(ids)} tokens and leaves fewer than max_completion_length "
+                    f"({budget}) of the model's max_position_embeddings ({limit}): a trajectory that uses its whole "
+                    "budget runs past the model's positions. Filter the dataset to prompts below "
+                    f"{limit - budget} tokens or lower max_completion_length (said once per run)."
+                )
+
+
+def _after_text_prompt(prefix: list[int], text_prompt_ids) -> list[int]:
+    """The history after its plain-text prompt (the longest of `text_prompt_ids` it starts with), else all of it.
+
+    TRL's response parser reads everything after the last assistant header of `prefix` as the assistant's message. A
+    plain-text prompt has no header, so the parser would hand the prompt's text to reward functions as the start of
+    the completion; the response starts right after the prompt, as with an empty prefix.
+    """
+    for ids in text_prompt_ids:
+        if prefix[: len(ids)] == ids:
+            return prefix[len(ids) :]
+    return prefix

@@ -1,0 +1,114 @@
+"""The reward computation of the tree trainers: TRL's reward functions on every leaf (docs/design.md §2).
+
+A mixin of `TreeTrainer`, the pipeline's `score` port. GRPOTrainer scores completions inside the generation step the
+tree trainers replace; here a completion is a leaf (a tree's trajectory; TreeFlex: a complete search), scored by
+TRL's own `_calculate_rewards` (through `trl_internals`) so reward functions see what they see under GRPOTrainer.
+Three things differ and live here: ranks may hold different numbers of leaves, which TRL's gather cannot take (each
+rank is padded and its padding dropped); the group whose rewards are aggregated and filled for unscored leaves is the
+tree; and what reward functions log through TRL's callbacks is flushed as GRPOTrainer's generation step would. Its own
+file so that the trainer module is the adapter from GRPOTrainer to the pipeline only.
+"""
+
+from __future__ import annotations
+
+import torch
+from trl.data_utils import is_conversational
+
+from .. import pipeline, trl_internals
+from ..rewards import guard_reward_func
+from . import components
+from . import metrics as tree_metrics
+
+
+class RewardScoring:
+    """Leaves scored by the reward functions; mixed into `TreeTrainer` (reads its accelerator, reward functions and
+    weights, environments)."""
+
+    def _guard_reward_funcs(self) -> None:
+        """Each reward function wrapped by `rewards.guard_reward_func` (its values checked, named in errors)."""
+        self.reward_funcs = [guard_reward_func(f, n) for f, n in zip(self.reward_funcs, self.reward_func_names)]
+
+    def _score_leaves(self, inputs, prompts, branches_per_tree) -> pipeline.LeafScores:
+        """TRL's reward functions on every leaf (`trl_tree.pipeline.Leaf`: a branch; TreeFlex: a search): the
+        completion is the whole multi-turn conversation after the prompt; dataset columns are passed through
+        (repeated per leaf), environments as `environments`."""
+        leaf_inputs, leaf_prompts, completions, completion_ids, envs = [], [], [], [], []
+        for x, prompt, branches in zip(inputs, prompts, branches_per_tree):
+            for b in branches:
+                leaf_inputs.append(x)
+                leaf_prompts.append(prompt)
+                completions.append(b.messages if is_conversational({"prompt": prompt}) else _as_text(b.messages))
+                completion_ids.append(b.completion_ids)
+                envs.append(b.env)
+        # TRL's `_calculate_rewards` gathers every rank's rows, which needs equal counts: a sampler may give ranks
+        # different numbers of leaves, so pad with repeats of the last leaf and drop their rewards afterwards.
+        n = len(leaf_inputs)
+        width = tree_metrics.max_over_ranks(self.accelerator, n)
+        for column in (leaf_inputs, leaf_prompts, completions, completion_ids, envs):
+            column.extend(column[-1:] * (width - n))
+        self.environments = envs if self.environment_factories is not None else None
+        per_func = trl_internals.calculate_rewards(self, leaf_inputs, leaf_prompts, completions, completion_ids)
+        self._flush_reward_logs(n)
+        start = self.accelerator.process_index * width
+        per_func = per_func[start : start + n].cpu()
+        return pipeline.LeafScores(
+            per_func, self._weighted_rewards(per_func),
+            self._leaf_rewards_for_credit(per_func, [len(b) for b in branches_per_tree]),
+        )
+
+    def _leaf_rewards_for_credit(self, per_func: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+        """Each tree's leaf rewards for its credit: the reward functions combined by GRPO's
+        `multi_objective_aggregation` with the tree as the group, and leaves that no function scores filled as
+        `_rewards_for_credit` says."""
+        unscored = torch.isnan(per_func).all(dim=1)
+        weights, mode = self.reward_weights.cpu(), self.multi_objective_aggregation
+        return [
+            _rewards_for_credit(components.aggregate_leaf_rewards(rows, weights, mode).masked_fill(none, float("nan")))
+            for rows, none in zip(torch.split(per_func, sizes), torch.split(unscored, sizes))
+        ]
+
+    def _weighted_rewards(self, per_func: torch.Tensor) -> torch.Tensor:
+        """GRPO's reward of each leaf: the weighted sum of the reward functions that apply (None → NaN: does not
+        apply), NaN for a leaf that no function scores (TRL's `_calculate_rewards` has warned about it)."""
+        rewards = (per_func * self.reward_weights.to(per_func.device).unsqueeze(0)).nansum(dim=1)
+        return rewards.masked_fill(torch.isnan(per_func).all(dim=1), float("nan"))
+
+    def _flush_reward_logs(self, num_rows: int) -> None:
+        """What reward functions passed to TRL's `log_metric` / `log_extra` callbacks, flushed as GRPOTrainer's
+        `_generate_and_score_completions` (which the tree trainers replace) does: each metric averaged over the values
+        of all ranks into `_metrics`, each extra column (one value per leaf) into the completions table. Values of the
+        rows that pad a rank for `_calculate_rewards` are dropped. Column and metric names are sorted so every rank
+        gathers them in the same order."""
+        from accelerate.utils import gather_object
+
+        mode = "train" if self.model.training else "eval"
+        pending_metrics, pending_extra = trl_internals.pending_reward_logs(self)
+        for column in sorted(set(gather_object(list(pending_extra)))):
+            values = pending_extra.get(column, [None] * num_rows)[:num_rows]
+            trl_internals.completion_logs(self)["extra"][column].extend(gather_object(values))
+        pending_extra.clear()
+        for name in sorted(set(gather_object(list(pending_metrics)))):
+            trl_internals.metrics(self, mode)[name].append(
+                tree_metrics.mean_over_ranks(self.accelerator, pending_metrics.get(name, []))
+            )
+        pending_metrics.clear()
+
+
+def _as_text(messages: list[dict]) -> str:
+    """A leaf's completion for a plain-text prompt: its assistant text, as GRPOTrainer's text completions."""
+    return "".join(m.get("content") or "" for m in messages if m.get("role") == "assistant")
+
+
+def _rewards_for_credit(rewards: torch.Tensor) -> torch.Tensor:
+    """One tree's (or TreeFlex group's) leaf rewards for its credit, with GRPO's treatment of unscored leaves.
+
+    GRPOTrainer gives a completion that no reward function scores (every one returned None) advantage 0 and leaves it
+    out of its group's mean. A tree needs a reward on every leaf, so such a leaf takes the mean of the scored leaves:
+    its standardised advantage is 0 and the baseline is the scored leaves' mean (the spread still counts every leaf).
+    A tree with no scored leaf gets 0 everywhere, hence no signal.
+    """
+    unscored = torch.isnan(rewards)
+    if not unscored.any():
+        return rewards
+    fill = rewards[~unscored].mean() if (~unscored).any() else rewards.new_zeros(())
+    return rewards.masked_fill(unscored, fill.item())
