@@ -3,7 +3,7 @@
 Also the small pieces every trainer test shares, each in one place: the tiny model, a one-step CPU config, a reward,
 the reply scripts (`REPLIES`, TreeFlex's `TwoRoleScript`, TreeAdv's `EntropyScript`), the trainer built on them
 (`scripted_trainer`, `captured_units`), a training check, and what one optimizer step does to each turn's
-log-probability (`credit_and_logp_change`).
+log-probability (`credit_and_logp_change`) with the check that it follows the credit (`assert_moves_with_credit`).
 """
 
 import dataclasses
@@ -167,6 +167,12 @@ def arithmetic_dataset(n: int) -> Dataset:
     )
 
 
+# A quiet one-process CPU run, the fields every test config shares: every step logged, no tracker, float32, no
+# gradient checkpointing, no checkpoints, seed 0
+CPU_RUN = dict(logging_steps=1, report_to="none", bf16=False, gradient_checkpointing=False, use_cpu=True,
+               save_strategy="no", seed=0)
+
+
 def config(cls, tmp_path, trees_per_micro_batch=1, **overrides):
     """A one-step CPU config; per_device_train_batch_size counts trajectories of budget (trees × G), as in GRPO."""
     defaults = dict(
@@ -177,14 +183,8 @@ def config(cls, tmp_path, trees_per_micro_batch=1, **overrides):
         num_branches=1,
         max_turns=3,
         max_completion_length=96,
-        logging_steps=1,
-        report_to="none",
-        bf16=False,
-        gradient_checkpointing=False,
-        use_cpu=True,
-        save_strategy="no",
         learning_rate=1e-2,
-        seed=0,
+        **CPU_RUN,
     )
     # the small tree's fields only where the class has them (TreeFlexConfig grows no tree: its group is num_searches)
     own = {f.name for f in dataclasses.fields(cls)}
@@ -226,6 +226,20 @@ def turn_mean_logps(trainer, batch) -> tuple[torch.Tensor, torch.Tensor]:
     sums = torch.zeros(n, dtype=torch.float64).index_add_(0, flat.turn_ids.cpu(), flat.logps.detach().double().cpu())
     counts = torch.bincount(flat.turn_ids.cpu(), minlength=n).double()
     return sums / counts, flat.credit.A.detach().double().cpu()
+
+
+def assert_moves_with_credit(credit, change) -> None:
+    """One optimizer step moved the policy the way the credit says: over the turns it trained (`change` not NaN), the
+    credit-weighted change Σ_i A_i Δ_i is positive, and more than half of the turns with strong credit (|A| at least
+    half the largest) moved in their credit's direction. `credit`, `change`: per unique turn, tensors or lists."""
+    credit, change = torch.as_tensor(credit, dtype=torch.float64), torch.as_tensor(change, dtype=torch.float64)
+    trained = ~torch.isnan(change)
+    credit, change = credit[trained], change[trained]
+    assert credit.abs().max() > 0.1, f"no turn has clearly nonzero credit: {credit.tolist()}"
+    assert (credit * change).sum() > 0, (credit.tolist(), change.tolist())
+    strong = credit.abs() >= 0.5 * credit.abs().max()
+    agree = (torch.sign(change[strong]) == torch.sign(credit[strong])).double().mean()
+    assert agree > 0.5, (credit[strong].tolist(), change[strong].tolist())
 
 
 def credit_and_logp_change(trainer, rows, step_norm: float = 1e-2):

@@ -5,11 +5,9 @@ import re
 
 import torch
 
-from tests.scripted import arithmetic_dataset, config, contains_answer, tiny, tool_call
+from tests.scripted import captured_units, scripted_trainer, tool_call
 from trl_tree import AT2POConfig, AT2POTrainer
 from trl_tree.batch import TurnCredit
-from trl_tree.rollout.engine import ScriptedEngine
-from trl_tree.testing import calculator
 
 # turn -> (text, entropy); after a call the next turn is chosen by the expression of the last call in the history
 X, Z, X2 = tool_call("calculator", expression="1+1"), tool_call("calculator", expression="2+2"), \
@@ -21,26 +19,27 @@ AFTER = {"1+1": [Y, Y2], "2+2": ["The answer is 4."], "5+5": ["The answer is 10.
          "7+7": ["The answer is 14."]}
 
 
-def test_entropy_guided_rounds_pick_by_score_and_branch_siblings(tmp_path):
-    model, tok = tiny()
-    eos = tok.convert_tokens_to_ids("<|im_end|>")
+class ByLastCall:
+    """Replies with the first turns in order while the history has no call, then by the expression of its last call
+    (each list in order); every token of a reply has its text's entropy."""
 
-    def script(prefix):
-        calls = re.findall(r'"expression": "([^"]+)"', tok.decode(prefix).split("<|im_start|>user\nWhat is")[-1])
-        text = FIRST_TURNS.pop(0) if not calls else AFTER[calls[-1]].pop(0)
-        ids = tok.encode(text, add_special_tokens=False) + [eos]
+    def __init__(self, tok):
+        self.tok, self.eos = tok, tok.convert_tokens_to_ids("<|im_end|>")
+        self.first, self.after = list(FIRST_TURNS), {k: list(v) for k, v in AFTER.items()}
+
+    def __call__(self, prefix):
+        calls = re.findall(r'"expression": "([^"]+)"', self.tok.decode(prefix).split("<|im_start|>user\nWhat is")[-1])
+        text = self.first.pop(0) if not calls else self.after[calls[-1]].pop(0)
+        ids = self.tok.encode(text, add_special_tokens=False) + [self.eos]
         return ids, [ENTROPY.get(text, 0.0)] * len(ids)
 
-    args = config(AT2POConfig, tmp_path, num_initial_rollouts=2, expansion_rounds=2, branches_per_round=1,
-                  max_turns=4, max_completion_length=400)
-    trainer = AT2POTrainer(model=model, reward_funcs=contains_answer, args=args, train_dataset=arithmetic_dataset(1),
-                           processing_class=tok, tools=[calculator])
-    trainer.generation_engine = ScriptedEngine(script, [eos])
-    captured = {}
-    original = trainer.turn_credit
-    trainer.turn_credit = lambda tree: captured.setdefault("tree", tree) and original(tree)
+
+def test_entropy_guided_rounds_pick_by_score_and_branch_siblings(tmp_path):
+    trainer = scripted_trainer(AT2POTrainer, AT2POConfig, tmp_path, script=ByLastCall, num_initial_rollouts=2,
+                               expansion_rounds=2, branches_per_round=1, max_turns=4, max_completion_length=400)
+    units = captured_units(trainer)
     batch = trainer.generate_batch([trainer.train_dataset[0]])
-    tree = captured["tree"]
+    tree, tok = units[0], trainer.processing_class
     index = {tok.decode(t.action_ids[:-1]): i for i, t in enumerate(tree.turns)}
     # round 1: S_X = 1.0 − 0.05·(2−1) beats S_Y = 0.93 (Y has no sibling): X is re-sampled as a sibling of X
     assert tree.turns[index[X2]].parent == tree.turns[index[X]].parent == -1

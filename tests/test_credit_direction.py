@@ -13,13 +13,14 @@ The properties, both of which a flipped loss sign reverses (checked by negating 
   squared norm, whatever the loss's per-turn weights);
 - of the turns with strong credit (|A| at least half the largest), more than half move in their credit's direction.
   Not all of them: turns share a model, and a weak cross-effect of the other turns' gradients can outweigh a turn's own.
+Both are `scripted.assert_moves_with_credit`, which the launched runs check too (tests/test_launch.py: the first Adam
+step of a launched training run, over every rank's turns).
 """
 
 import pytest
-import torch
 
 from tests.launch.tiny_tree_run import build_trainer
-from tests.scripted import credit_and_logp_change
+from tests.scripted import assert_moves_with_credit, credit_and_logp_change
 
 METHODS = {
     "treeopsd": {},
@@ -30,16 +31,6 @@ METHODS = {
     "treeflex": {},
     "flat_grpo": {},
 }
-
-
-def assert_moves_with_credit(credit: torch.Tensor, change: torch.Tensor) -> None:
-    trained = ~torch.isnan(change)
-    credit, change = credit[trained], change[trained]
-    assert credit.abs().max() > 0.1, f"no turn has clearly nonzero credit: {credit.tolist()}"
-    assert (credit * change).sum() > 0, (credit.tolist(), change.tolist())
-    strong = credit.abs() >= 0.5 * credit.abs().max()
-    agree = (torch.sign(change[strong]) == torch.sign(credit[strong])).double().mean()
-    assert agree > 0.5, (credit[strong].tolist(), change[strong].tolist())
 
 
 @pytest.mark.parametrize("method", list(METHODS))

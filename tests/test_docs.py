@@ -66,3 +66,40 @@ def test_the_readmes_python_example_runs_offline_and_writes_the_tree_pages(tmp_p
     assert "open treeopsd-tiny/tree_view/index.html" in proc.stdout
     pages = tmp_path / "treeopsd-tiny" / "tree_view"
     assert (pages / "index.html").is_file() and list(pages.glob("step_*.html"))
+
+
+def _readme_table(header: str) -> list[list[str]]:
+    """The body rows, as stripped cells, of the README table whose header row starts with `header`."""
+    lines = [line.strip() for line in README.read_text().splitlines()]
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rows = []
+    for line in lines[start + 2:]:  # past the header and its |---| line
+        if not line.startswith("|"):
+            return rows
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def test_the_readmes_budget_table_is_the_method_tables(tmp_path):
+    """The README's table of what a tree costs says what the method table declares: one row per sampler, its cost
+    the sampler's `budget_formula` to the letter, the presets that use it, and each preset's default settings of the
+    fields that set the cost (by the symbols the sampler's fields and formula define: M, N, L, K, b) with the G they
+    give, as the preset's config has them."""
+    from trl_tree import methods
+    from trl_tree.trainer.components import num_generations_of
+
+    rows = {row[0].strip("`"): row for row in _readme_table("| sampler | preset | a tree costs")}
+    assert set(rows) == set(methods.SAMPLERS)
+    for name, sampler in methods.SAMPLERS.items():
+        _, presets, cost, default = rows[name]
+        assert cost == f"`{sampler.budget_formula}`", name
+        users = [m for m in methods.METHODS.values() if m.sampler == name]
+        assert presets == (", ".join(m.title for m in users) or "—"), name
+        symbol = {f: head[1] for f, meaning in sampler.fields.items() if (head := re.match(r"(\S+): ", meaning))}
+        symbol |= {f: s for s, f in re.findall(r"(\w+) = (\w+)", sampler.budget_formula)}
+        stated = {s: int(v) for s, v in re.findall(r"(\w+) = (\d+)", default)}
+        assert bool(stated) == bool(users), (name, default)
+        for m in users:
+            args = m.config_class()(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none")
+            setting = {symbol[f]: getattr(args, f) for f in (sampler.budget_field, *sampler.shape_fields)}
+            assert stated == {**setting, "G": num_generations_of(args)}, (m.name, default)

@@ -38,7 +38,7 @@ from transformers import (
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from trl import GRPOConfig, GRPOTrainer
 
-from tests.scripted import AFTER_TOOL, tool_call
+from tests.scripted import AFTER_TOOL, CPU_RUN, tool_call
 from trl_tree import TreeOPSDConfig, TreeOPSDTrainer
 from trl_tree.testing import tiny_model_path
 
@@ -47,19 +47,7 @@ CONFIGS = {GRPOTrainer: GRPOConfig, TreeOPSDTrainer: TreeOPSDConfig}
 # The keyword arguments every test passes to both config classes. `per_device_train_batch_size` = 8 completions is
 # one prompt × GRPO's default `num_generations` (8). Generation is kept short and CPU-only; the learning rate is TRL's
 # test value ("gradients are tiny and default lr can stall updates").
-COMMON = dict(
-    per_device_train_batch_size=8,
-    max_completion_length=8,
-    max_steps=1,
-    learning_rate=0.1,
-    logging_steps=1,
-    report_to="none",
-    bf16=False,
-    gradient_checkpointing=False,
-    use_cpu=True,
-    save_strategy="no",
-    seed=0,
-)
+COMMON = dict(per_device_train_batch_size=8, max_completion_length=8, max_steps=1, learning_rate=0.1, **CPU_RUN)
 # Scripted tool calls need room for the call, the tool response and an answer.
 TOOL_BUDGET = dict(max_completion_length=128)
 

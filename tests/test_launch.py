@@ -2,7 +2,11 @@
 TreeOPSD steps each; and FSDP2 itself (torch's `fully_shard`) on gloo.
 
 Each run warm-starts the tiny model on calculator conversations and trains two optimizer blocks; it must finish on
-every rank, change every trainable parameter and log the tree metrics. Runs across machines: test_multi_machine.py.
+every rank, change every trainable parameter, log the tree metrics, and move the policy the way its credit says: after
+the first optimizer step (Adam's, with the gradient the launch reduces over the ranks), the credit-weighted change of
+the first micro-batch's turns' log-probs, over every rank's turns, is positive, and most strong-credit turns moved
+their credit's way (`scripted.assert_moves_with_credit`, as tests/test_credit_direction.py checks in-process; a loss
+of the wrong sign fails it). Runs across machines: test_multi_machine.py.
 """
 
 import json
@@ -13,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).parent / "launch" / "tiny_tree_run.py"
+from tests.scripted import assert_moves_with_credit
+
+ROOT = Path(__file__).resolve().parent.parent
 EXPECTED_METRICS = {
     "reward", "reward_std", "tree/leaves_per_tree", "tree/unique_turns", "tree/unique_tokens", "tree/flat_tokens",
     "tree/turns_per_leaf", "treeopsd/abs_q_minus_half", "treeopsd/abs_p_minus_q/block_0",
@@ -37,9 +43,9 @@ use_cpu: true
 def _launch(tmp_path, launch_args, *script_args, timeout=600):
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "torch_ext"), "OMP_NUM_THREADS": "1",
            "TRL_EXPERIMENTAL_SILENCE": "1", "CI": "true"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch_args, str(SCRIPT), str(tmp_path / "out"),
-           *script_args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch_args, "-m", "tests.launch.tiny_tree_run",
+           str(tmp_path / "out"), *script_args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [json.loads(p.read_text()) for p in sorted((tmp_path / "out").glob("report-rank*.json"))]
 
@@ -61,6 +67,9 @@ def _check(reports, world, method="treeopsd"):
         assert r["world"] == world
         assert r["all_changed"], r
         assert expected <= set(r["metrics"]), expected - set(r["metrics"])
+    first = [r["first_step"] for r in reports]  # one step follows the gradient of every rank's turns
+    assert_moves_with_credit([a for f in first for a in f["credit"]],
+                             [after - before for f in first for before, after in zip(f["logp_before"], f["logp_after"])])
 
 
 @pytest.mark.slow
@@ -85,7 +94,7 @@ def test_deepspeed_zero_on_cpu(tmp_path, stage):
     _check(_launch(tmp_path, ["--config_file", str(config)]), world=2)
 
 
-FSDP2 = Path(__file__).resolve().parent.parent / "trl_tree" / "accelerate_configs" / "fsdp2.yaml"
+FSDP2 = ROOT / "trl_tree" / "accelerate_configs" / "fsdp2.yaml"
 
 
 @pytest.mark.slow
@@ -110,7 +119,7 @@ def test_fsdp2_shards_packed_tree_training_on_gloo(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29547",
            "-m", "tests.launch.fsdp2_packed_run", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=Path(__file__).parents[1])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("fsdp2-rank*.json"))]
     assert [r["rank"] for r in reports] == [0, 1]

@@ -1,10 +1,13 @@
 """A few TreeOPSD steps on the tiny model with a calculator tool, for `accelerate launch` tests.
 
-Usage: accelerate launch [--multi_gpu --num_processes 2 | --config_file ds.yaml] tests/launch/tiny_tree_run.py OUT
+Usage, from the repository root (the script imports `tests.scripted`):
+       accelerate launch [--multi_gpu --num_processes 2 | --config_file ds.yaml] -m tests.launch.tiny_tree_run OUT
        [lora] [a method of trl_tree.methods.METHODS | treeadv_gspo | treeflex_uneven | opsd_on_entropy_tree |
                atpo_on_init_expand | flat_grpo]
 Writes OUT/report-rank{r}.json per rank: world size, whether every trainable parameter changed, the logged metric names,
-accelerate's distributed type and the class of the model the trainer trains (its DDP / DeepSpeed / FSDP wrapper).
+accelerate's distributed type, the class of the model the trainer trains (its DDP / DeepSpeed / FSDP wrapper), and
+what the first optimizer step did to the rank's first micro-batch (`FirstStep`: each unique turn's credit and mean
+log-prob before and after the step).
 """
 
 import dataclasses
@@ -14,6 +17,7 @@ import sys
 
 import torch
 from datasets import Dataset
+from transformers import TrainerCallback
 
 from trl_tree import TreeConfig, TreeTrainer, methods
 from trl_tree.rollout.flex_harness import TwoRoleHarness
@@ -79,7 +83,7 @@ def correct_answer(completions, answer, **kwargs):
 
 def build_trainer(out: str, use_lora: bool = False, max_steps: int = 2, packing: str = "tree", method="treeopsd",
                   use_tools: bool = True, warm_start_steps: int = 150, max_completion_length: int = 96,
-                  **config_fields):
+                  learning_rate: float = 1e-2, **config_fields):
     """A warm-started tiny model, a calculator tool, two optimizer blocks per generation batch.
 
     `use_tools=False`: single-turn math instead: the same questions, answered directly (warm start on the question
@@ -114,7 +118,7 @@ def build_trainer(out: str, use_lora: bool = False, max_steps: int = 2, packing:
     args = config_cls(
         output_dir=out, per_device_train_batch_size=one_tree, gradient_accumulation_steps=1, steps_per_generation=2,
         max_steps=max_steps, **tree_fields, max_turns=3, max_completion_length=max_completion_length,
-        learning_rate=1e-2, logging_steps=1, report_to="none", bf16=False, gradient_checkpointing=False,
+        learning_rate=learning_rate, logging_steps=1, report_to="none", bf16=False, gradient_checkpointing=False,
         use_cpu=not torch.cuda.is_available(), seed=0, **{"save_strategy": "no", **config_fields},
     )
     return trainer_cls(model=model, reward_funcs=correct_answer, args=args, train_dataset=ds,
@@ -122,11 +126,50 @@ def build_trainer(out: str, use_lora: bool = False, max_steps: int = 2, packing:
                        **trainer_kwargs)
 
 
+# Adam's first step moves every parameter by about the learning rate, whatever its gradient's size. At build_trainer's
+# 1e-2 that is far past first order for the tiny model: every turn of the first micro-batch loses 5 to 9 nats of
+# log-prob whatever its credit, so the step's direction cannot be seen. At 1e-4 the change of each turn's log-prob
+# follows the gradient (`FirstStep`), and every parameter still changes.
+LEARNING_RATE = 1e-4
+
+
+class FirstStep(TrainerCallback):
+    """What the first optimizer step does to the first micro-batch it trains (gradient_accumulation_steps = 1: the
+    step trains that micro-batch only): each unique turn's credit A_i as the loss reads it, and its mean log-prob under
+    θ_old (measured when the first loss is computed, before any step) and after the step, in `record`.
+
+    With DDP the step follows the gradient averaged over the ranks, so its direction is a property of every rank's
+    turns together (tests/test_launch.py gathers the ranks' records)."""
+
+    def __init__(self, trainer):
+        # imported here: scripts/screenshot_tree_view.py imports this module by file name, without `tests` importable
+        from tests.scripted import turn_mean_logps
+
+        self.trainer, self.measure, self.batch, self.record = trainer, turn_mean_logps, None, {}
+        compute_loss = trainer.compute_loss
+
+        def first_recorded(model, inputs, *args, **kwargs):
+            if self.batch is None:
+                self.batch = inputs
+                before, credit = turn_mean_logps(trainer, inputs)
+                self.record.update(credit=credit.tolist(), logp_before=before.tolist())
+            return compute_loss(model, inputs, *args, **kwargs)
+
+        trainer.compute_loss = first_recorded
+        trainer.add_callback(self)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            self.record["logp_after"] = self.measure(self.trainer, self.batch)[0].tolist()
+
+
 def main():
     out, use_lora = sys.argv[1], "lora" in sys.argv[2:]
     method = next((a for a in sys.argv[2:] if a in METHODS), "treeopsd")
     # LoRA's B starts at 0, so A only moves from the second optimizer step on
-    trainer = build_trainer(out, use_lora, max_steps=4 if use_lora else 2, method=method)
+    trainer = build_trainer(out, use_lora, max_steps=4 if use_lora else 2, method=method,
+                            learning_rate=LEARNING_RATE)
+    first_step = FirstStep(trainer)
     before = {n: p.detach().clone().float().cpu() for n, p in trainer.model.named_parameters() if p.requires_grad}
     trainer.train()
     after = dict(trainer.accelerator.unwrap_model(trainer.model).named_parameters())
@@ -146,7 +189,7 @@ def main():
     report = {"rank": trainer.accelerator.process_index, "world": trainer.accelerator.num_processes,
               "num_trainable": len(changed), "all_changed": all(changed) and bool(changed), "metrics": metrics,
               "distributed_type": str(trainer.accelerator.distributed_type),
-              "wrapper": type(trainer.model_wrapped).__name__}
+              "wrapper": type(trainer.model_wrapped).__name__, "first_step": first_step.record}
     # one file per rank: two ranks printing to one pipe can interleave their lines
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"report-rank{report['rank']}.json"), "w") as f:

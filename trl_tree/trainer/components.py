@@ -128,17 +128,10 @@ def leaves_per_tree(args) -> int:
 def trajectory_budget(args) -> Fraction:
     """A tree's expected cost in complete trajectories: what GRPO's `num_generations` (G) buys per prompt.
 
-    A continuation regenerates, on average, half a trajectory (it resumes from a turn or token drawn inside one):
-
-        init_expand      M(1 + N/2)      M complete trajectories, N continuations of each from a uniform turn
-        flat             M
-        entropy_guided   M + L·K/2       L rounds of K continuations from entropy-selected turns (AT2PO)
-        token_entropy    M(1 + b/2)      at most b continuations per trajectory from high-entropy tokens (TreeAdv):
-                                         a cap, so the cost actually spent may be lower
-        two_role         K               TreeFlex: the group of K complete searches (`num_searches`)
-
-    so (M, N) = (4, 2) matches GRPO's default G = 8. `num_generations_of` rounds it up to whole trajectories.
-    Each sampler declares its own (`trl_tree.methods.Sampler.budget`).
+    Each sampler declares its own, in the method table (`trl_tree.methods.Sampler.budget`, written out as its
+    `budget_formula`; the README's table of them is checked against it). Where a sampler branches, a continuation
+    counts as half a trajectory: on average it regenerates half of one, resuming from a turn or token drawn inside it.
+    `num_generations_of` rounds the cost up to whole trajectories.
     """
     return methods.choice("sampler", args.sampler).budget(args)
 
