@@ -65,8 +65,8 @@ from common import (
 from torch import Tensor
 
 from trl_tree import losses
-from trl_tree.batch import LossInputs, TurnCredit
-from trl_tree.methods import clip_epsilons
+from trl_tree.batch import LossInputs
+from trl_tree.methods import TeacherCredit, clip_epsilons
 
 LOSS_OF = {"treeopsd": "treeopsd", "treepo": "treepo", "clip": "grpo"}
 SCHEDULES = ("revisit", "disjoint")
@@ -240,7 +240,7 @@ def teachers(measured: list[dict], batches: list[dict]) -> list[Tensor]:
     for ours, theirs in zip(batches, measured):
         if not torch.equal(ours["turn_ids"], theirs["turn_ids"]):
             raise RuntimeError("the measured micro-batches are packed differently from the trained ones")
-    return [TurnCredit.from_dict(b).flatten().q for b in measured]
+    return [TeacherCredit.from_dict(b).flatten().q for b in measured]
 
 
 def train_blocks(trainer, base_args, trees, method: str, lr: float, schedule: str, heldout, args, theta_old):

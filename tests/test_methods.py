@@ -4,6 +4,7 @@ the typed micro-batch credit (`trl_tree.batch`) survives TRL's buffers."""
 
 import dataclasses
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -182,12 +183,93 @@ def test_turn_credit_survives_the_buffers_and_flattens_in_global_turn_order(tmp_
     assert torch.equal(flat.q, torch.cat([u.q for u in units]))
     assert torch.equal(flat.tau, torch.stack([u.tau for u in units]))
     assert torch.equal(flat.unit_ids(), torch.repeat_interleave(torch.arange(3), back.count))
-    assert back.w is None and flat.path_lo is None  # fields TreeOPSD's loss does not read stay unset
+    # TreeOPSD's kind comes back, with none of the fields its loss does not read
+    assert type(back) is type(flat) is methods.TeacherCredit and set(back.present()) == {"A", "q", "tau", "count"}
+
+
+def _unit_of(loss: str, tmp_path):
+    """One unit's prepared credit for `loss`: a tree's through the trainer's `turn_credit`; for TreeFlex's group loss,
+    its `prepare` on a stand-in group of two searches (the fields it reads, nothing grown)."""
+    if methods.LOSSES[loss].unit == "tree":
+        return methods.turn_credit(hotpot_like_tree(), config(TreeConfig, tmp_path, loss=loss))
+    group = SimpleNamespace(
+        lengths=torch.tensor([3.0, 2.0, 4.0]), penalties=torch.tensor([0.0, -1.0, 0.0]),
+        turn_search=torch.tensor([0, 0, 1]), turn_block=torch.tensor([0, 1, 2]), turn_role=torch.tensor([0, 1, 0]),
+    )
+    args = SimpleNamespace(aggregation="rollout", role_lambda=0.0)
+    return methods.LOSSES[loss].prepare(group, torch.tensor([0.5, -0.5, 1.0], dtype=torch.float64), args).with_floats()
+
+
+@pytest.mark.parametrize("loss", list(methods.LOSSES))
+def test_each_loss_prepares_its_own_credit_kind_and_it_survives_the_buffers_as_that_kind(tmp_path, loss):
+    """`prepare` returns the kind the loss declares, carrying every field of it; stack → to_dict → from_dict gives
+    that kind back with the same tensors, per-unit fields (declared by the kind) one per unit."""
+    kind = methods.LOSSES[loss].credit_kind
+    unit = _unit_of(loss, tmp_path)
+    assert type(unit) is kind
+    assert set(unit.present()) == {f.name for f in dataclasses.fields(kind)} - {"count"}
+    stacked = TurnCredit.stack([unit, unit])
+    back = TurnCredit.from_dict(stacked.to_dict())
+    assert type(back) is kind
+    assert stacked.present().keys() == back.present().keys()
+    assert all(torch.equal(v, getattr(back, k)) for k, v in stacked.present().items())
+    flat = back.flatten()
+    for name, value in unit.present().items():
+        expected = torch.stack([value] * 2) if name in kind.per_unit_fields() else torch.cat([value] * 2)
+        assert torch.equal(getattr(flat, name), expected), name
+
+
+def test_each_credit_kind_declares_its_per_unit_fields_and_no_two_kinds_share_their_fields():
+    """The buffers say a kind only by its field names (`TurnCredit.kind_of`), so the kinds must differ in them."""
+    kinds = {methods.LOSSES[name].credit_kind for name in methods.LOSSES} | {TurnCredit}
+    names = {frozenset(f.name for f in dataclasses.fields(k)) for k in kinds}
+    assert len(names) == len(kinds)
+    assert TurnCredit.per_unit_fields() == {"count"}
+    assert methods.TeacherCredit.per_unit_fields() == {"count", "tau"}
+    assert methods.PathCredit.per_unit_fields() == {"count", "num_paths"}
+    assert methods.PathWeightedCredit.per_unit_fields() == {"count", "num_paths"}
+    assert methods.FlexCredit.per_unit_fields() == {"count"}
 
 
 def test_credits_of_different_kinds_do_not_stack():
-    with pytest.raises(ValueError, match="same credit fields"):
-        TurnCredit.stack([TurnCredit(A=torch.zeros(2)), TurnCredit(A=torch.zeros(2), w=torch.ones(2))])
+    """One loss reads a micro-batch, so its units share one kind; a kind below another (more fields) is another."""
+    A = torch.zeros(2)
+    teacher = methods.TeacherCredit(A, q=torch.full((2,), 0.5), tau=torch.tensor(1.0))
+    with pytest.raises(ValueError, match=r"same credit kind; got TeacherCredit\(A, q, tau\), TurnCredit\(A\)"):
+        TurnCredit.stack([TurnCredit(A), teacher])
+    paths = methods.PathCredit(A, path_lo=torch.zeros(2), path_hi=torch.ones(2), num_paths=torch.tensor(1))
+    weighted = methods.PathWeightedCredit(A, path_lo=paths.path_lo, path_hi=paths.path_hi, num_paths=paths.num_paths,
+                                          w=torch.ones(2))
+    with pytest.raises(ValueError, match="same credit kind"):
+        TurnCredit.stack([paths, weighted])
+    with pytest.raises(ValueError, match="same credit kind"):  # asked for a kind, given another
+        methods.TeacherCredit.stack([TurnCredit(A)])
+
+
+def test_fields_of_no_kind_are_refused_naming_the_kinds():
+    stored = {"credit_A": torch.zeros(1, 2), "credit_w": torch.ones(1, 2), "credit_count": torch.tensor([2])}
+    with pytest.raises(ValueError, match=r"no credit kind carries exactly the fields \['A', 'w'\]; the kinds: .*"
+                                         r"FlexCredit\(A, w, penalty, search, block, role\)"):
+        TurnCredit.from_dict(stored)
+    with pytest.raises(ValueError, match="no credit kind"):  # asked for TreeOPSD's teachers, given TreePO's credit
+        methods.TeacherCredit.from_dict({"credit_A": torch.zeros(1, 2), "credit_count": torch.tensor([2])})
+
+
+def test_a_loss_given_a_credit_of_another_kind_names_both(tmp_path):
+    """A micro-batch prepared for one loss and trained by another fails before any arithmetic, naming what the loss
+    reads and what it got; a kind that carries every field a loss reads (TreePO reads only A) is accepted."""
+    trees = [hotpot_like_tree(), deep_tree()]
+    plain = _one_batch(trees, config(TreeConfig, tmp_path, loss="treepo"))
+    with pytest.raises(TypeError, match=r"the 'treeopsd' loss reads a TeacherCredit\(A, q, tau\) but was given a "
+                                        r"TurnCredit\(A\)"):
+        methods.LOSSES["treeopsd"].compute(plain, config(TreeConfig, tmp_path, loss="treeopsd"))
+    with pytest.raises(TypeError, match=r"'atpo' loss reads a PathWeightedCredit.* given a PathCredit"):
+        methods.LOSSES["atpo"].compute(_one_batch(trees, config(TreeConfig, tmp_path, loss="gspo_token")),
+                                       config(TreeConfig, tmp_path, loss="atpo"))
+    teacher = _one_batch(trees, config(TreeConfig, tmp_path, loss="treeopsd"))
+    args = config(TreeConfig, tmp_path, loss="treepo")
+    treepo = methods.LOSSES["treepo"].compute
+    assert torch.equal(treepo(teacher, args)[0], treepo(plain, args)[0])
 
 
 def test_path_credit_gives_each_turn_the_path_weighted_mean_of_its_trajectories():

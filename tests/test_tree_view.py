@@ -89,7 +89,7 @@ def _credit_per_unit(trainer) -> list[dict[str, list[float]]]:
     out = []
     for batch in trainer._buffered_inputs:
         credit = TurnCredit.from_dict(batch)
-        per_turn = {k: v for k, v in credit.present().items() if k not in TurnCredit.PER_UNIT}
+        per_turn = {k: v for k, v in credit.present().items() if k not in credit.per_unit_fields()}
         for n, count in enumerate(credit.count.tolist()):
             out.append({key: value[n, :count].tolist() for key, value in per_turn.items()})
     return out

@@ -5,7 +5,9 @@ A tree trainer is three independent choices (`TreeConfig.sampler`, `.credit`, `.
 - a **sampler** grows one tree per prompt (`trl_tree.rollout.samplers`);
 - a **credit** maps a finished tree to per-turn values V_i (the math: `trl_tree.credit`);
 - a **loss** adds the per-turn tensors it needs to the credit (`prepare`: teachers, aggregation weights) and computes
-  a micro-batch's loss and its metrics from the flattened tensors (`compute`; the math: `trl_tree.losses`).
+  a micro-batch's loss and its metrics from the flattened tensors (`compute`; the math: `trl_tree.losses`). What it
+  adds is its own credit kind (a `trl_tree.batch.TurnCredit` subclass declared next to its `prepare` below), and its
+  `compute` refuses a micro-batch of another kind.
 
 Each is registered here once (`register_sampler`, `register_credit`, `register_loss`) with the config fields it
 reads, whether it needs per-token entropies from generation, and, for a sampler, its leaves and its cost per prompt.
@@ -16,7 +18,8 @@ presets of the three with their own config and trainer classes, which `trl_tree`
 test launchers list from here.
 
 Adding a method: its math in `credit.py` / `losses.py` (pure functions citing their equations), a registration here
-for each new component and a `Method` entry for a named preset, and its tests.
+for each new component (a loss that reads more than A declares its credit kind, a `TurnCredit` dataclass subclass,
+next to its `prepare`) and a `Method` entry for a named preset, and its tests.
 
 TreeFlex is registered here too (sampler "two_role", credit "search", loss "dual_clip") but keeps its own trainer:
 its unit is not a rollout tree but a task's group of complete searches, each a list of causal blocks grown by a
@@ -34,6 +37,7 @@ Usage:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from collections.abc import Callable
@@ -45,7 +49,7 @@ import torch
 from torch import Tensor
 
 from . import credit, losses
-from .batch import LossInputs, TurnCredit
+from .batch import LossInputs, TurnCredit, per_unit
 from .rollout.expansion import tree_turn_entropies
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -138,7 +142,9 @@ class Loss:
     """A turn-level loss.
 
     Attributes:
-        prepare: `(unit, A, args) -> TurnCredit`: the unit's credit with the extra per-turn tensors the loss reads.
+        prepare: `(unit, A, args) -> credit_kind`: the unit's credit with the extra per-turn tensors the loss reads.
+        credit_kind: the `TurnCredit` kind `prepare` returns and `compute` reads (`TurnCredit`: A only); `compute`
+            refuses a micro-batch of another kind, naming both, instead of failing on a missing field.
         compute: `(batch: LossInputs, args) -> (loss, metrics)`. Metrics map a name to a tensor whose elements are
             averaged over every rank (a name containing "{block}" is logged per optimizer block), or to
             `ClipCounts`.
@@ -153,6 +159,7 @@ class Loss:
     prepare: Callable[[Any, Tensor, Any], TurnCredit]
     compute: Callable[[LossInputs, Any], tuple[Tensor, dict[str, Any]]]
     fields: dict[str, str]
+    credit_kind: type[TurnCredit] = TurnCredit
     unit: str = "tree"
     credit_metrics: Callable[[list[TurnCredit]], dict[str, Any]] = lambda credits: {}
     check: Callable[[Any], None] = lambda args: None
@@ -270,11 +277,17 @@ def register_credit(name: str, **spec) -> Callable:
     return register
 
 
-def register_loss(name: str, *, prepare: Callable, **spec) -> Callable:
-    """Decorator: register `compute(batch, args) -> (loss, metrics)` as the loss `name`, with its `prepare`."""
+def register_loss(name: str, *, prepare: Callable, credit_kind: type[TurnCredit] = TurnCredit, **spec) -> Callable:
+    """Decorator: register `compute(batch, args) -> (loss, metrics)` as the loss `name`, with its `prepare` and the
+    credit kind both share. The registered `compute` checks the micro-batch's kind first (`TurnCredit.require`)."""
 
     def register(compute):
-        LOSSES[name] = Loss(name=name, prepare=prepare, compute=compute, **spec)
+        @functools.wraps(compute)
+        def checked(batch: LossInputs, args):
+            credit_kind.require(batch.credit, f"the {name!r} loss")
+            return compute(batch, args)
+
+        LOSSES[name] = Loss(name=name, prepare=prepare, compute=checked, credit_kind=credit_kind, **spec)
         return compute
 
     return register
@@ -331,7 +344,7 @@ def check_units(args) -> None:
 
 def turn_credit(unit, args) -> TurnCredit:
     """Everything the configured loss needs for one unit (a tree; a TreeFlex group), float32 (index fields stay
-    integer): the credit's values A and the loss's `prepare`."""
+    integer): the credit's values A and the loss's `prepare`, as the loss's credit kind (`Loss.credit_kind`)."""
     A = CREDITS[args.credit].values(unit, args)
     return LOSSES[args.loss].prepare(unit, A, args).with_floats()
 
@@ -648,23 +661,47 @@ def _plain(tree, A, args) -> TurnCredit:
     return TurnCredit(A=A)
 
 
-def _teacher(tree, A, args) -> TurnCredit:
+@dataclass
+class TeacherCredit(TurnCredit):
+    """TreeOPSD's credit (the "treeopsd" loss): A and the frozen teacher q_i = 1/2 + V_i/τ with its temperature τ
+    per tree (T4)."""
+
+    q: Tensor
+    tau: Tensor = per_unit()
+
+
+def _teacher(tree, A, args) -> TeacherCredit:
     q, tau = credit.treeopsd_teacher(A, tree.num_leaves, args.target_radius)
-    return TurnCredit(A=A, q=q, tau=torch.tensor(tau, dtype=torch.float64))
+    return TeacherCredit(A=A, q=q, tau=torch.tensor(tau, dtype=torch.float64))
 
 
-def _with_paths(tree, A, args) -> TurnCredit:
-    """The paths through each turn as a DFS range (`credit.path_intervals`), so they travel in the per-turn layout
-    (GSPO-token's (path, turn) pairs; every clipped loss's per-path clip metrics)."""
+@dataclass
+class PathCredit(TurnCredit):
+    """A and the root-to-leaf paths through each turn as a DFS range [path_lo, path_hi) of the tree's `num_paths`
+    paths (`credit.path_intervals`): GSPO-token's (path, turn) pairs, and the per-path clip metrics of every clipped
+    tree loss. A range keeps the paths in the per-turn layout, so they stack and flatten like any other field."""
+
+    path_lo: Tensor
+    path_hi: Tensor
+    num_paths: Tensor = per_unit()
+
+
+def _with_paths(tree, A, args) -> PathCredit:
     lo, hi, num_paths = credit.path_intervals(tree)
-    return TurnCredit(A=A, path_lo=lo, path_hi=hi, num_paths=num_paths)
+    return PathCredit(A=A, path_lo=lo, path_hi=hi, num_paths=num_paths)
 
 
-def _path_weighted(tree, A, args) -> TurnCredit:
-    """GRPO's seq-mean-token-mean weights over the tree's root-to-leaf paths, and the paths."""
-    out = _with_paths(tree, A, args)
-    out.w = credit.path_token_weights(tree)
-    return out
+@dataclass
+class PathWeightedCredit(PathCredit):
+    """The paths, and w: each turn's per-token weight under GRPO's seq-mean-token-mean over the tree's root-to-leaf
+    paths (`credit.path_token_weights`; the "atpo" and "grpo" losses)."""
+
+    w: Tensor
+
+
+def _path_weighted(tree, A, args) -> PathWeightedCredit:
+    lo, hi, num_paths = credit.path_intervals(tree)
+    return PathWeightedCredit(A=A, path_lo=lo, path_hi=hi, num_paths=num_paths, w=credit.path_token_weights(tree))
 
 
 def _path_pairs(batch: LossInputs) -> tuple[Tensor, Tensor, Tensor]:
@@ -692,13 +729,14 @@ def _check_teacher(args) -> None:
         )
 
 
-def _teacher_gaps(credits: list[TurnCredit]) -> dict[str, Tensor]:
+def _teacher_gaps(credits: list[TeacherCredit]) -> dict[str, Tensor]:
     """How far the teachers move the policy: |q_i − 1/2| over every turn."""
     return {"treeopsd/abs_q_minus_half": torch.cat([(c.q - 0.5).abs() for c in credits])}
 
 
 @register_loss(
-    "treeopsd", prepare=_teacher, fields={"target_radius": "ρ: teacher radius, q ∈ [1/2 − ρ, 1/2 + ρ]"},
+    "treeopsd", prepare=_teacher, credit_kind=TeacherCredit,
+    fields={"target_radius": "ρ: teacher radius, q ∈ [1/2 − ρ, 1/2 + ρ]"},
     credit_metrics=_teacher_gaps,
     check=_check_teacher,
 )
@@ -724,7 +762,7 @@ def _treepo(batch: LossInputs, args):
     return loss, {}
 
 
-@register_loss("atpo", prepare=_path_weighted, fields=_CLIP)
+@register_loss("atpo", prepare=_path_weighted, credit_kind=PathWeightedCredit, fields=_CLIP)
 def _atpo(batch: LossInputs, args):
     """AT2PO A5: one ratio and one clip per turn, GRPO's path aggregation."""
     c = batch.credit
@@ -736,7 +774,7 @@ def _atpo(batch: LossInputs, args):
         return loss, {"clip_ratio": _clip_counts(losses.turn_clip_counts, batch, args)}
 
 
-@register_loss("grpo", prepare=_path_weighted, fields=_CLIP)
+@register_loss("grpo", prepare=_path_weighted, credit_kind=PathWeightedCredit, fields=_CLIP)
 def _grpo(batch: LossInputs, args):
     """GRPO's token-level clipped surrogate over root-to-leaf paths (AT2PO's ablation, TreeAdv D4)."""
     c = batch.credit
@@ -748,7 +786,7 @@ def _grpo(batch: LossInputs, args):
         return loss, {"clip_ratio": _clip_counts(losses.token_clip_counts, batch, args)}
 
 
-@register_loss("gspo_token", prepare=_with_paths, fields=_CLIP)
+@register_loss("gspo_token", prepare=_with_paths, credit_kind=PathCredit, fields=_CLIP)
 def _gspo_token(batch: LossInputs, args):
     """TreeAdv D4: GSPO-token over the tree's K root-to-leaf sequences."""
     loss = losses.gspo_token_loss(
@@ -767,17 +805,30 @@ def _check_dual_clip(args) -> None:
         raise ValueError(f"dual_clip_c must exceed 1; got {args.dual_clip_c}.")
 
 
-def _flex_weights(group, A, args) -> TurnCredit:
-    """F4 as per-token weights of each turn, and the turn's penalty, search, block and role."""
+@dataclass
+class FlexCredit(TurnCredit):
+    """TreeFlex's credit (the "dual_clip" loss) over a group's turns: A, w the F4 aggregation as each turn's per-token
+    weight, and the turn's process penalty Q_i (F2) and its search, block and role (the clip metrics count per
+    search; the rollout-tree page and the metrics show the rest)."""
+
+    w: Tensor
+    penalty: Tensor
+    search: Tensor
+    block: Tensor
+    role: Tensor
+
+
+def _flex_weights(group, A, args) -> FlexCredit:
     w = losses.aggregation_weights(group.lengths, group.turn_search, group.turn_block, group.turn_role,
                                    args.aggregation, args.role_lambda)
-    return TurnCredit(A=A, w=w, penalty=group.penalties, search=group.turn_search, block=group.turn_block,
+    return FlexCredit(A=A, w=w, penalty=group.penalties, search=group.turn_search, block=group.turn_block,
                       role=group.turn_role)
 
 
 @register_loss(
     "dual_clip",
     prepare=_flex_weights,
+    credit_kind=FlexCredit,
     fields={
         "aggregation": "the unit given equal weight in a group's loss",
         "role_lambda": "λ: weight of the role mean mixed into the aggregation",
@@ -893,7 +944,8 @@ def method_of_config(config) -> Method | None:
 
 
 __all__ = [
-    "CREDITS", "ClipCounts", "Credit", "LOSSES", "METHODS", "Loss", "Method", "Paper", "SAMPLERS", "Sampler",
+    "CREDITS", "ClipCounts", "Credit", "FlexCredit", "LOSSES", "METHODS", "Loss", "Method", "Paper", "PathCredit",
+    "PathWeightedCredit", "SAMPLERS", "Sampler", "TeacherCredit",
     "check_fields", "check_units", "choice", "components_of", "epsilon_high", "exported_classes", "fields_read",
     "leaf_advantages", "method_of_config", "needs_entropies", "preset", "register_credit", "register_loss",
     "register_method", "register_sampler", "summary_of", "turn_credit",

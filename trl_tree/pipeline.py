@@ -92,7 +92,8 @@ class PipelinePorts:
         score: `score(inputs, prompts, leaves_per_unit) -> LeafScores`: the reward functions on every leaf.
         behaviour_logps: `behaviour_logps(packed) -> Tensor`: π_old's token log-probs, one no-grad packed forward of
             the training model (the same code as the loss's forward, so the first block's log-ratio is exactly 0).
-        credit: `credit(unit) -> TurnCredit`: the configured method's credit of one unit.
+        credit: `credit(unit) -> TurnCredit`: the configured method's credit of one unit, of its loss's kind (the
+            units of a micro-batch are stacked, so they share it).
         device: where the micro-batches go.
     """
 

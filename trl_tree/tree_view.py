@@ -208,9 +208,9 @@ def tree_record(
 
     Args:
         tree: the `RolloutTree` the trainer trained (its `turns` order is the order of the credit tensors).
-        credit: the tree's per-turn credit as the trainer computed it (`TreeTrainer.turn_credit`, a `TurnCredit`):
-            `A` for every method, `q` (and the per-tree `tau`) for TreeOPSD; or a dict of such fields, 1-D tensors or
-            lists over `tree.turns`, 0-dim per tree.
+        credit: the tree's per-turn credit as the trainer computed it (`TreeTrainer.turn_credit`, a `TurnCredit` of
+            its loss's kind): `A` for every method, `q` (and the per-tree `tau`) for TreeOPSD's `TeacherCredit`; or a
+            dict of such fields, 1-D tensors or lists over `tree.turns`, 0-dim per tree.
         decode: token ids → text (the tokenizer's decode, special tokens kept).
         prompt: the dataset prompt (text or chat messages).
         leaf_rounds: per trajectory k, the sampling round that created it (0: the initial trajectories; AT2PO's
@@ -290,7 +290,7 @@ def flex_record(group, credit: TurnCredit | dict[str, Any], decode: Callable[[li
     """One TreeFlex task as page data: its K complete searches, each a node whose children are its causal blocks
     (role, the end of the block's context), each block the chain of turns it generated with their credit.
 
-    `credit` is the group's per-turn credit (`TreeFlexTrainer.turn_credit`, a `TurnCredit`: `A`, `penalty`, … in the
+    `credit` is the group's per-turn credit (`TreeFlexTrainer.turn_credit`, a `FlexCredit`: `A`, `penalty`, … in the
     group-wide turn order); turn nodes keep that index as their `id`, search and block nodes get ids after the turns.
     `search_advantages`: each search's group-normalised score (F1), shown on its node. `row`: the dataset row (its
     question and gold answer)."""

@@ -209,7 +209,7 @@ class TreeFlexTrainer(TreeTrainer):
         Other arguments: as `GRPOTrainer` (`tools=` / `environment_factory=`, reward functions, PEFT, …).
 
     Hooks: `process_penalty(example, search, block, turn_index) -> float` adds a penalty Q ≤ 0 to a turn (default
-    0); `turn_credit(group)` returns the `TurnCredit` of a group; `turn_loss(batch, mode)` the micro-batch loss.
+    0); `turn_credit(group)` returns the `FlexCredit` of a group; `turn_loss(batch, mode)` the micro-batch loss.
 
     Example:
         ```python
