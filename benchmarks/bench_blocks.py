@@ -449,7 +449,7 @@ def report(results: dict, args, trees, sampling_seconds: float) -> None:
     summary = tree_summary(trees)
     caption = (f"{args.model}: one generation batch of {summary['trees']} trees ({summary['leaves']} leaves, "
                f"{summary['unique_turns']} unique turns, {summary['trees_with_reward_spread']} with a reward spread), "
-               f"E = {args.blocks} (revisit) or {args.disjoint_blocks} (disjoint) optimizer blocks from θ_old; gap = mean sign(q−½)(q−p) over directed turns "
+               f"E = {schedule_blocks(args, results)} optimizer blocks from θ_old; gap = mean sign(q−½)(q−p) over directed turns "
                f"(mean |logit q| = {results_first(results)['abs_logit_q_mean']:.3f})")
     print(f"\n{caption}\n\n{markdown_table(rows, list(rows[0]))}")
     if not args.output:
@@ -459,6 +459,12 @@ def report(results: dict, args, trees, sampling_seconds: float) -> None:
                              "schedules": {s: {"blocks": by_method} for s, by_method in results.items()}})
     Path(args.output).with_suffix(".md").write_text(f"{caption}\n\n{markdown_table(rows, list(rows[0]))}\n")
     plot(results, args.plot or str(Path(args.output).with_suffix(".png")), caption)
+
+
+def schedule_blocks(args, results: dict) -> str:
+    """The blocks of each schedule present, e.g. "8 (revisit) or 4 (disjoint)"."""
+    blocks = {"revisit": args.blocks, "disjoint": args.disjoint_blocks}
+    return " or ".join(f"{blocks[s]} ({s})" for s in results)
 
 
 def results_first(results: dict) -> dict:

@@ -80,3 +80,9 @@ def test_the_quick_run_writes_every_block_of_every_schedule_method_and_rate_and_
     assert report.returncode == 0, report.stderr[-4000:]
     assert report.stdout.count("missing") == 1 and output.is_file()
     assert "clip" not in json.loads(output.read_text())["schedules"]["disjoint"]["blocks"]
+
+
+def test_the_caption_names_the_blocks_of_the_schedules_that_ran_only(bench_blocks):
+    args = SimpleNamespace(blocks=8, disjoint_blocks=4)
+    assert bench_blocks.schedule_blocks(args, {"disjoint": {}}) == "4 (disjoint)"
+    assert bench_blocks.schedule_blocks(args, {"revisit": {}, "disjoint": {}}) == "8 (revisit) or 4 (disjoint)"
