@@ -52,8 +52,8 @@ Usage:
     python benchmarks/bench_scaling.py --observation_tokens 128,256,512 --warmup 0 --batches 2 \
         --output benchmarks/results/scaling.json --plot benchmarks/results/scaling.png   # the README's, 10 CPU min
     python benchmarks/bench_scaling.py --report_only --output benchmarks/results/scaling.json --plot scaling.png
-    python benchmarks/bench_scaling.py --model smollm2 --output benchmarks/results/scaling_smollm2.json \\
-        --plot benchmarks/results/scaling_smollm2.png                       # leaves and turns, 3 points each
+    python benchmarks/bench_scaling.py --model smollm2 --axes leaves --default 4,2,3,128,1 --warmup 0 --batches 1 \\
+        --output benchmarks/results/scaling_smollm2_leaves.json   # and --axes turns: 3 points each, 24 and 45 CPU min
 """
 
 from __future__ import annotations
