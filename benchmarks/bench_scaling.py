@@ -45,7 +45,8 @@ plot. The summary says along which axes the tree's cost per leaf falls and by ho
 
 On CPU, observations past 512 tokens need more than 1.5 GB per process (sdpa's math kernel attends each long chain:
 memory grows with the square of its length) and minutes a generation batch (a tree at 2,048: 187 CPU s): the committed
-run stops that axis at 512 (benchmarks/README.md, section 9).
+run stops that axis at 512; a separate run at P = 1 takes it to 4,096 (11.6 GB for the flat group's training there;
+benchmarks/README.md, section 9).
 
 Usage:
     python benchmarks/bench_scaling.py --quick                                  # seconds: 2 points per axis
