@@ -19,9 +19,6 @@ from . import metrics as tree_metrics
 class GenerationLogging:
     """Logging of a generation batch; mixed into `TreeTrainer` (reads its accelerator, args, reward names, tools)."""
 
-    def _max_over_ranks(self, value: int) -> int:
-        return tree_metrics.max_over_ranks(self.accelerator, value)
-
     def _gather_uneven(self, values: torch.Tensor) -> torch.Tensor:
         return tree_metrics.gather_uneven(self.accelerator, values)
 
