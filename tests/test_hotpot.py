@@ -33,7 +33,7 @@ from trl_tree.envs.hotpot import (
     top_k_by_score,
 )
 from trl_tree.envs.synthetic import make_synthetic_hotpot
-from trl_tree.rollout.env import ToolFatalError, run_tool_call
+from trl_tree.rollout.tools import ToolFatalError, run_tool_call
 
 
 @pytest.fixture(scope="module")

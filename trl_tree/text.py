@@ -2,7 +2,7 @@
 
 Both `trl_tree.rewards` (which reads the agents' final answers) and `trl_tree.rollout` (whose harness stops a search
 at one, and whose messages quote model output) need them; keeping them here lets each import downwards only, instead
-of rewards reaching up into `rollout.env` and the harness into `rewards`.
+of rewards reaching up into `rollout.tools` and the harness into `rewards`.
 """
 
 from __future__ import annotations

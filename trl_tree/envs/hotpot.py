@@ -42,7 +42,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from ..rollout.env import MAX_OBSERVATION_CHARS, ToolFatalError
+from ..rollout.tools import MAX_OBSERVATION_CHARS, ToolFatalError
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ DEFAULT_TOPK = 3
 DEFAULT_MAX_QUERY_CHARS = 512  # the paper's query limit (Appendix F.1)
 DEFAULT_MAX_CHARS = MAX_OBSERVATION_CHARS  # the paper's cap on retrieved observations
 # The search tool cuts its passage list so that list and marker fit in `max_chars` together; what the model then sees
-# of any tool output is cut again at `max_observation_chars` with `rollout.env.TRUNCATION_MARKER` (the same 16,384 by
+# of any tool output is cut again at `max_observation_chars` with `rollout.tools.TRUNCATION_MARKER` (the same 16,384 by
 # default, so a search observation is never cut twice).
 TRUNCATION_MARKER = "\n[... search results truncated]"
 _LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")
@@ -537,7 +537,7 @@ class RemoteRetriever:
 
     A server that keeps failing does, through a failure-rate breaker: when more than ``max_failure_rate`` of the last
     ``window`` searches failed (counted once at least ``min_calls`` searches were made), the failing search raises
-    :class:`~trl_tree.rollout.env.ToolFatalError` naming the server, which stops training instead of letting it finish
+    :class:`~trl_tree.rollout.tools.ToolFatalError` naming the server, which stops training instead of letting it finish
     on rollouts whose every search returned an error. A rate over a sliding window, rather than a count of consecutive
     failures, because each failed search has already been retried: the breaker must tolerate sporadic failures (a few
     timed-out queries among hundreds) yet catch a server that fails most searches while answering some, whose

@@ -20,19 +20,9 @@ from typing import Any
 
 from ..tree import RolloutTree, Turn
 from .engine import GenerationEngine
-from .env import (
-    MAX_OBSERVATION_CHARS,
-    RecordedCall,
-    ToolResult,
-    TreeEnvironment,
-    capture_random_state,
-    check_tool_execution,
-    environment_tools,
-    error_result,
-    fork_environment,
-    run_tool_call,
-)
+from .env_branching import RecordedCall, TreeEnvironment, capture_random_state, environment_tools, fork_environment
 from .expansion import expansion_anchor, select_expansion_turns, tree_turn_entropies
+from .tools import MAX_OBSERVATION_CHARS, ToolResult, check_tool_execution, error_result, run_tool_call
 
 INVALID_TOOL_NAME = "invalid_tool_call"
 
