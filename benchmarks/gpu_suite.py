@@ -58,7 +58,8 @@ from trl_tree.batch import LossInputs, TurnCredit
 from trl_tree.envs.agent_eval import GreedyEngine
 from trl_tree.packing import pack_trees, packed_token_logps
 from trl_tree.rollout.engine import rollout_session
-from trl_tree.rollout.samplers import InitExpandSampler, SamplerSettings, TreeRoot, TurnLoop
+from trl_tree.rollout.samplers import InitExpandSampler, TreeRoot
+from trl_tree.rollout.turn_loop import SamplerSettings, TurnLoop
 
 SECTIONS = ("packing", "step", "generation")
 RESULTS = Path(__file__).resolve().parent / "results"

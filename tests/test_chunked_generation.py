@@ -12,7 +12,8 @@ from trl_tree import TreeOPSDConfig, TreeOPSDTrainer
 from trl_tree.envs.agent_eval import AgentSettings, GreedyEngine, run_agent
 from trl_tree.rollout.engine import Continuation, _cut_at_eos
 from trl_tree.rollout.prefix_cache import PrefixKVStore
-from trl_tree.rollout.samplers import Branch, InitExpandSampler, SamplerSettings, TreeRoot, TurnLoop
+from trl_tree.rollout.samplers import InitExpandSampler, TreeRoot
+from trl_tree.rollout.turn_loop import Branch, SamplerSettings, TurnLoop
 
 EOS, CALL, VOCAB = 1, 2, 12
 OBSERVATION = [7, 7, 7]

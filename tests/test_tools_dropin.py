@@ -28,8 +28,8 @@ from tests.scripted import (
 )
 from trl_tree import TreeOPSDConfig, TreeOPSDTrainer
 from trl_tree.rollout.engine import ScriptedEngine
-from trl_tree.rollout.samplers import Branch, SamplerSettings, TurnLoop
 from trl_tree.rollout.tools import TRUNCATION_MARKER, run_tool_call
+from trl_tree.rollout.turn_loop import Branch, SamplerSettings, TurnLoop
 from trl_tree.testing import calculator
 
 FIRST_TURN = "<|im_start|>assistant\n"

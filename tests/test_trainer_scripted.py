@@ -20,7 +20,7 @@ from tests.scripted import (
 )
 from trl_tree import TreeOPSDConfig, TreeOPSDTrainer, TreePOConfig, TreePOTrainer
 from trl_tree.batch import TurnCredit
-from trl_tree.rollout.samplers import SamplerSettings
+from trl_tree.rollout.turn_loop import SamplerSettings
 from trl_tree.testing import calculator
 
 
@@ -311,7 +311,7 @@ def test_a_budget_cut_trajectory_is_scored_and_its_truncated_turn_can_be_masked(
 def test_every_rank_issues_the_same_number_of_generate_calls():
     """A rank whose branches are done keeps calling the engine (with nothing) while another rank still works."""
     from trl_tree.rollout.engine import ScriptedEngine
-    from trl_tree.rollout.samplers import Branch, SamplerSettings, TurnLoop
+    from trl_tree.rollout.turn_loop import Branch, SamplerSettings, TurnLoop
 
     engine = ScriptedEngine(lambda prefix: [7, 2], eos_ids=[2])
     other_rank_rounds = iter([True, True, False])  # the other rank still works in rounds 2 and 3
@@ -354,7 +354,7 @@ def test_max_turn_tokens_caps_each_sampled_turn_and_the_cut_turn_ends_the_trajec
 def test_turn_cap_counts_the_head_a_mid_turn_branch_already_has():
     """A branch resumed inside a turn (token-level branching) has part of the turn already: the cap is the turn's."""
     from trl_tree.rollout.engine import ScriptedEngine
-    from trl_tree.rollout.samplers import Branch, SamplerSettings, TurnLoop
+    from trl_tree.rollout.turn_loop import Branch, SamplerSettings, TurnLoop
     from trl_tree.tree import Turn
 
     engine = ScriptedEngine(lambda prefix: [7] * 50 + [2], eos_ids=[2])

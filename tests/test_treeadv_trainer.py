@@ -25,8 +25,8 @@ from tests.scripted import (
 from tests.trees import flat_gspo_token
 from trl_tree import TreeAdvConfig, TreeAdvTrainer, TreeConfig, TreeTrainer, Turn
 from trl_tree.batch import TurnCredit
-from trl_tree.rollout.samplers import Branch
 from trl_tree.rollout.token_branching import split_turns
+from trl_tree.rollout.turn_loop import Branch
 from trl_tree.testing import calculator
 
 

@@ -33,7 +33,7 @@ from .packing import PackedTrees, packed_token_logps
 
 
 class Leaf(Protocol):
-    """What the reward functions see of one leaf (a tree's trajectory, `rollout.samplers.Branch`; TreeFlex's complete
+    """What the reward functions see of one leaf (a tree's trajectory, `rollout.turn_loop.Branch`; TreeFlex's complete
     search, `rollout.flex_harness.FlexSearch`): its conversation after the prompt, its generated ids, its
     environment."""
 

@@ -1,6 +1,6 @@
 """The rollout tree as the pipeline's unit (`trl_tree.pipeline.RolloutUnit`): grown by a sampler, one per prompt.
 
-Its leaves are the sampler's branches (`rollout.samplers.Branch`), one trajectory each; the unit built from them is a
+Its leaves are the sampler's branches (`rollout.turn_loop.Branch`), one trajectory each; the unit built from them is a
 `RolloutTree` with the leaves' rewards; it packs in the configured layout, and π_old is written back into its turns
 (the likelihood backup of TreeOPSD's credit reads it there).
 """

@@ -3,7 +3,7 @@
 An evaluation number is only comparable to the training reward if the agent sees the same world in both: the same
 prompt rendering (chat template with the tool schema), the same tool-call parsing, the same observation tokens, the
 same turn and length limits. So nothing here re-implements the agent loop: generation goes through
-:class:`~trl_tree.rollout.samplers.TurnLoop` (what every tree sampler drives), tool calls through
+:class:`~trl_tree.rollout.turn_loop.TurnLoop` (what every tree sampler drives), tool calls through
 :func:`~trl_tree.rollout.tools.run_tool_call`, and prompts, parsing and observation ids are rendered the way
 ``GRPOTrainer`` renders them (its training chat template, ``parse_response`` and ``_get_tool_suffix_ids``). Only the
 generation backend differs: greedy decoding on a plain model, one answer per question.
@@ -23,8 +23,8 @@ import torch
 from trl_tree.rewards import exact_match_score, extract_answer, f1_score, is_well_formed
 from trl_tree.rollout.engine import Continuation, _cut_at_eos, rollout_session
 from trl_tree.rollout.prefix_cache import PrefixKVStore, left_padded, supports_reuse
-from trl_tree.rollout.samplers import Branch, SamplerSettings, TurnLoop
 from trl_tree.rollout.tools import MAX_OBSERVATION_CHARS
+from trl_tree.rollout.turn_loop import Branch, SamplerSettings, TurnLoop
 
 
 class AgentTemplate:

@@ -97,7 +97,7 @@ from typing import Any, Protocol
 from ..text import ANSWER_SPAN
 from ..tree import Turn
 from .env_branching import RecordedCall, TreeEnvironment, fork_environment
-from .samplers import Branch, TurnLoop, _bind_tools
+from .turn_loop import Branch, TurnLoop, _bind_tools
 
 REFLECTION, EXECUTION = "reflection", "execution"
 

@@ -40,7 +40,8 @@ import math
 from collections.abc import Iterable
 
 from ..tree import RolloutTree, Turn
-from .samplers import Branch, TreeRoot, TurnLoop, _start
+from .samplers import TreeRoot, _start
+from .turn_loop import Branch, TurnLoop
 
 
 def split_turns(branch: Branch, cuts: Iterable[int]) -> tuple[list[Turn], list[int]]:

@@ -439,3 +439,56 @@ def run_tool_call(
     except BaseException as e:  # noqa: BLE001 - SystemExit, GeneratorExit, ...: the model sees the error, the run goes on
         return error_result(name, _describe(e), max_chars)
     return _value_result(name, value, max_chars)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Batched tools: one request for the calls of a round
+# ---------------------------------------------------------------------------------------------------------------
+
+BATCH_ATTRIBUTE = "__trl_tree_batch__"
+
+
+@dataclass(frozen=True)
+class BatchForm:
+    """A tool's batched form (see `batched_tool`)."""
+
+    fn: Callable
+    max_batch_size: int | None = None
+
+
+def batched_tool(batch_fn: Callable, max_batch_size: int | None = None) -> Callable[[Callable], Callable]:
+    """Declare the batched form of a tool, for servers that answer many requests in one (Search-R1's retrieval
+    server takes a list of queries).
+
+    `batch_fn(calls)` takes a list of the keyword arguments of several calls (each already checked against the tool's
+    own signature) and returns one result per call, in order: a value as the tool would return it, or an exception
+    instance for a call that failed alone. It may be a coroutine function. The tool itself stays a plain function:
+    TRL builds its schema from it, and it is what runs when calls run one at a time (`max_concurrent_tool_calls=1`).
+    When calls run through the executor, the calls of one round to the same tool go in one request of at most
+    `max_batch_size` calls (None: no cap), under one deadline (`tool_timeout`).
+
+        def search_many(calls):
+            return retriever.search([c["query"] for c in calls])
+
+        @batched_tool(search_many, max_batch_size=64)
+        def search(query: str) -> str:
+            return search_many([{"query": query}])[0]
+    """
+    if not callable(batch_fn):
+        raise TypeError(f"batched_tool needs a callable batched form; got {type(batch_fn).__name__}.")
+    if max_batch_size is not None and (isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int)
+                                       or max_batch_size < 1):
+        raise ValueError(f"max_batch_size must be a positive number of calls per request, or None; got "
+                         f"{max_batch_size!r}.")
+
+    def declare(tool: Callable) -> Callable:
+        setattr(tool, BATCH_ATTRIBUTE, BatchForm(batch_fn, max_batch_size))
+        return tool
+
+    return declare
+
+
+def batch_form(tool: Callable) -> BatchForm | None:
+    """The batched form a tool declares (`batched_tool`), or None."""
+    form = getattr(tool, BATCH_ATTRIBUTE, None)
+    return form if isinstance(form, BatchForm) else None

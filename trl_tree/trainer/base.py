@@ -38,7 +38,8 @@ from .. import methods, pipeline, trl_internals
 from ..batch import LossInputs, TurnCredit
 from ..packing import unwrap_model
 from ..rollout.engine import HFEngine
-from ..rollout.samplers import SamplerSettings, TreeRoot, TurnLoop
+from ..rollout.samplers import TreeRoot
+from ..rollout.turn_loop import SamplerSettings, TurnLoop
 from ..tree import RolloutTree
 from ..tree_attention import TREE_SDPA
 from ..tree_unit import TreeUnits

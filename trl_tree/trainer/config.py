@@ -31,9 +31,9 @@ from trl import GRPOConfig
 from .. import methods
 from ..rollout.env_branching import ENVIRONMENT_BRANCHING, check_replay_divergence
 from ..rollout.prefix_cache import check_max_bytes
-from ..rollout.samplers import check_chunk_tokens, check_max_tool_calls_per_turn
 from ..rollout.special_tokens import check_observation_special_tokens
 from ..rollout.tools import MAX_OBSERVATION_CHARS, check_tool_execution
+from ..rollout.turn_loop import check_chunk_tokens, check_max_tool_calls_per_turn
 
 logger = logging.getLogger(__name__)
 
