@@ -27,6 +27,7 @@ from tests.scripted import (
     tool_call,
 )
 from trl_tree import TreeOPSDConfig, TreeOPSDTrainer
+from trl_tree.rollout import tools as tools_module
 from trl_tree.rollout.engine import ScriptedEngine
 from trl_tree.rollout.tools import TRUNCATION_MARKER, run_tool_call
 from trl_tree.rollout.turn_loop import Branch, SamplerSettings, TurnLoop
@@ -198,12 +199,22 @@ def test_a_signal_timed_tool_fails_in_a_worker_thread():
 
 
 @needs_sigalrm
-@pytest.mark.parametrize(("execution", "expected"), [(None, "3 rows"), ("thread", "main thread")])
-def test_the_trainer_runs_tools_in_its_own_thread_by_default_as_grpo(tmp_path, execution, expected):
+@pytest.mark.parametrize(("overrides", "expected"), [
+    ({"tool_execution": "main"}, "3 rows"),
+    ({"max_concurrent_tool_calls": 1, "tool_execution": "main"}, "3 rows"),
+    ({}, "main thread"),  # the default runs tools concurrently, in worker threads
+])
+def test_signal_timed_tools_need_the_trainers_thread(tmp_path, caplog, monkeypatch, overrides, expected):
+    """GRPOTrainer runs tools in its own thread, where TRL's agent example times them out with `signal.alarm`;
+    trl-tree's default runs them concurrently in worker threads, where signal fails: the model gets the error and the
+    log says once which setting runs such a tool."""
+    monkeypatch.setattr(tools_module, "_SIGNAL_ADVISED", set())  # advised once per tool and process
     replies = {FIRST_TURN: [tool_call("query", seconds=0.0)] * 2, AFTER_TOOL: ["Done."] * 2}
-    overrides = {} if execution is None else {"tool_execution": execution}
-    _, tree = tree_generation(tmp_path, [query], replies, num_initial_rollouts=2, num_branches=0, **overrides)
+    with caplog.at_level("WARNING", logger="trl_tree.rollout.tools"):
+        _, tree = tree_generation(tmp_path, [query], replies, num_initial_rollouts=2, num_branches=0, **overrides)
     assert expected in tree.completions[0][1]["content"]
+    advice = [r for r in caplog.records if "tool_execution='main'" in r.getMessage()]
+    assert len(advice) == (0 if overrides else 1)
 
 
 # ---------------------------------------------------------------- what a tool raises

@@ -31,6 +31,9 @@ class Turn:
         partial: the action stops inside an assistant turn: this is a *segment* and the trajectory's next `Turn`
             continues the same assistant turn (TreeAdv's token-level branch points). A partial turn has no
             observation and is never a trajectory's last turn.
+        observation_dropped: the turn called tools whose answer did not fit what was left of the trajectory's token
+            budget, so the trajectory ended without it (as TRL drops an overlong tool result): the model never saw
+            the answer to its call. Counted in `tools/dropped_observations`.
     """
 
     action_ids: list[int]
@@ -40,6 +43,7 @@ class Turn:
     truncated: bool = False
     penalty: float = 0.0
     partial: bool = False
+    observation_dropped: bool = False
 
 
 @dataclass

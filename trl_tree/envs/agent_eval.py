@@ -191,7 +191,8 @@ class AgentSettings:
     max_turn_tokens: int | None = None
     max_observation_chars: int | None = MAX_OBSERVATION_CHARS
     tool_timeout: float | None = 30.0
-    tool_execution: str = "main"  # or "thread": see TreeConfig.tool_execution
+    tool_execution: str = "thread"  # or "main": see TreeConfig.tool_execution
+    max_concurrent_tool_calls: int = 64  # TreeConfig.max_concurrent_tool_calls
     batch_size: int = 64
     reuse_prefixes: bool = True  # encode each history once (GreedyEngine); False: re-encode it every turn
     chunk_tokens: int | None = None  # tokens per generate call (TreeConfig.generation_chunk_tokens)
@@ -225,6 +226,7 @@ def run_agent(
             tool_timeout=settings.tool_timeout,
             max_observation_chars=settings.max_observation_chars,
             tool_execution=settings.tool_execution,
+            max_concurrent_tool_calls=settings.max_concurrent_tool_calls,
             max_turn_tokens=settings.max_turn_tokens,
             chunk_tokens=settings.chunk_tokens,
         ),

@@ -134,6 +134,18 @@ def restore_random_state(state: tuple) -> None:
         sys.modules["torch"].set_rng_state(torch_state)
 
 
+def same_random_state(a: tuple, b: tuple) -> bool:
+    """Whether two `capture_random_state` results are the same states (nothing drew from the generators between)."""
+    python_a, numpy_a, torch_a = a
+    python_b, numpy_b, torch_b = b
+    if python_a != python_b or (numpy_a is None) != (numpy_b is None) or (torch_a is None) != (torch_b is None):
+        return False
+    if numpy_a is not None and not (numpy_a[0] == numpy_b[0] and all(
+            (x == y).all() if hasattr(x, "all") else x == y for x, y in zip(numpy_a[1:], numpy_b[1:]))):
+        return False
+    return torch_a is None or bool((torch_a == torch_b).all())
+
+
 @contextlib.contextmanager
 def _callers_random_state():
     """Whatever the block draws or restores, the global random states are the caller's again afterwards."""

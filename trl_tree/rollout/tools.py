@@ -24,6 +24,7 @@ import asyncio
 import concurrent.futures
 import inspect
 import json
+import logging
 import signal
 import threading
 import time
@@ -34,6 +35,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..text import shorten
+
+logger = logging.getLogger(__name__)
 
 TRUNCATION_MARKER = "\n...[truncated: {n} more characters]"
 MAX_OBSERVATION_CHARS = 16_384  # the TreeOPSD paper's cap on a retrieved observation (Appendix E.3)
@@ -437,8 +440,27 @@ def run_tool_call(
     except (KeyboardInterrupt, ToolFatalError):
         raise  # the user, or a tool whose dependency is gone, stops the run; not something the model did
     except BaseException as e:  # noqa: BLE001 - SystemExit, GeneratorExit, ...: the model sees the error, the run goes on
+        _advise_on_signal_use(name, e)
         return error_result(name, _describe(e), max_chars)
     return _value_result(name, value, max_chars)
+
+
+_SIGNAL_ADVISED: set[str] = set()
+
+
+def _advise_on_signal_use(name: str, error: BaseException) -> None:
+    """A tool that sets a signal handler (TRL's agent example times its calls out with `signal.alarm`) fails in a
+    worker thread, which is where calls run concurrently: say once per tool which setting runs it, since the model
+    only sees the error."""
+    if isinstance(error, ValueError) and "signal only works in main thread" in _safe_str(error) \
+            and name not in _SIGNAL_ADVISED:
+        _SIGNAL_ADVISED.add(name)
+        logger.warning(
+            "Tool %s uses `signal`, which only works in the main thread, but tool calls run concurrently in worker "
+            "threads (tool_execution='thread', the default). Every call of it fails. Set tool_execution='main' to run "
+            "tools one at a time in the trainer's thread, as GRPOTrainer does (tool_timeout then is a SIGALRM "
+            "timer), or drop the tool's own alarm: tool_timeout already bounds every call.", name,
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -15,13 +15,23 @@ to restart them; this loop only grows them.
 
 from __future__ import annotations
 
+import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..tree import Turn
 from .engine import GenerationEngine
-from .env_branching import RecordedCall, TreeEnvironment, capture_random_state, environment_tools, fork_environment
+from .env_branching import (
+    RecordedCall,
+    TreeEnvironment,
+    capture_random_state,
+    environment_tools,
+    fork_environment,
+    same_random_state,
+)
+from .tool_executor import CallLimits, PlannedCall, ToolExecutor, check_max_concurrent_tool_calls, plan_jobs, wait_for
 from .tools import MAX_OBSERVATION_CHARS, ToolResult, check_tool_execution, error_result, run_tool_call
 
 INVALID_TOOL_NAME = "invalid_tool_call"
@@ -182,15 +192,41 @@ class SamplerSettings:
     max_observation_chars: int | None = MAX_OBSERVATION_CHARS
     failure_penalty: float = -1.0
     malformed_tool_calls: str = "end"  # as TRL's loop, or "observe" (TreeConfig.malformed_tool_calls)
-    tool_execution: str = "main"  # or "thread" (TreeConfig.tool_execution)
+    tool_execution: str = "thread"  # or "main" (TreeConfig.tool_execution)
     max_turn_tokens: int | None = None  # cap on one sampled assistant turn (TreeConfig.max_turn_tokens)
     chunk_tokens: int | None = None  # tokens a branch samples per engine call (TreeConfig.generation_chunk_tokens)
     max_tool_calls_per_turn: int | None = 8  # calls run per turn, the rest answered with errors (TreeConfig's field)
+    max_concurrent_tool_calls: int = 64  # tool jobs in flight at once (TreeConfig's field; 1: one after another)
 
     def __post_init__(self):
         check_tool_execution(self.tool_execution)
         check_chunk_tokens(self.chunk_tokens)
         check_max_tool_calls_per_turn(self.max_tool_calls_per_turn)
+        check_max_concurrent_tool_calls(self.max_concurrent_tool_calls)
+
+    @classmethod
+    def from_config(cls, args, max_completion_length: int | None = None) -> SamplerSettings:
+        """The settings a trainer config (`TreeTrainerConfig`) gives, read in one place so every user of the loop
+        (the trainers, the agent evaluation, the HotpotQA script) runs tools and budgets alike."""
+        return cls(
+            max_turns=args.max_turns,
+            max_completion_length=max_completion_length or args.max_completion_length,
+            tool_timeout=args.tool_timeout,
+            max_observation_chars=args.max_observation_chars,
+            failure_penalty=args.tool_failure_penalty,
+            malformed_tool_calls=args.malformed_tool_calls,
+            tool_execution=args.tool_execution,
+            max_turn_tokens=args.max_turn_tokens,
+            chunk_tokens=args.generation_chunk_tokens,
+            max_tool_calls_per_turn=args.max_tool_calls_per_turn,
+            max_concurrent_tool_calls=args.max_concurrent_tool_calls,
+        )
+
+    @property
+    def concurrent_tools(self) -> bool:
+        """Whether a round's calls run together in the worker pool. `tool_execution="main"` runs synchronous tools in
+        the trainer's thread, which holds one call at a time, so it runs every call as GRPOTrainer does."""
+        return self.max_concurrent_tool_calls > 1 and self.tool_execution != "main"
 
 
 def check_chunk_tokens(chunk_tokens: int | None) -> None:
@@ -211,6 +247,14 @@ def check_max_tool_calls_per_turn(cap: int | None) -> None:
 
 class TurnLoop:
     """Continues branches one turn at a time: generate, parse tool calls, run them, append the observation.
+
+    Tool calls (`tool_executor`): the calls of every turn that ended in a round start together in a bounded worker
+    pool (`settings.max_concurrent_tool_calls`; 1, or `tool_execution="main"`, runs them one after another in this
+    thread, as GRPOTrainer does). Their results are attached in the order of the round's branches, so the sampled
+    tokens do not depend on which call finishes first. With chunked generation (`settings.chunk_tokens`, continuous
+    batching) the calls of standalone tools also overlap generation: their branches sit out the engine calls until
+    their results land, while the other branches go on; the batches, hence a seeded run's tokens, then depend on the
+    tools' timing. Calls on a branch's stateful environment always complete within their round (see `_run_round`).
 
     Args:
         engine: the generation backend.
@@ -238,12 +282,19 @@ class TurnLoop:
         self.settings = settings
         self.any_active = any_active
         self.event_loop = event_loop
+        self.executor = ToolExecutor(settings.max_concurrent_tool_calls) if settings.concurrent_tools else None
+        self.tool_stats = ToolStats()
+        self._waiting: list[_ToolRequest] = []  # requests in flight while generation goes on (chunked rounds)
+        # per environment class, whether its calls were seen drawing from the global random generators (absent: not
+        # known yet). Such calls run one at a time, so that replay knows the random state each ran with (`_run_round`)
+        self._environment_draws: dict[type, bool] = {}
 
     def run_call(self, call: dict, tools: dict[str, Callable]) -> ToolResult:
         """Run one parsed tool call with the loop's limits and execution mode (replay re-runs recorded calls through
         this too, so a replayed call runs exactly as the original did)."""
         s = self.settings
-        return run_tool_call(call, tools, s.tool_timeout, s.max_observation_chars, s.tool_execution, self.event_loop)
+        execution = s.tool_execution if not s.concurrent_tools else "thread"
+        return run_tool_call(call, tools, s.tool_timeout, s.max_observation_chars, execution, self.event_loop)
 
     def run(
         self,
@@ -256,37 +307,52 @@ class TurnLoop:
         After each engine call, `on_turn(branch)` is asked about every branch that completed a turn and goes on (it is
         about to sample turn `len(branch.turns)`), and `on_finish(branch)` about every branch that is now done. The new
         branches they return are appended to `branches` and join the next engine call alongside the branches still
-        running, instead of waiting for a call of their own.
+        running, instead of waiting for a call of their own. A turn is complete once its tool results are attached.
         """
-        while self.any_active(any(not b.done for b in branches)):
-            active = [b for b in branches if not b.done]
-            for branch in self.step(active):
+        def completed(turned: list[Branch]) -> None:
+            for branch in turned:
                 hook = on_finish if branch.done else on_turn
                 if hook is not None:
                     branches.extend(hook(branch))
 
+        self._waiting = []
+        while self.any_active(any(not b.done for b in branches)):
+            while self._waiting and not self._ready(branches):  # nothing to generate: wait for a tool to land
+                completed(self._collect(block=True))
+            completed(self.step([b for b in branches if not b.done]))
+
+    def _ready(self, branches: list[Branch]) -> list[Branch]:
+        """The branches the next engine call continues: not done, not waiting for their tools."""
+        waiting = {id(request.branch) for request in self._waiting}
+        return [b for b in branches if not b.done and id(b) not in waiting]
+
     def step(self, active: list[Branch]) -> list[Branch]:
-        """One engine call that continues every active branch; returns those that completed a turn.
+        """One engine call that continues every ready branch, then the round's tool calls; returns the branches that
+        completed a turn (tool results attached), in a fixed order.
 
         With `settings.chunk_tokens` = c and an engine that resumes a cut turn cheaply (`resumes_turns`), a call
         samples at most c tokens per branch (continuous batching at chunk granularity): a branch whose turn is still
         going after c tokens keeps them as its pending head and goes on in the next call, while the branches that
         ended their turn run their tools and rejoin, and new branches join, at once, instead of every branch of the
         batch waiting for the longest turn. Each token is still drawn from the same distribution, given the same
-        history; only the batches (hence a seeded run's random draws) differ.
+        history; only the batches (hence a seeded run's random draws) differ. In that mode a branch whose standalone
+        tools are still running sits the call out (`_collect` attaches its results when they land).
         """
-        budgets = [self._turn_budget(b) for b in active]
+        ready = self._ready(active)
+        budgets = [self._turn_budget(b) for b in ready]
         chunk = self.settings.chunk_tokens if getattr(self.engine, "resumes_turns", False) else None
         asked = budgets if chunk is None else [min(budget, chunk) for budget in budgets]
-        outputs = self.engine.generate([b.prefix_ids for b in active], asked)
-        completed = []
-        for branch, out, budget, n in zip(active, outputs, budgets, asked):
+        outputs = self.engine.generate([b.prefix_ids for b in ready], asked)
+        ended: list[tuple[Branch, _ToolRequest | None]] = []
+        for branch, out, budget, n in zip(ready, outputs, budgets, asked):
             if n < budget and not out.finished and len(out.ids) == n:  # cut by the chunk, not a budget: goes on
                 self._extend_pending(branch, out)
             else:
-                self._append_turn(branch, out)
-                completed.append(branch)
-        return completed
+                ended.append((branch, self._append_turn(branch, out)))
+        self._run_round([request for _, request in ended if request is not None], overlap=chunk is not None)
+        in_flight = {id(request.branch) for request in self._waiting}
+        ended_now = [branch for branch, _ in ended if id(branch) not in in_flight]
+        return ended_now + self._collect(block=False)
 
     @staticmethod
     def _extend_pending(branch: Branch, out) -> None:
@@ -309,7 +375,9 @@ class TurnLoop:
             budget = min(budget, max(1, cap - head))
         return budget
 
-    def _append_turn(self, branch: Branch, out) -> None:
+    def _append_turn(self, branch: Branch, out) -> _ToolRequest | None:
+        """Record the turn the engine ended; return its tool calls to run (None: the branch is done or its turn
+        complete)."""
         s = self.settings
         t = len(branch.turns)
         head, branch.pending = branch.pending, None  # the turn's first tokens, when it continues a mid-turn prefix
@@ -335,47 +403,154 @@ class TurnLoop:
         last_turn_allowed = t + 1 >= s.max_turns
         if not out.finished or (not calls and not malformed) or last_turn_allowed:
             branch.done = True
-            return
+            return None
         if malformed and s.malformed_tool_calls == "end":  # TRL's loop: no parsed call, so the turn is final
             self._record_tool_results(branch, turn, [_malformed_result()])
             branch.done = True
-            return
-        states = [] if branch.env is not None else None
-        results = self._run_calls(calls, branch.tools, states) if calls else [_malformed_result()]
-        if branch.env is not None:  # calls past the cap never ran: replay must not run them either
-            ran = zip(calls[: self._calls_run(calls)], results, states)
-            branch.env_calls += [RecordedCall(t, call, r.content, r.failed, state) for call, r, state in ran]
-        self._record_tool_results(branch, turn, results)
-        # the model sees each message cut at max_observation_chars; the conversation keeps the full content
-        obs = self.observation_ids([r.observation_message for r in results])
-        if branch.completion_len + len(obs) >= s.max_completion_length:
-            branch.done = True  # no room for the answer: end here, as TRL drops overlong tool results
-            return
-        turn.observation_ids = list(obs)
-        branch.messages.extend(r.message for r in results)
-        branch.prefix_ids = branch.prefix_ids + list(obs)
-
+            return None
+        if not calls:  # "observe": the malformed call is answered at once, nothing runs
+            self._attach(_ToolRequest(branch, turn, t, [], [_malformed_result()]))
+            return None
+        n = self._calls_run(calls)
+        capped = [_capped_result(call, n, len(calls)) for call in calls[n:]]
+        return _ToolRequest(branch, turn, t, [PlannedCall(call, branch.tools) for call in calls[:n]], capped)
 
     def _calls_run(self, calls: list) -> int:
         cap = self.settings.max_tool_calls_per_turn
         return len(calls) if cap is None else min(cap, len(calls))
 
-    def _run_calls(self, calls: list[dict], tools: dict[str, Callable], states: list | None = None) -> list[ToolResult]:
-        """Run a turn's first `max_tool_calls_per_turn` calls, in order, and answer the rest with an error each.
-        `states`, when given, gets the global random states each call ran with (what replay restores).
+    def _run_round(self, requests: list[_ToolRequest], overlap: bool) -> None:
+        """Run the tool calls of the turns that ended in this round and attach their results, in the requests' order.
 
-        A turn's calls run one after another, each with its own deadline, so without a cap one turn could hold the
-        batch for (calls × tool_timeout). Each capped call still gets its tool message, so the conversation stays
-        well-formed (every call answered) and the model reads why; it counts as a failed call (metrics, TreeFlex's
-        penalty).
+        A turn's first `max_tool_calls_per_turn` calls run, the rest are answered with an error each: without a cap
+        one turn could hold the batch for (calls × tool_timeout); each capped call still gets its tool message, so the
+        conversation stays well-formed and the model reads why (a failed call for the metrics and TreeFlex's penalty).
+
+        One at a time (`concurrent_tools` off): in order, in this thread, each after capturing the global random
+        state it runs with (what replay restores), as GRPOTrainer runs them. Concurrently: each branch's calls are a
+        lane of the pool (`tool_executor.plan_jobs`; batched tools in one request). Replay needs the global random
+        state each environment call ran with, and calls running together would race on it. So an environment class's
+        calls run one at a time (exact capture) until a round shows they leave the global state alone; then they join
+        the pool, the state captured once before each round and checked after it: unchanged, no call drew and the
+        capture is exact for every call; changed, the round's environment calls are recorded without a state (a
+        replay of them that does not reproduce its history is caught as a divergence), a warning says so, and their
+        classes run one at a time from then on. For the same reason environment calls never overlap generation
+        (which draws from torch's generator): with `overlap`, only requests without an environment stay in flight
+        across engine calls.
         """
-        n = self._calls_run(calls)
-        results = []
-        for call in calls[:n]:
-            if states is not None:
-                states.append(capture_random_state())
-            results.append(self.run_call(call, tools))
-        return results + [_capped_result(call, n, len(calls)) for call in calls[n:]]
+        if not requests:
+            return
+        for order, request in enumerate(requests):
+            request.order = order
+        self.tool_stats.calls += sum(len(r.calls) for r in requests)
+        serial = [r for r in requests if self._one_at_a_time(r)]
+        drew: dict[type, bool] = {}
+        for request in serial:
+            cls = type(request.branch.env)
+            drew[cls] = self._run_serially(request) or drew.get(cls, False)
+        if self.executor is not None:  # environments seen drawing stay serial; the others join the pool
+            for cls, did in drew.items():
+                self._environment_draws[cls] = self._environment_draws.get(cls, False) or did
+        pooled = [r for r in requests if not any(r is q for q in serial)]
+        now: list[_ToolRequest] = []
+        if pooled:
+            environments = [r.branch.env for r in pooled]
+            state = capture_random_state() if any(env is not None for env in environments) else None
+            limits = CallLimits(self.settings.tool_timeout, self.settings.max_observation_chars, self.event_loop)
+            jobs, where = plan_jobs([r.calls for r in pooled], environments, limits)
+            for request, slots in zip(pooled, where):
+                request.slots, request.random_state = slots, state
+            self.executor.submit(jobs)
+            now = [r for r in pooled if not (overlap and r.branch.env is None)]
+            self._waiting.extend(r for r in pooled if overlap and r.branch.env is None)
+            self._wait([job for r in now for job, _ in r.slots])
+            if state is not None and not same_random_state(state, capture_random_state()):
+                self._environment_calls_drew_randomness(now)
+        self._attach_in_order(serial + now)
+
+    def _one_at_a_time(self, request: _ToolRequest) -> bool:
+        """Whether a request's calls run in this thread, alone: all of them without the pool; with it, the calls on
+        an environment class not yet seen to leave the global random state alone (see `_run_round`)."""
+        if self.executor is None:
+            return True
+        return request.branch.env is not None and self._environment_draws.get(type(request.branch.env), True)
+
+    def _run_serially(self, request: _ToolRequest) -> bool:
+        """Run a request's calls in order in this thread, each after capturing the global random state it runs with;
+        return whether any of them drew from it."""
+        request.results, request.states = [], []
+        drew = False
+        for planned in request.calls:
+            request.states.append(capture_random_state())
+            request.results.append(self.run_call(planned.call, planned.tools))
+            drew = drew or (request.branch.env is not None
+                            and not same_random_state(request.states[-1], capture_random_state()))
+        return drew
+
+    def _attach_in_order(self, requests: list[_ToolRequest]) -> None:
+        for request in sorted(requests, key=lambda r: r.order):
+            self._attach(request)
+
+    def _wait(self, jobs: list, first: bool = False) -> None:
+        """Wait for tool jobs (`first`: for one of them), counting the time generation stood still for them."""
+        start = time.monotonic()
+        try:
+            wait_for(jobs, self.executor, first=first)
+        finally:
+            self.tool_stats.wait_seconds += time.monotonic() - start
+
+    def _collect(self, block: bool) -> list[Branch]:
+        """Attach the results of requests in flight that have landed (`block`: wait for one first, as no branch can
+        generate meanwhile), in the order they were made; returns their branches."""
+        if not self._waiting:
+            return []
+        jobs = [job for request in self._waiting for job, _ in request.slots]
+        if block:
+            self._wait(jobs, first=True)
+        landed = [r for r in self._waiting if all(job.done.is_set() for job, _ in r.slots)]
+        wait_for([job for r in landed for job, _ in r.slots], self.executor)  # re-raises what stops the run
+        self._waiting = [r for r in self._waiting if r not in landed]
+        for request in landed:
+            self._attach(request)
+        return [request.branch for request in landed]
+
+    def _environment_calls_drew_randomness(self, requests: list[_ToolRequest]) -> None:
+        names = sorted({type(r.branch.env).__name__ for r in requests if r.branch.env is not None})
+        warnings.warn(
+            f"Tool calls on environment(s) {', '.join(names)} drew from the global random generators (Python's "
+            "`random`, NumPy's or torch's) while other calls ran concurrently, so the random state each call ran "
+            "with is unknown and a replay of them may not reproduce their outputs (such branches are caught as "
+            "diverged, replay_divergence). From now on their calls run one at a time, each after its random state is "
+            "captured; other calls stay concurrent. To keep an environment's calls concurrent, draw from a generator "
+            "of its own (seeded from the row) instead, or give it a fork() method (its branches are then not "
+            "replayed).",
+            RuntimeWarning, stacklevel=4,
+        )
+        for request in requests:
+            if request.branch.env is not None:
+                self._environment_draws[type(request.branch.env)] = True
+                request.random_state = None
+
+    def _attach(self, request: _ToolRequest) -> None:
+        """Give a branch its turn's tool results: the recorded calls (what replay re-runs), counts and penalty, and
+        the observation tokens, unless they do not fit what is left of the trajectory's budget."""
+        branch, turn = request.branch, request.turn
+        results = request.gathered() + request.capped
+        if branch.env is not None:  # calls past the cap never ran: replay must not run them either
+            states = request.states or [request.random_state] * len(request.calls)
+            ran = zip(request.calls, results, states)
+            branch.env_calls += [RecordedCall(request.t, p.call, r.content, r.failed, state) for p, r, state in ran]
+        self._record_tool_results(branch, turn, results)
+        # the model sees each message cut at max_observation_chars; the conversation keeps the full content
+        obs = self.observation_ids([r.observation_message for r in results])
+        if branch.completion_len + len(obs) >= self.settings.max_completion_length:
+            branch.done = True  # no room for the answer: end here, as TRL drops overlong tool results
+            turn.observation_dropped = True
+            self.tool_stats.dropped_observations += 1
+            return
+        turn.observation_ids = list(obs)
+        branch.messages.extend(r.message for r in results)
+        branch.prefix_ids = branch.prefix_ids + list(obs)
 
     def _record_tool_results(self, branch: Branch, turn: Turn, results) -> None:
         """Count the turn's tool calls and failures, and put the process penalty on the turn that made them."""
@@ -383,6 +558,39 @@ class TurnLoop:
         branch.calls_per_turn[-1] = len(results)
         branch.failures_per_turn[-1] = failures
         turn.penalty = self.settings.failure_penalty * failures
+
+
+@dataclass
+class ToolStats:
+    """What the loop's tool calls cost: calls run, seconds the loop stood still waiting for them (with nothing to
+    generate meanwhile), observations dropped for want of room in the trajectory's budget."""
+
+    calls: int = 0
+    wait_seconds: float = 0.0
+    dropped_observations: int = 0
+
+
+@dataclass(eq=False)
+class _ToolRequest:
+    """One ended turn's tool calls: those that run (`calls`) and the error answers of those past the cap (`capped`).
+    Results come from `_run_serially` (`results`, with the random `states` each call ran with) or from the pool's jobs
+    (`slots`: per call, its job and the index of its result there; `random_state`: captured before the round)."""
+
+    branch: Branch
+    turn: Turn
+    t: int
+    calls: list[PlannedCall]
+    capped: list[ToolResult]
+    slots: list = field(default_factory=list)
+    random_state: Any = None
+    results: list[ToolResult] | None = None
+    states: list | None = None
+    order: int = 0
+
+    def gathered(self) -> list[ToolResult]:
+        if self.results is not None:
+            return list(self.results)
+        return [job.results[index] for job, index in self.slots]
 
 
 def _snapshot(branch: Branch):

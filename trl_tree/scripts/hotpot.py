@@ -368,6 +368,7 @@ def agent_settings(script_args: HotpotScriptArguments, training_args):
         max_observation_chars=training_args.max_observation_chars,
         tool_timeout=training_args.tool_timeout,
         tool_execution=training_args.tool_execution,
+        max_concurrent_tool_calls=training_args.max_concurrent_tool_calls,
         observation_special_tokens=training_args.observation_special_tokens,
         batch_size=script_args.eval_batch_size,
         chat_template_kwargs=training_args.chat_template_kwargs,

@@ -220,18 +220,7 @@ class TreeTrainer(PromptRendering, EnvironmentHandling, RewardScoring, Generatio
         return methods.needs_entropies(self.args)
 
     def _build_turn_loop(self) -> TurnLoop:
-        settings = SamplerSettings(
-            max_turns=self.args.max_turns,
-            max_completion_length=self.max_completion_length,
-            tool_timeout=self.args.tool_timeout,
-            max_observation_chars=self.args.max_observation_chars,
-            failure_penalty=self.args.tool_failure_penalty,
-            malformed_tool_calls=self.args.malformed_tool_calls,
-            tool_execution=self.args.tool_execution,
-            max_turn_tokens=self.args.max_turn_tokens,
-            chunk_tokens=self.args.generation_chunk_tokens,
-            max_tool_calls_per_turn=self.args.max_tool_calls_per_turn,
-        )
+        settings = SamplerSettings.from_config(self.args, max_completion_length=self.max_completion_length)
         return TurnLoop(
             engine=_EngineProxy(self),
             parse=self._parse_action,

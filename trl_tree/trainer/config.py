@@ -32,6 +32,7 @@ from .. import methods
 from ..rollout.env_branching import ENVIRONMENT_BRANCHING, check_replay_divergence
 from ..rollout.prefix_cache import check_max_bytes
 from ..rollout.special_tokens import check_observation_special_tokens
+from ..rollout.tool_executor import check_max_concurrent_tool_calls
 from ..rollout.tools import MAX_OBSERVATION_CHARS, check_tool_execution
 from ..rollout.turn_loop import check_chunk_tokens, check_max_tool_calls_per_turn
 
@@ -105,22 +106,32 @@ class TreeTrainerConfig(GRPOConfig):
             observation ("timed out after … s"), in every mode and for every kind of tool; the trainer enforces it
             from outside, so a tool cannot extend it (an async tool that catches its cancellation runs on in the
             background, its late result dropped). `None`: no deadline at all, a hung tool hangs the run.
-        tool_execution (`str`, defaults to `"main"`): where synchronous tools run. `"main"`: in the trainer's thread,
-            as GRPOTrainer runs them, so a tool may time itself out with `signal.alarm` / `signal.setitimer` (TRL's
-            agent example does); `tool_timeout` is a SIGALRM timer there, which interrupts the tool where it is
-            (pure Python, sleeps and lock waits; the trainer's own SIGALRM handler and timer are restored after
-            each call). Its limits: a tool stuck in C code that does not return to the interpreter is not
-            interrupted, a tool that arms its own alarm replaces the deadline for that call, and where there is no
-            SIGALRM (Windows) or the trainer does not run in the main thread, the tool runs in a worker thread with
-            the deadline instead. `"thread"`: in a worker thread that the trainer stops waiting for at the deadline
-            (a hung tool becomes an error observation, even in C code; its thread lingers until the tool returns,
-            as Python cannot kill a thread); `signal.signal` only works in the main thread, so a signal-based tool
-            fails on every call. Async tools run on GRPOTrainer's event loop thread either way, with
-            `tool_timeout`.
-        max_tool_calls_per_turn (`int` or `None`, defaults to `8`): tool calls of one assistant turn that run, in
-            order; each call beyond it gets an error observation instead (every call keeps its tool message) and
-            counts as a failed call in `tools/failure_frequency` and the TreeFlex penalty. The calls of a turn run
-            one after another, so the cap bounds a turn's tool time at about `max_tool_calls_per_turn ×
+        tool_execution (`str`, defaults to `"thread"`): where synchronous tools run. `"thread"`: in worker threads,
+            up to `max_concurrent_tool_calls` at once, each call with a deadline the trainer stops waiting at (a hung
+            tool becomes an error observation, even in C code; its thread lingers until the tool returns, as Python
+            cannot kill a thread); `signal.signal` only works in the main thread, so a signal-based tool fails on
+            every call. `"main"`: in the trainer's thread, one call after another, as GRPOTrainer runs them, so a
+            tool may time itself out with `signal.alarm` / `signal.setitimer` (TRL's agent example does);
+            `tool_timeout` is a SIGALRM timer there, which interrupts the tool where it is (pure Python, sleeps and
+            lock waits; the trainer's own SIGALRM handler and timer are restored after each call). Its limits: a
+            tool stuck in C code that does not return to the interpreter is not interrupted, a tool that arms its
+            own alarm replaces the deadline for that call, and where there is no SIGALRM (Windows) or the trainer
+            does not run in the main thread, the tool runs in a worker thread with the deadline instead. Async tools
+            run on GRPOTrainer's event loop thread either way, with `tool_timeout`.
+        max_concurrent_tool_calls (`int`, defaults to `64`): tool calls in flight at once. The calls of every turn
+            that ended in one round of generation (all branches of all trees of the process) start together in a
+            pool of worker threads (`trl_tree.rollout.tool_executor`), so a round costs about its slowest call, not
+            the sum of its calls; results are attached to their branches in a fixed order, so the sampled tokens do
+            not depend on which call finishes first. A branch's calls on its stateful environment run in order (they
+            share an instance); the calls of one round to a tool with a batched form (`trl_tree.batched_tool`) go in
+            one request. With `generation_chunk_tokens`, calls of standalone tools also overlap generation: a branch
+            waiting for them sits the engine calls out while the others go on (the batches, hence a seeded run's
+            tokens, then depend on the tools' timing). `1` (or `tool_execution="main"`): one call after another, as
+            GRPOTrainer.
+        max_tool_calls_per_turn (`int` or `None`, defaults to `8`): tool calls of one assistant turn that run;
+            each call beyond it gets an error observation instead (every call keeps its tool message) and counts as
+            a failed call in `tools/failure_frequency` and the TreeFlex penalty. A turn's calls on its environment
+            run one after another, so the cap bounds a turn's tool time at about `max_tool_calls_per_turn ×
             tool_timeout`. `None`: no cap.
         max_observation_chars (`int`, defaults to `16384`): what the model sees of a tool's output is cut at this many
             characters, with a marker saying how much was dropped (the paper's limit for retrieved observations).
@@ -251,11 +262,15 @@ class TreeTrainerConfig(GRPOConfig):
     )
     tool_timeout: float | None = field(default=30.0, metadata={"help": "Seconds a tool call may run."})
     tool_execution: str = field(
-        default="main",
+        default="thread",
         metadata={
-            "help": "main (as GRPO, signal works; tool_timeout by SIGALRM, which cannot stop a tool stuck in C "
-            "code) | thread (a worker thread; tool_timeout always stops waiting)"
+            "help": "thread (worker threads, max_concurrent_tool_calls at once; tool_timeout always stops waiting) | "
+            "main (one at a time in the trainer's thread, as GRPO; signal works; tool_timeout by SIGALRM)"
         },
+    )
+    max_concurrent_tool_calls: int = field(
+        default=64,
+        metadata={"help": "Tool calls in flight at once (a round's calls start together; 1: one after another)."},
     )
     max_tool_calls_per_turn: int | None = field(
         default=8, metadata={"help": "Tool calls run per assistant turn; the rest get error observations (None: all)."}
@@ -542,6 +557,7 @@ class TreeTrainerConfig(GRPOConfig):
                 f"{self.multi_objective_aggregation!r}."
             )
         check_tool_execution(self.tool_execution)
+        check_max_concurrent_tool_calls(self.max_concurrent_tool_calls)
         check_max_tool_calls_per_turn(self.max_tool_calls_per_turn)
         if self.malformed_tool_calls not in MALFORMED_TOOL_CALL_POLICIES:
             raise ValueError(
