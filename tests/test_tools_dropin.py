@@ -110,6 +110,21 @@ def test_a_tool_result_reaches_reward_functions_and_the_model_as_in_grpo(tmp_pat
     assert tree.completion_ids[0] == grpo.completion_ids[0]  # actions + the observation GRPO's template renders
 
 
+@pytest.mark.parametrize(("value", "seen"), [
+    (b"caf\xc3\xa9".decode("utf-8", "surrogateescape") + "\udce9", "café\ufffd"),  # non-UTF-8 output, decoded leniently
+    ("half \ud83d pair", "half \ufffd pair"),  # a lone surrogate outside surrogateescape's range
+    (b"caf\xc3\xa9", "café"),  # UTF-8 bytes are decoded, where GRPO would show b'caf\\xc3\\xa9'
+    (b"\xff\xfe", str(b"\xff\xfe")),  # bytes that are not UTF-8 stay GRPO's str(value)
+], ids=["surrogateescape", "lone_surrogate", "utf8_bytes", "other_bytes"])
+def test_tool_text_the_tokenizer_cannot_take_becomes_a_safe_observation(tmp_path, value, seen):
+    """A tool returning lone surrogates once stopped training inside the tokenizer (TypeError, naming neither tool
+    nor cause): the characters are replaced, and the run goes on."""
+    replies = {FIRST_TURN: [tool_call("lookup", key="a")] * 2, AFTER_TOOL: ["Done."] * 2}
+    _, tree = tree_generation(tmp_path, [returning(value)], replies, num_initial_rollouts=2, num_branches=0)
+    assert tree.completions[0][1]["content"] == seen
+    seen.encode("utf-8")
+
+
 def test_an_async_tool_runs_on_grpos_event_loop_with_grpos_message(tmp_path):
     threads = []
 
@@ -145,6 +160,31 @@ def test_the_model_sees_a_cut_observation_and_reward_functions_the_whole_output(
     loop.run([branch])
     assert branch.messages[1]["content"] == "x" * 25
     assert rendered == [[{"role": "tool", "name": "lookup", "content": "x" * 10 + TRUNCATION_MARKER.format(n=15)}]]
+
+
+def test_an_observation_too_long_for_the_budget_is_counted_and_its_turn_marked(tmp_path):
+    """The call's answer does not fit what is left of max_completion_length: the trajectory ends there as in TRL, but
+    not silently: the turn says so and the generation metrics count it."""
+    replies = {FIRST_TURN: [tool_call("lookup", key="a")] * 2, AFTER_TOOL: ["Done."] * 2}
+    trainer, tree = tree_generation(tmp_path, [returning("word " * 2000)], replies, num_initial_rollouts=2,
+                                    num_branches=0, max_completion_length=64, max_observation_chars=None)
+    assert all(len(c) == 1 for c in tree.completions)  # the answer never reached the model
+    assert metrics(trainer)["tools/dropped_observations"] == [1.0]
+    roomy, _ = tree_generation(tmp_path, [returning("short")], replies, num_initial_rollouts=2, num_branches=0)
+    assert metrics(roomy)["tools/dropped_observations"] == [0.0]
+
+
+def test_a_dropped_observation_marks_the_turn_that_called():
+    loop = TurnLoop(
+        ScriptedEngine(lambda prefix: [5, 2], eos_ids=[2]),
+        parse=lambda ids, prefix: {"role": "assistant", "content": "", "tool_calls": [call("lookup", key="a")]},
+        observation_ids=lambda messages: [9] * 100,
+        settings=SamplerSettings(max_turns=3, max_completion_length=50),
+    )
+    branch = Branch(tree=0, prefix_ids=[1], prompt_len=1, tools={"lookup": returning("x")})
+    loop.run([branch])
+    assert branch.done and [t.observation_dropped for t in branch.turns] == [True]
+    assert loop.tool_stats.dropped_observations == 1
 
 
 def test_an_unknown_execution_mode_is_rejected_with_the_choices(tmp_path):

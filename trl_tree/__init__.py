@@ -9,6 +9,7 @@ trainers pull in transformers/TRL and are imported on first use (`trl_tree.packi
 import importlib
 
 from . import credit, losses, methods
+from .rollout.tools import ToolFatalError, batched_tool
 from .tree import RolloutTree, Turn
 
 __version__ = "0.1.0"
@@ -16,7 +17,7 @@ __version__ = "0.1.0"
 _LAZY_MODULES = ("packing",)
 _CLASSES = methods.exported_classes()
 
-__all__ = ["RolloutTree", "Turn", "credit", "losses", "methods", *_LAZY_MODULES, *_CLASSES]
+__all__ = ["RolloutTree", "Turn", "ToolFatalError", "batched_tool", "credit", "losses", "methods", *_LAZY_MODULES, *_CLASSES]
 
 
 def __getattr__(name):

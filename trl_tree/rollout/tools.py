@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import inspect
 import json
 import logging
+import re
 import signal
 import threading
 import time
@@ -81,8 +83,35 @@ def truncate_observation(text: str, max_chars: int) -> str:
 
 
 def tool_message_content(value) -> str | list:
-    """The content GRPOTrainer puts in a tool message: a list (content blocks) as it is, anything else `str(value)`."""
-    return value if isinstance(value, list) else str(value)
+    """The content GRPOTrainer puts in a tool message: a list (content blocks) as it is, anything else `str(value)`,
+    with two departures, both about text the model could otherwise not be shown:
+
+    - `bytes` that are UTF-8 are decoded (GRPOTrainer's `str(value)` shows the model `b'...'` with escapes, which no
+      tool author means); other bytes stay `str(value)`;
+    - characters the tokenizer cannot encode (lone surrogates, what `surrogateescape` makes of non-UTF-8 output) are
+      replaced with U+FFFD: the tokenizer would raise on them and stop training, naming neither tool nor cause.
+    """
+    if isinstance(value, list):
+        return value
+    text = str(value)
+    if isinstance(value, (bytes, bytearray)):
+        with contextlib.suppress(UnicodeDecodeError):
+            text = bytes(value).decode("utf-8")
+    return encodable_text(text)
+
+
+def encodable_text(text: str) -> str:
+    """`text` with every character UTF-8 cannot encode replaced by U+FFFD (bytes smuggled in by `surrogateescape`
+    decoded back first, so valid UTF-8 among them survives)."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    except UnicodeEncodeError:  # surrogates outside surrogateescape's range: one U+FFFD each
+        return re.sub("[\ud800-\udfff]", "\ufffd", text)
 
 
 def _tool_result(name: str, value, failed: bool, max_chars: int | None) -> ToolResult:

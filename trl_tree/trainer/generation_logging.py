@@ -14,6 +14,7 @@ from .. import credit, methods, pipeline, trl_internals
 from ..batch import TurnCredit
 from ..tree import render_tree
 from . import metrics as tree_metrics
+from .completions_table import TREE_COLUMN, RowMeta
 
 
 class GenerationLogging:
@@ -49,6 +50,8 @@ class GenerationLogging:
                                          the same lengths over the completions that were not cut (0 if none)
             tools/call_frequency         tool calls per completion (a leaf counts every call on its path)
             tools/failure_frequency      failed calls / calls (0 without calls)
+            tools/dropped_observations   (trees) fraction of leaves that ended because a tool answer did not fit what
+                                         was left of max_completion_length (the turn is marked observation_dropped)
         """
         metrics = trl_internals.metrics(self, mode)
         per_func, rewards = scores.per_func, scores.weighted
@@ -94,6 +97,9 @@ class GenerationLogging:
             [b.turns[-1].truncated for b in leaves], [b.tool_calls for b in leaves], [b.tool_failures for b in leaves],
             result.scores,
         )
+        if self.tools:  # a turn's tool answer that did not fit the token budget: the model never saw it
+            dropped = [float(any(t.observation_dropped for t in b.turns)) for b in leaves]
+            metrics["tools/dropped_observations"].append(self._mean_over_ranks(dropped))
         metrics["tree/leaves_per_tree"].append(self._mean_over_ranks([t.num_leaves for t in trees]))
         metrics["tree/unique_turns"].append(self._mean_over_ranks([t.num_turns for t in trees]))
         metrics["tree/unique_tokens"].append(self._mean_over_ranks([t.num_unique_tokens for t in trees]))
@@ -127,23 +133,34 @@ class GenerationLogging:
         tree_metrics.log_values(metrics, self.accelerator, values)
 
     def _log_tree_completions(self, prompts, trees, branches_per_tree, per_func: torch.Tensor):
-        rows_prompt, rows_completion, rows_tree, rows_adv = [], [], [], []
+        rows_prompt, rows_completion, rows_tree, rows_adv, rows_meta = [], [], [], [], []
         for prompt, tree, branches in zip(prompts, trees, branches_per_tree):
             A = credit.standardize(torch.tensor(tree.rewards), min_leaves=1) if tree.num_leaves > 1 else [0.0]
             text = render_tree(tree, trl_internals.tokenizer(self))
+            group, summary = self._next_completion_group(), _tree_summary(tree)
             for k, b in enumerate(branches):
                 rows_prompt.append(prompt)
                 rows_completion.append(b.messages)
                 rows_tree.append(text if k == 0 else f"(leaf {k} of the tree above: turns {tree.paths[k]})")
                 rows_adv.append(float(A[k]))
-        self._log_completion_rows(rows_prompt, rows_completion, rows_adv, {"tree": rows_tree}, per_func)
+                rows_meta.append(RowMeta(group, k, len(branches), tuple(tree.paths[k]), summary))
+        self._log_completion_rows(rows_prompt, rows_completion, rows_adv, {TREE_COLUMN: rows_tree}, per_func,
+                                  rows_meta)
+
+    def _next_completion_group(self) -> tuple[int, int]:
+        """A key of the next logged group (tree, or TreeFlex's task), unique over ranks and batches: what the console
+        table uses to show a group's prompt and tree once."""
+        self._completion_groups_logged = getattr(self, "_completion_groups_logged", 0) + 1
+        return self.accelerator.process_index, self._completion_groups_logged
 
     def _log_completion_rows(self, prompts: list, completions: list, advantages: list[float],
-                             extra: dict[str, list], per_func: torch.Tensor) -> None:
+                             extra: dict[str, list], per_func: torch.Tensor, meta: list[RowMeta] | None = None) -> None:
         """GRPOTrainer's completions table (`log_completions`), one row per leaf (TreeFlex: per search) of every rank,
-        with each reward function's column. Objects are gathered, so ranks may hold different numbers of rows."""
+        with each reward function's column. Objects are gathered, so ranks may hold different numbers of rows.
+        `meta` says which group each row belongs to, for the console's table only (`completions_table`)."""
         from accelerate.utils import gather_object
 
+        self._completion_meta.extend(gather_object(list(meta) if meta is not None else [None] * len(prompts)))
         logs = trl_internals.completion_logs(self)
         logs["prompt"].extend(gather_object(prompts))
         logs["completion"].extend(gather_object(completions))
@@ -152,6 +169,12 @@ class GenerationLogging:
         logs["advantages"].extend(gather_object(advantages))
         for column, rows in extra.items():  # GRPOTrainer.log prints and saves the table
             logs["extra"][column].extend(gather_object(rows))
+
+
+def _tree_summary(tree) -> str:
+    """One line about a tree for the console's completions table (the tree view draws it)."""
+    rewards = " ".join(f"{r:g}" for r in tree.rewards)
+    return f"{tree.num_leaves} leaves, {tree.num_turns} unique turns; rewards {rewards}"
 
 
 def _no_reward_spread(rewards: torch.Tensor) -> bool:
