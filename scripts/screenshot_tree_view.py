@@ -1,6 +1,10 @@
-"""Look at a rollout-tree page as a person would: open it in headless Chromium and write a PNG screenshot.
+"""Look at a rollout-tree page as a person would: open it in headless Chromium and write a PNG screenshot. It
+regenerates the README's picture (docs/images/tree_view.png):
 
-A developer check, not a test (CI needs no browser; tests/test_tree_view.py checks the page's content). Usage:
+    python scripts/screenshot_tree_view.py --tiny-run treeopsd --out docs/images/tree_view.png --height 1100
+
+The browser is the one the browser tests drive (tests/test_tree_view_browser.py), opened the same way
+(`trl_tree.tree_view.browser`: the system's Chromium through Playwright, a fresh profile). Usage:
 
     python scripts/screenshot_tree_view.py PAGE.html [--out shot.png]          # a saved page
     python scripts/screenshot_tree_view.py RUN_DIR [--out shot.png]            # the run's newest page (rendered
@@ -11,42 +15,29 @@ A developer check, not a test (CI needs no browser; tests/test_tree_view.py chec
                                                                                  # (treeopsd, at2po, treeadv, treeflex)
     python scripts/screenshot_tree_view.py RUN_DIR --index --out index.png     # the run's index page
 
-Then open the PNG and look: the tree's shape, the merged leaves (×m), the credit chips, the folded long texts, the
-prompt list. `--prompt N` clicks the N-th prompt of the list before the shot, `--click next-failed` (or
-next-rewarded, best-leaf, show-tpl, f-mixed, f-failed) clicks one of the page's controls, `--search TEXT` types into
-its search box; `--height` makes the window taller, `--width 700 --height 420` is about what a tracker's frame shows.
+Then open the PNG and look: the tree's shape, the merged leaves (×m), the credit colours and chips, the key, the
+folded long texts, the prompt list. `--prompt N` clicks the N-th prompt of the list before the shot, `--click
+next-failed` (or next-rewarded, best-leaf, show-tpl, all-numbers, f-mixed, f-failed) clicks one of the page's
+controls, `--search TEXT` types into its search box; `--height` makes the window taller, `--width 700 --height 420`
+is about what a tracker's frame shows.
 
 The tiny run trains at the Quickstart's learning rate (`trl_tree/recipes/hotpot_offline.yaml`, 1e-4), not the
 tests' 1e-2: at 1e-2 one generation batch collapses every turn's p = σ(s) to about 0 or 1, so the page would show
 an update no real run makes. `--learning-rate` picks another (TreeOPSD's default is 1e-6: Δp of about 1e-5).
 
-Chromium: Debian's package (`apt-get install -y chromium`) or any Chrome on PATH; `--chromium PATH` picks one.
+Chromium: Debian's package at /usr/bin/chromium (`bash scripts/ensure_chromium.sh`), or `--chromium PATH`; Playwright
+from the `dev` extra.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
-FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--hide-scrollbars",
-         "--virtual-time-budget=2000")  # the page's script and a scroll it makes settle before the shot
-
-
-def find_browser(explicit: str | None) -> str:
-    found = explicit or next((shutil.which(b) for b in BROWSERS if shutil.which(b)), None)
-    if not found:
-        raise SystemExit(f"No Chromium found (looked for {', '.join(BROWSERS)}): install one, e.g. "
-                         "`apt-get install -y chromium`, or pass --chromium PATH.")
-    return found
 
 
 def newest_page(target: Path) -> Path:
@@ -61,36 +52,35 @@ def newest_page(target: Path) -> Path:
 
 CLICKS = {  # --click NAME: the control it clicks
     "next-rewarded": "#next-rewarded", "next-failed": "#next-failed", "best-leaf": "section.prompt.active .leaflink",
-    "show-tpl": "#show-tpl", "f-mixed": "#f-mixed", "f-failed": "#f-failed",
+    "show-tpl": "#show-tpl", "all-numbers": "#all-numbers", "f-mixed": "#f-mixed", "f-failed": "#f-failed",
 }
 
 
-def with_actions(page: Path, prompt: int = 0, clicks: tuple[str, ...] = (), search: str | None = None) -> Path:
-    """A copy of the page (beside it, so its links still work) that shows prompt N, then clicks the named controls
-    and types `search` into the search box, by a few lines of script added at its end (the page's own script runs
-    first)."""
-    lines = [f"var b=document.querySelectorAll('.navbtn')[{int(prompt)}];if(b){{b.click();}}"]
-    for name in clicks:
-        lines.append(f"var c=document.querySelector({json.dumps(CLICKS[name])});if(c){{c.click();}}")
-    if search is not None:
-        lines.append(f"var s=document.getElementById('search');if(s){{s.value={json.dumps(search)};"
-                     "s.dispatchEvent(new Event('input'));}")
-    text = page.read_text(encoding="utf-8")
-    copy = page.with_name(f"{page.stem}.shot.html")
-    copy.write_text(text.replace("</body>", "<script>" + "".join(lines) + "</script></body>", 1), encoding="utf-8")
-    return copy
+def screenshot(page: Path, out: Path, *, prompt: int = 0, clicks: tuple[str, ...] = (), search: str | None = None,
+               width: int = 1400, height: int = 1000, chromium: str | None = None) -> Path:
+    """Open `page` in headless Chromium, show prompt N, click the named controls and type `search` into the search
+    box as a reader would, then write the window as a PNG."""
+    from trl_tree.tree_view.browser import open_browser
 
-
-def screenshot(page: Path, out: Path, browser: str, width: int = 1400, height: int = 1000) -> Path:
-    profile = tempfile.mkdtemp(prefix="tree-view-chromium-")
-    command = [browser, *FLAGS, f"--user-data-dir={profile}", f"--screenshot={out.resolve()}",
-               f"--window-size={width},{height}", page.resolve().as_uri()]
     try:
-        subprocess.run(command, check=True, capture_output=True, timeout=120)
-    finally:
-        shutil.rmtree(profile, ignore_errors=True)
-    if not out.is_file():
-        raise SystemExit(f"Chromium wrote no screenshot to {out}.")
+        with open_browser(chromium, width=width, height=height) as browser:
+            tab = browser.new_page()
+            tab.goto(page.resolve().as_uri())
+            tab.wait_for_selector("body.js, body.nojs")
+            buttons = tab.locator(".navbtn")
+            if prompt and buttons.count() > prompt:
+                buttons.nth(prompt).click()
+            for name in clicks:
+                control = tab.locator(CLICKS[name]).first
+                if control.count():
+                    control.click()
+            if search is not None and tab.locator("#search").count():
+                tab.locator("#search").fill(search)
+            tab.wait_for_timeout(300)  # a scroll the page makes settles
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tab.screenshot(path=str(out))
+    except RuntimeError as e:  # no Playwright or no Chromium: say how to get them
+        raise SystemExit(str(e)) from e
     return out
 
 
@@ -132,9 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-steps", type=int, default=2, help="--tiny-run: optimizer steps (2 per page)")
     parser.add_argument("--width", type=int, default=1400)
     parser.add_argument("--height", type=int, default=1000)
-    parser.add_argument("--chromium", default=None)
+    parser.add_argument("--chromium", default=None, help="the Chromium to drive (default: /usr/bin/chromium)")
     args = parser.parse_args(argv)
-    browser = find_browser(args.chromium)
     if args.tiny_run:
         target = tiny_run(args.tiny_run, Path(args.target or tempfile.mkdtemp(prefix=f"tree-view-{args.tiny_run}-")),
                           args.learning_rate, args.max_steps)
@@ -145,9 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     page = newest_page(target)
     if args.index:
         page = page.parent / "index.html"
-    if args.prompt or args.click or args.search is not None:
-        page = with_actions(page, args.prompt, tuple(args.click), args.search)
-    shot = screenshot(page, Path(args.out), browser, args.width, args.height)
+    shot = screenshot(page, Path(args.out), prompt=args.prompt, clicks=tuple(args.click), search=args.search,
+                      width=args.width, height=args.height, chromium=args.chromium)
     print(f"page: {page}\nscreenshot: {shot}")
     return 0
 

@@ -65,7 +65,9 @@ def test_the_readmes_python_example_runs_offline_and_writes_the_tree_pages(tmp_p
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "open treeopsd-tiny/tree_view/index.html" in proc.stdout
     pages = tmp_path / "treeopsd-tiny" / "tree_view"
-    assert (pages / "index.html").is_file() and list(pages.glob("step_*.html"))
+    assert (pages / "index.html").is_file()
+    # max_steps=2, one generation batch per step: a page for each batch (issue 41: pages followed logging_steps)
+    assert sorted(p.name for p in pages.glob("step_*.html")) == ["step_000001.html", "step_000002.html"]
 
 
 def _readme_table(header: str) -> list[list[str]]:
@@ -103,3 +105,21 @@ def test_the_readmes_budget_table_is_the_method_tables(tmp_path):
             args = m.config_class()(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none")
             setting = {symbol[f]: getattr(args, f) for f in (sampler.budget_field, *sampler.shape_fields)}
             assert stated == {**setting, "G": num_generations_of(args)}, (m.name, default)
+
+
+def test_the_readmes_first_screen_defines_its_terms_where_it_uses_them():
+    """Issue 41: the first screen used "warm start", "learning benchmark", "backed-up credit V" and "a target probability
+    between 1/4 and 3/4" (of what?) before defining them, and the Python example's comment promised a tool call the
+    untrained model never makes. Each term now comes with what it means, in the sentence that first uses it."""
+    text = " ".join(README.read_text().split("## Quickstart")[0].split())
+    definitions = {
+        "warm start": "warm start (a short supervised fine-tuning",
+        "learning benchmark": "the learning benchmark of [Results](#results), RL on a synthetic two-hop search task",
+        "credit V": "credit V (the standardised rewards of the attempts below the turn",
+        "1/4 and 3/4": "a target q (between 1/4 and 3/4 by default) for the turn's probability p = σ(s), where s is",
+    }
+    for term, definition in definitions.items():
+        assert definition in text and text.index(definition) <= text.index(term), term
+    assert "backed-up" not in text
+    example = _readme_block("Try it in Python", "python")
+    assert "# a tool call, then the answer" not in example and "untrained: it makes neither" in example

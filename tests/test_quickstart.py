@@ -81,3 +81,33 @@ def test_a_readme_without_a_quickstart_block_is_a_clear_error(readme, error):
 def test_comments_and_blank_lines_in_the_block_are_not_commands():
     readme = "## Quickstart\n\n```bash\n# install and train\nfirst\n\nsecond\n```\n"
     assert quickstart.quickstart_lines(readme) == ["first", "second"]
+
+
+def test_the_test_line_installs_the_browser_tests_browser_and_driver_before_pytest():
+    """The browser tests fail without Chromium or Playwright (they never skip), so the line that runs the suite must
+    install both: Playwright through the `dev` extra, Chromium through scripts/ensure_chromium.sh, before pytest."""
+    _, tests = quickstart.quickstart_lines((ROOT / "README.md").read_text())
+    steps = [step.strip() for step in tests.split("&&")]
+    assert "bash scripts/ensure_chromium.sh" in steps
+    assert steps.index("bash scripts/ensure_chromium.sh") < next(i for i, s in enumerate(steps) if "pytest" in s)
+    assert re.search(r'pip install -e "\.\[[^\]]*\bdev\b', tests)
+    dev = re.search(r"^dev = \[(.*)\]", (ROOT / "pyproject.toml").read_text(), flags=re.M)
+    assert dev is not None and '"playwright"' in dev.group(1)
+    script = (ROOT / "scripts" / "ensure_chromium.sh").read_text()
+    assert "apt-get install -y -q chromium" in script and "playwright install" not in script.replace(
+        "`playwright install` is never used", "")
+
+
+def test_ensure_chromium_is_quiet_when_the_browser_is_there_and_says_what_to_do_when_not(tmp_path):
+    import subprocess
+
+    browser = tmp_path / "chromium"
+    browser.write_text("#!/bin/sh\n")
+    browser.chmod(0o755)
+    script = str(ROOT / "scripts" / "ensure_chromium.sh")
+    there = subprocess.run(["bash", script], env={"PATH": "/usr/bin:/bin", "TRL_TREE_CHROMIUM": str(browser)},
+                           capture_output=True, text=True)
+    assert there.returncode == 0 and there.stdout == there.stderr == ""
+    missing = subprocess.run(["bash", script], env={"PATH": "/usr/bin:/bin", "TRL_TREE_CHROMIUM": str(tmp_path / "no")},
+                             capture_output=True, text=True)
+    assert missing.returncode == 1 and "TRL_TREE_CHROMIUM" in missing.stderr

@@ -258,7 +258,7 @@ def test_model_and_tool_text_cannot_run_code_in_the_page():
                             reward_columns={HOSTILE: [1.0, None]})
     page_text = tv.render_page(tv.page_data([record], step=1, method=HOSTILE, credit=HOSTILE))
     page = _Page(page_text)
-    assert page.scripts == [tv._JS]  # the page's own script only: no <script> and no on* handler from the data
+    assert page.scripts == [tv.SCRIPT]  # the page's own script only: no <script> and no on* handler from the data
     assert "\x1b" not in page_text and "\x00" not in page_text and "\u202e" not in page_text
     shown = "".join(page.text)
     assert "<script>alert(1)</script>" in shown and "\\x1b[31m" in shown and "\\u202e" in shown  # shown as text
@@ -266,7 +266,7 @@ def test_model_and_tool_text_cannot_run_code_in_the_page():
     # a hand-edited data file (`trl-tree view` renders saved JSON) cannot add attributes either
     record["nodes"][0]["credit"]['x" onmouseover="alert(4)'] = 1.0
     record["nodes"][1]["kind"] = 'turn" onclick="alert(5)'
-    assert _Page(tv.render_page(tv.page_data([record], step=1, method="m"))).scripts == [tv._JS]
+    assert _Page(tv.render_page(tv.page_data([record], step=1, method="m"))).scripts == [tv.SCRIPT]
 
 
 PAYLOAD = '<img src=x onerror=alert(1)><script>alert(2)</script>"><b onclick=alert(3)>'
@@ -316,10 +316,10 @@ def test_a_tampered_step_file_cannot_run_code_in_the_page(tmp_path):
     assert cli.main(["view", str(path)]) == 0
     page_text = path.with_suffix(".html").read_text()
     assert "<img" not in page_text and "<b " not in page_text and page_text.count("<script") == 1
-    assert _Page(page_text).scripts == [tv._JS] and "img" not in _Tags(page_text).tags
+    assert _Page(page_text).scripts == [tv.SCRIPT] and "img" not in _Tags(page_text).tags
     assert PAYLOAD in "".join(_Page(page_text).text)  # shown as text
     for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write"):  # the script builds no HTML
-        assert sink not in tv._JS
+        assert sink not in tv.SCRIPT
 
 
 @pytest.mark.parametrize("where", [
@@ -399,6 +399,49 @@ def test_the_trainer_logs_each_finished_page_once_on_the_main_process(tmp_path, 
     # the tracker's copy is the same page without the links to the files beside it (they are not beside it there)
     assert sent == [(tv.render_page(data), {"step": 1, "caption": f"train step 1: {path}"})]
     assert 'href="index.html"' in path.read_text() and 'href="index.html"' not in sent[0][0]
+
+
+def test_every_generation_batch_gets_a_page_in_the_readmes_python_example_setting(tmp_path, monkeypatch):
+    """Issue 41 item 3: the README's Python example (max_steps=2, one generation batch per optimizer step,
+    logging_steps at its default 10) wrote one page for its two batches: pages followed the logging steps."""
+    from tests.test_docs import _readme_block
+
+    example = _readme_block("Try it in Python", "python")
+    assert "max_steps=2" in example and "logging_steps" not in example and "steps_per_generation" not in example
+    sent = []
+    monkeypatch.setattr(tree_view_logging, "log_page_to_trackers",
+                        lambda page, report_to, **kw: sent.append(kw["step"]))
+    replies = {k: v * 2 for k, v in REPLIES.items()}
+    trainer = scripted_trainer(TreeOPSDTrainer, TreeOPSDConfig, tmp_path, replies, dataset=arithmetic_dataset(2),
+                               log_completions=True, max_steps=2, logging_steps=10)
+    assert trainer.args.steps_per_generation * trainer.num_iterations == trainer.args.gradient_accumulation_steps
+    trainer.train()
+    folder = tmp_path / "tree_view"
+    assert sorted(p.name for p in folder.glob("step_*.html")) == ["step_000001.html", "step_000002.html"]
+    saved = [json.loads((folder / f"step_00000{i}.json").read_text()) for i in (1, 2)]
+    assert [(d["step"], d["batch"], d["batches"]) for d in saved] == [(1, 1, 1), (2, 2, 1)]
+    assert sent == [1, 2]  # both pages reach the trackers, each at its own step, at the next log
+    index = (folder / "index.html").read_text()
+    assert "One page per generation batch (each page: 1 batch" in index
+    assert "generation batch 1" in index and "generation batch 2" in index
+
+
+def test_the_pages_skeleton_stylesheet_and_script_are_package_data_inlined_into_every_page():
+    """An installed wheel must carry the page's assets: each file of trl_tree/tree_view/assets/ matches a
+    package-data pattern of pyproject.toml, and a page inlines them (one self-contained file)."""
+    import fnmatch
+    import re
+    from pathlib import Path
+
+    root = Path(tv.__file__).resolve().parents[2]
+    block = re.search(r"^trl_tree = \[(.*)\]", (root / "pyproject.toml").read_text(), flags=re.M)
+    patterns = re.findall(r'"([^"]+)"', block.group(1))
+    assets = sorted(p.relative_to(root / "trl_tree").as_posix() for p in (root / "trl_tree/tree_view/assets").iterdir())
+    assert assets == ["tree_view/assets/page.html", "tree_view/assets/view.css", "tree_view/assets/view.js"]
+    assert all(any(fnmatch.fnmatch(a, pattern) for pattern in patterns) for a in assets)
+    page = tv.render_page(tv.page_data([], step=1, method="m"))
+    assert tv.STYLE in page and tv.SCRIPT in page and page.startswith("<!DOCTYPE html>")
+    assert "<link" not in page and "src=" not in page  # nothing loaded from elsewhere
 
 
 def test_without_log_completions_nothing_is_collected_or_written(tmp_path):

@@ -138,6 +138,55 @@ def test_view_of_an_output_dir_without_pages_says_that_log_completions_is_needed
         cli.main(["view", str(tmp_path / "missing")])
 
 
+def test_view_of_a_run_with_a_half_written_step_file_renders_every_readable_step_and_lists_the_other(tmp_path,
+                                                                                                     capsys):
+    """Issue 41 item 7: a crashed run's last step file is often half-written; `trl-tree view` rendered nothing."""
+    folder = tmp_path / "tree_view"
+    for step in (1, 2, 3):
+        tv.save_page(tv.page_data(_hotpot_records(), step=step, method="m"), folder, f"step_{step:06d}")
+    full = (folder / "step_000003.json").read_text()
+    (folder / "step_000003.json").write_text(full[: len(full) // 2])  # stopped while writing
+    (folder / "step_000002.json").write_text(full.replace('"num_leaves": 3', '"num_leaves": "three"', 1))
+    for page in folder.glob("*.html"):
+        page.unlink()
+    assert cli.main(["view", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert out.split() == [str(folder / "step_000001.html"), str(folder / "index.html")]
+    assert "unreadable" in err and "step_000003.json" in err and "step_000002.json" in err and "number" in err
+    assert not (folder / "step_000003.html").exists() and not (folder / "step_000002.html").exists()
+    index = _Dom((folder / "index.html").read_text())
+    assert [a["attrs"]["href"] for a in index.find("a") if a["attrs"]["href"].endswith("prompt-0")] == [
+        "step_000001.html#prompt-0"]
+    (note,) = index.find("div", cls="unreadable")
+    assert "step_000002.json" in _Dom.text(note) and "step_000003.json" in _Dom.text(note)
+    page = _Dom((folder / "step_000001.html").read_text())
+    assert not page.find("a", rel="next")  # no link to a page that was not written
+    # every file unreadable: an error naming each; one file given: its own error, as before
+    (folder / "step_000001.json").write_text("{")
+    with pytest.raises(SystemExit, match=r"no saved page there is readable(.|\n)*step_000001(.|\n)*step_000003"):
+        cli.main(["view", str(tmp_path)])
+    with pytest.raises(SystemExit, match="step_000003.json: not a readable tree-view data file"):
+        cli.main(["view", str(folder / "step_000003.json")])
+
+
+def test_the_trainers_files_are_written_whole(tmp_path, monkeypatch):
+    """A page's files are written to a temporary file and renamed: a write that fails leaves the file as it was."""
+    folder = tmp_path / "tree_view"
+    tv.save_page(tv.page_data(_hotpot_records(), step=1, method="m"), folder, "step_000001")
+    before = (folder / "step_000001.json").read_text()
+    from trl_tree.tree_view import files
+
+    def failing_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(files.os, "replace", failing_replace)
+    with pytest.raises(OSError, match="disk full"):
+        tv.save_page(tv.page_data(_hotpot_records()[:1], step=1, method="m"), folder, "step_000001")
+    assert (folder / "step_000001.json").read_text() == before
+    assert sorted(p.name for p in folder.iterdir()) == ["index.html", "index.json", "step_000001.html",
+                                                        "step_000001.json"]  # no temporary file left
+
+
 # ------------------------------------------------------------------------------------------------ 2. the prompt list
 
 
@@ -196,7 +245,7 @@ def test_a_page_saved_before_questions_were_recorded_shows_the_question_without_
     assert [_Dom.text(el) for el in dom.find("span", cls="qtext")] == ["Is A older than B?", "Where is the Louvre?"]
     # no "Question:" marker either: the start every prompt shares is cut
     shared = "Please think step by step and use the tools when you need them. "
-    assert tv._short_questions([shared + "What is 2+2?", shared + "Name a prime."]) == ["… What is 2+2?",
+    assert tv.short_questions([shared + "What is 2+2?", shared + "Name a prime."]) == ["… What is 2+2?",
                                                                                         "… Name a prime."]
 
 
@@ -229,7 +278,7 @@ def test_every_node_names_its_parent_so_a_click_can_highlight_the_root_to_leaf_p
             walk.append(node)
             node = parent[node]
         assert walk[::-1] == path
-    assert "data-parent" in tv._JS and "onpath" in tv._JS  # the script walks them and marks the path
+    assert "data-parent" in tv.SCRIPT and "onpath" in tv.SCRIPT  # the script walks them and marks the path
 
 
 # ------------------------------------------------------------------------------------------------ 4. the shape
@@ -282,37 +331,70 @@ def _treeopsd_record(q, p_after):
     return tree, record
 
 
-def test_delta_p_is_signed_precise_and_counted_toward_away_and_unchanged():
+def test_delta_p_is_signed_precise_and_counted_toward_away_and_unchanged_with_undirected_turns_apart():
     q = [0.7, 0.3, 0.6, 0.5, 0.55]
-    p = [0.5 + 2e-5, 0.5 + 0.0123, 0.5 + 1e-7, 0.5 - 3e-4, 0.62]  # toward (tiny), away, unchanged, away, past q
+    p = [0.5 + 2e-5, 0.5 + 0.0123, 0.5 + 1e-7, 0.5 - 3e-4, 0.62]  # toward (tiny), away, unchanged, q = ½, past q
     tree, record = _treeopsd_record(q, p)
     dom = _Dom(tv.render_page(tv.page_data([record], step=1, method="TreeOPSD")))
     nodes = {int(el["attrs"]["data-node"]): el for el in dom.find("div", cls="node")}
     by_text = {tree.turns[i].action_ids[0]: i for i in range(tree.num_turns)}
-    expected = ["toward", "away", "unchanged", "away", "away"]  # q = ½ or overshooting q: farther from q than ½
+    # q = ½ (zero credit) asks for no direction: "undirected", not "away"; overshooting q is farther from q than ½
+    expected = ["toward", "away", "unchanged", "undirected", "away"]
     for j, direction in enumerate(expected):
         node = nodes[by_text[j]]
         assert node["attrs"]["data-dir"] == direction
         assert float(node["attrs"]["data-dp"]) == pytest.approx(p[j] - 0.5)
     chips = {j: _Dom.text(next(b for b in _descendants(nodes[by_text[j]]) if "dir" in _Dom.classes(b)))
              for j in range(len(q))}
-    assert chips[0].startswith("Δp +2.00e-05 ↑ toward q")  # 2e-5 is not "+0.000"
-    assert chips[1].startswith("Δp +0.0123 ↓ away from q") and chips[3].startswith("Δp -3.00e-04")
+    assert chips[0] == "Δp +2.00e-05 toward"  # 2e-5 is not "+0.000"
+    assert chips[1] == "Δp +0.0123 away" and chips[3] == "Δp -3.00e-04 no target"
     assert "p ½→0.500020" in _Dom.text(nodes[by_text[0]])
-    summary = _Dom.text(dom.find("p", cls="summary")[0])
-    assert "Δp of 5 trained turns: 1 toward q, 3 away, 1 unchanged" in summary
+    (key,) = dom.find("p", cls="key")
+    counts = {el["attrs"]["data-dir"]: int(_Dom.text(next(c for c in _descendants(el) if "n" in _Dom.classes(c))))
+              for el in _descendants(key) if "keyitem" in _Dom.classes(el) and "data-dir" in el["attrs"]}
+    assert counts == {"toward": 1, "away": 2, "unchanged": 1, "undirected": 1}
+    assert "update (Δp) of 4 turns with a direction" in _Dom.text(key)
     legend = _Dom.text(dom.find("details", cls="legend")[0])
-    assert "moves toward q" not in legend and "closer to q than ½ was" in legend
+    assert "closer to the turn's teacher q than ½ was" in legend and "q = ½ (zero credit" in legend
+
+
+def test_a_tree_whose_rewards_are_all_equal_counts_no_turn_toward_or_away():
+    """Issue 41 item 2: 12 leaves all rewarded 0 have zero credit (q = ½) everywhere; the update still moves their
+    turns (shared weights), which the page used to count as "away" (0 toward / 10 away). They are undirected."""
+    texts = [f"t{i}" for i in range(13)]
+    tree = _chain_tree(texts, [0.0] * 12, [[0, i] for i in range(1, 13)])
+    n = tree.num_turns
+    credit = {"A": torch.zeros(n, dtype=torch.float64), "q": torch.full((n,), 0.5, dtype=torch.float64)}
+    record = tv.tree_record(tree, credit, _decode(texts), "q")
+    tv.attach_turn_probabilities(record, [0.0] * n, [0.0] * n, [0.5 + 0.003 * (-1) ** i for i in range(n)])
+    facts = tv.analyse(tv.checked_page(tv.page_data([record], step=1, method="TreeOPSD"))["prompts"][0])
+    assert facts["dp_counts"] == {"toward": 0, "away": 0, "unchanged": 0, "undirected": n}
+    assert facts["sign_counts"] == {"pos": 0, "neg": 0, "zero": n}
+    summary = tv.page_summary(tv.page_data([record], step=1, method="TreeOPSD"), "step_000001")["prompts"][0]
+    assert (summary["toward"], summary["away"], summary["undirected"]) == (0, 0, n)
+    index = _Dom(tv.render_index([tv.page_summary(tv.page_data([record], step=1, method="TreeOPSD"), "step_000001")]))
+    (row,) = index.find("tr", cls="row")
+    cells = [_Dom.text(c) for c in row["children"] if isinstance(c, dict)]
+    assert cells[-2:] == ["", str(n)]  # no toward / away / unchanged; the undirected ones apart
+    assert "0 toward, 0 away" in _Dom.text(index.find("tr", cls="stephead")[0])
+    legend = _Dom.text(index.find("details", cls="legend")[0])
+    assert "undirected" in legend and "not counted toward or away" in legend
+    # the other losses: a direction where the credit is non-zero, relative to its sign, from log π before and after
+    other = tv.tree_record(tree, {"A": torch.tensor([0.0] + [1.0, -1.0] * 6)}, _decode(texts), "q")
+    tv.attach_turn_probabilities(other, [0.0] * n, [0.01, 0.01, 0.01] + [0.0] * (n - 3), None)
+    update = {node["id"]: tv.turn_update(node["credit"])[1] for node in other["nodes"]}
+    by_text = {tree.turns[i].action_ids[0]: i for i in range(n)}
+    assert [update[by_text[j]] for j in range(4)] == ["undirected", "toward", "away", "unchanged"]
 
 
 def test_the_trainer_page_counts_match_the_turns(tmp_path):
     _trainer(tmp_path, target_radius=0.25).train()
     dom = _Dom((tmp_path / "tree_view" / "step_000001.html").read_text())
     dirs = [el["attrs"]["data-dir"] for el in dom.find("div", cls="node") if "data-dir" in el["attrs"]]
-    assert dirs and set(dirs) <= {"toward", "away", "unchanged"}
-    counts = {d: dirs.count(d) for d in ("toward", "away", "unchanged")}
-    summary = _Dom.text(dom.find("p", cls="summary")[0])
-    assert (f"{counts['toward']} toward q, {counts['away']} away, {counts['unchanged']} unchanged") in summary
+    assert dirs and set(dirs) <= set(tv.DIRECTIONS)
+    key = {el["attrs"]["data-dir"]: int(_Dom.text(next(c for c in _descendants(el) if "n" in _Dom.classes(c))))
+           for el in dom.find("span", cls="keyitem") if "data-dir" in el["attrs"]}
+    assert key == {d: dirs.count(d) for d in tv.DIRECTIONS}
 
 
 def test_the_screenshot_demo_trains_at_the_quickstart_learning_rate(monkeypatch, tmp_path):
@@ -354,7 +436,7 @@ def test_template_tokens_are_hidden_in_the_shown_texts_and_kept_in_the_data(tmp_
     assert not any(t in shown for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>"))
     roles = {_Dom.text(el) for el in dom.find("span", cls="role")}
     assert {"user", "assistant"} <= roles  # the role headers after <|im_start|>, as labels
-    assert dom.find("input", id="show-tpl") and "showtpl" in tv._JS
+    assert dom.find("input", id="show-tpl") and "showtpl" in tv.SCRIPT
     assert dom.find("details", cls="legend")  # the legend folds
 
 
@@ -411,12 +493,12 @@ def test_a_tampered_index_json_is_escaped_or_rebuilt(tmp_path):
     index["pages"][0]["prompts"][0]["question"] = "<script>alert(1)</script>"
     index["pages"][0]["name"] = 'x" onclick="alert(2)'
     (folder / "index.json").write_text(json.dumps(index))
-    page = tv.render_index(tv._index_entries(folder))
+    page = tv.render_index(tv.index_entries(folder))
     dom = _Dom(page)
     scripts = [el for el in dom.elements if el["tag"] == "script"]
-    assert [_Dom.text(el) for el in scripts] == [tv._JS]
+    assert [_Dom.text(el) for el in scripts] == [tv.SCRIPT]
     assert not any(name.startswith("on") for el in dom.elements for name in el["attrs"])
     assert "<script>alert(1)</script>" in _Dom.text(dom.root)  # shown as text
     assert not any("onclick" in (a["attrs"].get("href") or "") for a in dom.find("a"))  # not a page name: no link
     (folder / "index.json").write_text('{"format": "something else"}')  # damaged: rebuilt from the saved pages
-    assert [e["name"] for e in tv._index_entries(folder)] == ["step_000001"]
+    assert [e["name"] for e in tv.index_entries(folder)] == ["step_000001"]

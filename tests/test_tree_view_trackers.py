@@ -74,3 +74,39 @@ def test_wandb_logs_each_page_at_the_trainers_global_step_and_trains_through_its
     tables = [row for row in rows if "completions" in row["keys"]]
     assert tables and all(1 <= row["global_step"] <= MAX_STEPS for row in tables)
     assert max(row["global_step"] for row in rows) == MAX_STEPS
+
+
+def test_a_tracker_is_one_sink_class_registered_once_and_the_trainer_reaches_it_by_its_name(monkeypatch):
+    """The trackers are sinks behind one protocol (`trl_tree.tree_view.sinks`), not an if-chain: a new one is a class
+    registered under its `report_to` name, which both the page and the trainer's step pinning then reach."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from trl_tree.trainer.tree_view_logging import at_global_step
+    from trl_tree.tree_view import sinks
+
+    pages, pinned = [], []
+
+    class Fake:
+        name = "fake"
+
+        def log_page(self, page, *, step, caption=None):
+            pages.append((page, step, caption))
+            return True
+
+        @contextlib.contextmanager
+        def filed_at(self, current_step):
+            pinned.append(current_step())
+            yield
+
+    monkeypatch.setitem(sinks.SINKS, "fake", Fake)
+    assert tv.log_page_to_trackers("<p>page</p>", ["fake", "tensorboard"], step=3, caption="c") == ["fake"]
+    assert pages == [("<p>page</p>", 3, "c")]
+    trainer = SimpleNamespace(args=SimpleNamespace(report_to=["fake"]), state=SimpleNamespace(global_step=7))
+    with at_global_step(trainer):
+        pass
+    assert pinned == [7]
+    with pytest.raises(ValueError, match="registered already"):
+        sinks.register_sink(Fake)
+    assert {"wandb", "trackio"} <= set(sinks.SINKS)
+    assert tv.log_page_to_trackers("<p>", "none", step=1) == []

@@ -49,7 +49,8 @@ TreeAdv 4 trees of at most 1 + 2 leaves (the recipe `trl_tree/recipes/hotpot_off
 
 `view` is no training method and runs in this process, without accelerate: it reads the data that a run with
 `log_completions=True` saved under `OUTPUT_DIR/tree_view/` and writes the HTML pages again
-(`trl_tree.tree_view.render_run`).
+(`trl_tree.tree_view.render_run`). Nor is `retrieval-server`, which serves BM25 (or dense) search over a corpus with
+Search-R1's HTTP API until stopped (`trl_tree.envs.retrieval_server`), for `--retriever remote --retriever_url URL`.
 
 A method that declares why the HotpotQA example cannot train it (`Method.example_unfit`: TreeFlex, whose two-role
 agent the example neither warm-starts nor evaluates) runs the generic form only: `trl-tree treeflex` without a reward
@@ -84,6 +85,8 @@ def commands() -> dict[str, str]:
 # the one script `accelerate launch` runs for every method, given the method's name first (`scripts/train.py`)
 TRAINING_SCRIPT = "train.py"
 VIEW_HELP = "Render the rollout-tree pages of a run again from its saved data (OUTPUT_DIR/tree_view/*.json)."
+RETRIEVAL_SERVER_HELP = "Serve BM25 search over a corpus with Search-R1's HTTP API, for --retriever remote."
+TOOL_COMMANDS = ("view", "retrieval-server")  # the commands that are no training method, run in this process
 _USAGE_EPILOG = (
     "Each command trains any dataset with reward functions (TRL's short names or import paths; tools or an "
     "environment factory by import path), e.g. `trl-tree treepo --model_name_or_path MODEL --dataset_name DATA "
@@ -98,7 +101,7 @@ def _build_parser() -> argparse.ArgumentParser:
         epilog=_USAGE_EPILOG,
         allow_abbrev=False,
     )
-    subparsers = parser.add_subparsers(dest="command", metavar="{" + ",".join([*commands(), "view"]) + "}")
+    subparsers = parser.add_subparsers(dest="command", metavar="{" + ",".join([*commands(), *TOOL_COMMANDS]) + "}")
     for name, help_text in commands().items():
         subparsers.add_parser(name, help=help_text, add_help=False)  # the script's own parser prints its help
     _add_view_arguments(subparsers.add_parser("view", help=VIEW_HELP, description=VIEW_HELP))
@@ -127,6 +130,8 @@ def view(argv: list[str]) -> int:
         raise SystemExit(f"trl-tree view: {e}") from e
     for page in pages:
         print(page)
+    for path, why in getattr(pages, "unreadable", []):  # e.g. a crashed run's half-written last file
+        print(f"trl-tree view: not rendered, unreadable: {path} ({why})", file=sys.stderr)
     return 0
 
 
@@ -541,8 +546,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if argv[0] == "view":
         return view(argv[1:])
+    if argv[0] == "retrieval-server":
+        return retrieval_server(argv[1:])
     if argv[0] not in commands():
-        parser.error(f"unknown command {argv[0]!r}; choose one of: {', '.join([*commands(), 'view'])}.")
+        parser.error(f"unknown command {argv[0]!r}; choose one of: {', '.join([*commands(), *TOOL_COMMANDS])}.")
     return launch(argv[0], argv[1:])
 
 

@@ -1,5 +1,5 @@
 """The trainer side of the rollout-tree view (`trl_tree.tree_view`): collect, finish, save and log one page per
-generation batch when `log_completions` is on.
+generation batch when `log_completions` is on (every batch, whatever `logging_steps` is).
 
 When and where, following how `GRPOTrainer.log` handles its completions table:
 
@@ -11,17 +11,21 @@ When and where, following how `GRPOTrainer.log` handles its completions table:
    turn's probability *after* the update (mean token log-prob, TreeOPSD's p = σ(s)); π_old comes from the micro-batch itself. This
    forward is all the view costs in compute (about one π_old recompute per generation batch), and it runs only when
    `log_completions` is on. The records of all ranks are gathered;
-3. **save and log** (main process, at the next `log`, like the completions table): `output_dir/tree_view/
-   step_XXXXXX.json` (the data) and `.html` (the page), the run's `index.html`, and the page to the trackers
-   `report_to` names that take HTML: W&B (`wandb.Html`, when a run is active) and Trackio (`trackio.Html`, in Trackio
-   releases that have it; older ones only get the file), under the key `tree_view`, at the trainer's global step.
+3. **save** (main process, right when the batch is finished): `output_dir/tree_view/step_XXXXXX.json` (the data)
+   and `.html` (the page), and the run's `index.html`. Before, pages were saved at the next `log`, so with
+   `logging_steps` > 1 only the last batch before each log got one (the README's Python example, two batches at the
+   default `logging_steps=10`, wrote one page);
+4. **log** (main process, at the next `log`, like the completions table): each page saved since to the trackers
+   `report_to` names that take HTML (`trl_tree.tree_view.sinks`: W&B's `wandb.Html` when a run is active, Trackio's
+   `trackio.Html` in releases that have it), under the key `tree_view`, each at its own global step.
 
 **Tracker steps.** transformers' Trackio callback logs the scalars without `step=`, and so do GRPOTrainer's
 completions table and, before, this page: every `trackio.log` call advanced Trackio's own counter, so with
 `log_completions` one optimizer step took 2-3 Trackio steps (the pages of steps 2/4/6/8 landed at 5/10/15/20, an
 8-step run's scalars reached step ~20). `at_global_step` makes every Trackio log inside `TreeTrainer.log` default to
 `state.global_step`. W&B needs no step (its history step must only grow, and transformers plots against
-`train/global_step`); the page and the completions table get `train/global_step` in their row.
+`train/global_step`); the page and the completions table get `train/global_step` in their row. Each tracker's part
+is its sink's `filed_at`.
 
 An evaluation batch is not trained, so its page (`eval_step_XXXXXX`) has the credit but no "after" probabilities.
 """
@@ -29,10 +33,7 @@ An evaluation batch is not trained, so its page (`eval_step_XXXXXX`) has the cre
 from __future__ import annotations
 
 import contextlib
-import importlib
-import io
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -46,10 +47,9 @@ from ..tree_view import (
     page_data,
     render_page,
     save_page,
+    sinks,
     tree_record,
 )
-
-TRACKER_KEY = "tree_view"
 
 
 class TreeViewRecorder(TrainerCallback):
@@ -60,8 +60,9 @@ class TreeViewRecorder(TrainerCallback):
     def __init__(self, trainer):
         self.trainer = trainer
         self.pending: tuple[list[dict], int] | None = None  # the training batch's records, the micro-step it began
-        self.ready: dict | None = None  # the finished page data, written at the next log
+        self.to_log: list[tuple[str, dict, Path]] = []  # (page, data, its file) saved since the last log
         self.rows: list[dict] = []  # the dataset rows of the batch being generated (question, gold answer)
+        self.batches = 0  # training generation batches finished so far (resumed runs: since the resume)
 
     # ---------------------------------------------------------------- collect
 
@@ -110,7 +111,7 @@ class TreeViewRecorder(TrainerCallback):
             self.pending = (records, trl_internals.micro_step(self.trainer))
         else:  # an evaluation batch is not trained: its page is finished now
             note = "evaluation batch: not trained, so no probabilities after an update"
-            self.ready = self._page(records, "eval", note)
+            self._save(self._page(records, "eval", note))
 
     # ---------------------------------------------------------------- finish
 
@@ -127,7 +128,15 @@ class TreeViewRecorder(TrainerCallback):
         steps, total = done // args.gradient_accumulation_steps, per_batch // args.gradient_accumulation_steps
         note = (f"log π and p after {steps} of the {total} optimizer steps on this generation batch"
                 + ("" if steps == total else " (training stopped before the others)"))
-        self.ready = self._page(records, "train", note)
+        self.batches += 1
+        self._save(self._page(records, "train", note, batch=self._batch_number(args)))
+
+    def _batch_number(self, args) -> int:
+        """Which generation batch of the run this is (1, 2, …), from the global step where the run's steps per
+        batch divide it (a resumed run too); else counted since the trainer started."""
+        per_batch = max(1, args.steps_per_generation * self.trainer.num_iterations // args.gradient_accumulation_steps)
+        step = self.trainer.state.global_step
+        return -(-step // per_batch) if step else self.batches
 
     @torch.no_grad()
     def _attach_after(self, records: list[dict]) -> None:
@@ -142,7 +151,7 @@ class TreeViewRecorder(TrainerCallback):
             treeopsd = any("q" in n.get("credit", {}) for n in record["nodes"])
             attach_turn_probabilities(record, logp_old, logp_new, p if treeopsd else None)
 
-    def _page(self, records: list[dict], mode: str, note: str) -> dict:
+    def _page(self, records: list[dict], mode: str, note: str, batch: int | None = None) -> dict:
         from accelerate.utils import gather_object
 
         trainer, args = self.trainer, self.trainer.args
@@ -150,7 +159,7 @@ class TreeViewRecorder(TrainerCallback):
         if type(trainer).__name__ == "TreeTrainer":
             method = f"Tree ({args.sampler} × {args.credit} × {args.loss})"
         return page_data(gather_object(records), step=trainer.state.global_step, method=method, mode=mode,
-                         credit=args.credit, after_note=note, special_tokens=self._special_tokens())
+                         credit=args.credit, after_note=note, special_tokens=self._special_tokens(), batch=batch)
 
     def _special_tokens(self) -> list[str]:
         """The tokenizer's special tokens (the chat template's `<|im_start|>`, `<|im_end|>`, `<|endoftext|>`, …), which
@@ -164,17 +173,23 @@ class TreeViewRecorder(TrainerCallback):
 
     # ---------------------------------------------------------------- save and log
 
-    def write_ready(self) -> Path | None:
-        """Save the finished page (main process) and log it to the trackers; returns the page's path."""
-        data, self.ready = self.ready, None
-        if data is None or not self.trainer.accelerator.is_main_process:
-            return None
+    def _save(self, data: dict) -> None:
+        """Save a finished page (main process) now, and keep it for the trackers' next log."""
+        if not self.trainer.accelerator.is_main_process:
+            return
         prefix = "eval_" if data["mode"] == "eval" else ""
         _, page_path = save_page(data, Path(self.trainer.args.output_dir) / VIEW_DIR, f"{prefix}step_{data['step']:06d}")
-        # a tracker shows the page alone, so without the links to the steps beside it (not beside it there)
-        log_page_to_trackers(render_page(data), self.trainer.args.report_to, step=data["step"],
-                             caption=f"{data['mode']} step {data['step']}: {page_path}")
-        return page_path
+        self.to_log.append((data, page_path))
+
+    def write_ready(self) -> list[Path]:
+        """Log the pages saved since the last log to the trackers (main process), each at its own step; returns
+        their paths."""
+        pages, self.to_log = self.to_log, []
+        for data, page_path in pages:
+            # a tracker shows the page alone, so without the links to the steps beside it (not beside it there)
+            log_page_to_trackers(render_page(data), self.trainer.args.report_to, step=data["step"],
+                                 caption=f"{data['mode']} step {data['step']}: {page_path}")
+        return [page_path for _, page_path in pages]
 
 
 def _turn_probabilities(trainer, batch: dict) -> list[tuple[list, list, list]]:
@@ -200,40 +215,8 @@ def _turn_probabilities(trainer, batch: dict) -> list[tuple[list, list, list]]:
 
 
 def log_page_to_trackers(page: str, report_to, *, step: int, caption: str | None = None) -> list[str]:
-    """Log the page under `tree_view` at the trainer's global `step` to each tracker in `report_to` that takes HTML;
-    returns the trackers logged to.
-
-    W&B: `wandb.Html` when `wandb` is importable and a run is active (as GRPOTrainer checks `wandb.run` for its
-    table), in a row with `train/global_step` = `step`, the axis transformers' W&B callback plots every metric
-    against (W&B's own history step cannot be set: it must only grow, and the scalars' rows already moved it on).
-    Trackio: `trackio.Html` where the installed Trackio has it (without it the saved file is the page), at
-    `step=step`, with `caption` (where the full page is saved). The page goes in as a file-like object, so a tracker
-    never mistakes it for a path, and without the tracker's injected stylesheet (it is self-contained)."""
-    report_to = _names(report_to)
-    logged = []
-    if "wandb" in report_to:
-        wandb = _module("wandb")
-        if wandb is not None and getattr(wandb, "run", None) is not None:
-            wandb.log({TRACKER_KEY: wandb.Html(io.StringIO(page), inject=False), GLOBAL_STEP: step})
-            logged.append("wandb")
-    if "trackio" in report_to:
-        trackio = _module("trackio")
-        html_type = getattr(trackio, "Html", None)
-        if html_type is not None:
-            try:
-                value = html_type(io.StringIO(page), inject=False, caption=caption)
-            except TypeError:  # a Trackio release whose Html takes no caption
-                value = html_type(io.StringIO(page), inject=False)
-            trackio.log({TRACKER_KEY: value}, step=step)
-            logged.append("trackio")
-    return logged
-
-
-GLOBAL_STEP = "train/global_step"  # transformers' W&B callback: the step metric of every logged key ("*")
-
-
-def _names(report_to) -> list[str]:
-    return [report_to] if isinstance(report_to, str) else list(report_to or [])
+    """`trl_tree.tree_view.sinks.log_page_to_trackers`: the page to each tracker in `report_to` that takes HTML."""
+    return sinks.log_page_to_trackers(page, report_to, step=step, caption=caption)
 
 
 @contextlib.contextmanager
@@ -248,35 +231,12 @@ def at_global_step(trainer):
     call and put back after (also on an error). For W&B, GRPOTrainer's completions table of tool-calling completions
     cannot be built at all (`wandb.Table` rejects a column of message lists with tool calls: "Data row contained
     incompatible types", which stopped training): the buffered completions go to W&B as JSON text instead."""
-    report_to = _names(trainer.args.report_to)
-    step = trainer.state.global_step
-    restore = []
-    trackio = sys.modules.get("trackio") if "trackio" in report_to else None
-    if trackio is not None and callable(getattr(trackio, "log", None)):
-        trackio_log = trackio.log
-
-        def log_at_step(metrics, step=None, **kwargs):
-            return trackio_log(metrics, step=trainer.state.global_step if step is None else step, **kwargs)
-
-        trackio.log = log_at_step
-        restore.append((trackio, trackio_log))
-    wandb = sys.modules.get("wandb") if "wandb" in report_to else None
-    if wandb is not None and getattr(wandb, "run", None) is not None and callable(getattr(wandb, "log", None)):
-        wandb_log = wandb.log
-
-        def log_with_step(data, *args, **kwargs):
-            if isinstance(data, dict) and GLOBAL_STEP not in data:
-                data = {**data, GLOBAL_STEP: step}
-            return wandb_log(data, *args, **kwargs)
-
-        wandb.log = log_with_step
-        restore.append((wandb, wandb_log))
-        _completions_as_text(trainer)
-    try:
+    with contextlib.ExitStack() as stack:
+        for sink in sinks.sinks_for(trainer.args.report_to):
+            stack.enter_context(sink.filed_at(lambda: trainer.state.global_step))
+            if sink.name == "wandb" and sink.active():
+                _completions_as_text(trainer)
         yield
-    finally:
-        for module, original in restore:
-            module.log = original
 
 
 def _completions_as_text(trainer) -> None:
@@ -290,12 +250,3 @@ def _completions_as_text(trainer) -> None:
         texts = [v if isinstance(v, str) else json.dumps(v, ensure_ascii=False, default=str) for v in column]
         column.clear()
         column.extend(texts)
-
-
-def _module(name: str):
-    if name in sys.modules:
-        return sys.modules[name]
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        return None
