@@ -5,7 +5,9 @@ Offline, on a laptop (tiny model, synthetic multi-hop world, BM25; a few minutes
     accelerate launch examples/train_hotpot.py
 
 The paper's setting (Qwen3-4B-Thinking-2507, HotpotQA distractor, 8 GPUs; add `--retriever remote
---retriever_url http://host:8000` for a Search-R1 E5 server over Wikipedia, as the paper):
+--retriever_url http://host:8000` for a Search-R1 E5 server over Wikipedia, as the paper, or for a BM25 server
+started with `trl-tree retrieval-server --corpus_path wiki.jsonl --port 8000`; `--retriever server` starts one
+itself):
 
     accelerate launch --config_file trl_tree/accelerate_configs/deepspeed_zero3.yaml examples/train_hotpot.py \\
         --config examples/recipes/treeopsd_hotpot_qwen3_4b.yaml

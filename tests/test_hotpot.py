@@ -33,7 +33,7 @@ from trl_tree.envs.hotpot import (
     top_k_by_score,
 )
 from trl_tree.envs.synthetic import make_synthetic_hotpot
-from trl_tree.rollout.tools import ToolFatalError, run_tool_call
+from trl_tree.rollout.tools import ToolFatalError, batch_form, run_tool_call
 
 
 @pytest.fixture(scope="module")
@@ -465,6 +465,38 @@ def test_empty_or_overlong_query_returns_an_error_observation():
     assert retriever.queries == []  # nothing reached the retriever
     truncating = make_search_tool(retriever, max_query_chars=20, long_query="truncate")
     assert truncating("y" * 30).startswith("Doc 1") and retriever.queries == ["y" * 20]
+
+
+@pytest.mark.parametrize("long_query", ["error", "truncate"])
+def test_the_batched_search_is_one_retriever_call_and_equals_the_single_calls(bm25, corpus, long_query):
+    """The search tool's batched form (what the trainer sends a round's searches through) gives every call the
+    observation it gets alone, query errors included, from one `retriever.search` over the valid queries."""
+    calls = []
+
+    class Counting:
+        def search(self, queries, topk):
+            calls.append(list(queries))
+            return bm25.search(queries, topk)
+
+    search = make_search_tool(Counting(), max_query_chars=30, long_query=long_query, max_batch_size=8)
+    queries = [corpus[0]["title"], "", f"{corpus[1]['title']} band " + "x" * 30, "   ", corpus[2]["title"], "qwxzv"]
+    batched = batch_form(search).fn([{"query": q} for q in queries])
+    assert len(calls) == 1 and batch_form(search).max_batch_size == 8
+    assert batched == [search(q) for q in queries]
+    valid = [q for q in queries if q.strip() and (long_query == "truncate" or len(q) <= 30)]
+    assert calls[0] == [q.strip()[:30] for q in valid]
+    assert batched[1].startswith("Error:") and batched[2].startswith("Error:" if long_query == "error" else "Doc 1")
+
+
+def test_a_batched_search_whose_retriever_fails_fails_as_a_single_call_does():
+    class Down:
+        def search(self, queries, topk):
+            raise ConnectionError("Retrieval server http://127.0.0.1:1/retrieve did not answer")
+
+    search = make_search_tool(Down())
+    for run in (lambda: batch_form(search).fn([{"query": "a"}, {"query": "b"}]), lambda: search("a")):
+        with pytest.raises(ConnectionError, match="did not answer"):
+            run()
 
 
 def test_search_output_is_capped_with_a_visible_marker():

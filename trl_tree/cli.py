@@ -8,6 +8,7 @@
     trl-tree treeopsd --config examples/recipes/treeopsd_hotpot_qwen3_4b.yaml --accelerate_config deepspeed_zero3
     trl-tree treeadv --entropy_threshold 0.8 --max_branches_per_tree 3
     trl-tree view RUN_DIR                               # render the run's saved rollout-tree pages again
+    trl-tree retrieval-server --corpus_path wiki.jsonl --port 8000   # serve search (Search-R1's API) to runs
 
 Every method of the table (`trl_tree.methods.METHODS`) is a command: it runs the one script `trl_tree/scripts/train.py`
 through `accelerate launch`, given the method's name first, with the method's config and trainer.
@@ -105,7 +106,15 @@ def _build_parser() -> argparse.ArgumentParser:
     for name, help_text in commands().items():
         subparsers.add_parser(name, help=help_text, add_help=False)  # the script's own parser prints its help
     _add_view_arguments(subparsers.add_parser("view", help=VIEW_HELP, description=VIEW_HELP))
+    subparsers.add_parser("retrieval-server", help=RETRIEVAL_SERVER_HELP, add_help=False)  # its own parser helps
     return parser
+
+
+def retrieval_server(argv: list[str]) -> int:
+    """`trl-tree retrieval-server ...`: serve search in this process until stopped (no accelerate, no model)."""
+    from trl_tree.envs.retrieval_server import main as serve
+
+    return serve(argv)
 
 
 def _add_view_arguments(parser: argparse.ArgumentParser) -> None:

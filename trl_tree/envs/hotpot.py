@@ -32,8 +32,6 @@ import shutil
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -42,7 +40,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from ..rollout.tools import MAX_OBSERVATION_CHARS, ToolFatalError
+from ..rollout.tools import MAX_OBSERVATION_CHARS, ToolFatalError, batched_tool
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +49,7 @@ SEARCH_TOOL_NAME = "search"
 DEFAULT_TOPK = 3
 DEFAULT_MAX_QUERY_CHARS = 512  # the paper's query limit (Appendix F.1)
 DEFAULT_MAX_CHARS = MAX_OBSERVATION_CHARS  # the paper's cap on retrieved observations
+DEFAULT_MAX_BATCH_SIZE = 256  # searches per batched request (under the retrieval server's --max_queries, 1024)
 # The search tool cuts its passage list so that list and marker fit in `max_chars` together; what the model then sees
 # of any tool output is cut again at `max_observation_chars` with `rollout.tools.TRUNCATION_MARKER` (the same 16,384 by
 # default, so a search observation is never cut twice).
@@ -323,7 +322,11 @@ def _hit(doc: dict[str, str], score: float) -> dict[str, Any]:
 
 
 class Retriever(Protocol):
-    """Anything that returns, for each query, its top-k passages as ``{"title", "text", "score"}`` dicts (best first)."""
+    """Anything that returns, for each query, its top-k passages as ``{"title", "text", "score"}`` dicts (best first).
+
+    One ``search`` call takes many queries (the search tool's batched form sends a round's searches together). The
+    trainer may call it from several threads at once; a retriever that is safe for that says so with a class
+    attribute ``thread_safe = True`` (the retrieval server serializes the searches of one that does not)."""
 
     def search(self, queries: list[str], topk: int) -> list[list[dict[str, Any]]]: ...
 
@@ -369,7 +372,13 @@ class BM25Retriever:
         stopwords: a ``bm25s`` stopword list name (``"en"``) or None.
         stemmer: a PyStemmer language (``"english"``) or None.
         k1, b: BM25 parameters.
+
+    ``search`` may be called from many threads at once (the trainer's concurrent tool calls, the retrieval server's
+    worker threads): scoring only reads the index, and the one shared mutable object, PyStemmer's stemmer (not
+    thread-safe), is used under a lock. A deep copy is the retriever itself: the index is read-only.
     """
+
+    thread_safe = True  # `search` may run in several threads at once (the retrieval server needs no lock for it)
 
     def __init__(
         self,
@@ -388,6 +397,7 @@ class BM25Retriever:
         self.corpus = corpus
         self._stopwords = stopwords
         self._stemmer = _load_stemmer(stemmer)
+        self._stemmer_lock = threading.Lock()
         settings = {"stopwords": stopwords, "stemmer": stemmer, "k1": k1, "b": b, "bm25s": bm25s.__version__}
         self.cache_path = Path(cache_dir or default_cache_dir() / "bm25") / f"bm25-{_fingerprint(corpus, settings)}"
         self.from_cache = use_cache and self.cache_path.is_dir()
@@ -398,12 +408,21 @@ class BM25Retriever:
             if use_cache:
                 self._save()
 
+    def __deepcopy__(self, memo: dict) -> BM25Retriever:
+        return self
+
     def _tokenize(self, texts: list[str], return_ids: bool):
         import bm25s
 
-        return bm25s.tokenize(
-            texts, stopwords=self._stopwords, stemmer=self._stemmer, return_ids=return_ids, show_progress=False
-        )
+        def tokenize():
+            return bm25s.tokenize(
+                texts, stopwords=self._stopwords, stemmer=self._stemmer, return_ids=return_ids, show_progress=False
+            )
+
+        if self._stemmer is None:
+            return tokenize()
+        with self._stemmer_lock:
+            return tokenize()
 
     def _build(self, k1: float, b: float):
         import bm25s
@@ -473,7 +492,12 @@ class DenseRetriever:
         model_name: the sentence-transformers model (default ``intfloat/e5-base-v2``, as Search-R1).
         encoder: an already-built encoder; ``model_name`` is then ignored.
         batch_size: encoding batch size. device: where to run the default encoder.
+
+    Searches from several threads take turns (a lock around the encoder): an encoder is not known to be thread-safe,
+    and concurrent encodes on one device only contend for it. A deep copy is the retriever itself.
     """
+
+    thread_safe = True  # through its lock
 
     def __init__(
         self,
@@ -491,7 +515,11 @@ class DenseRetriever:
         self.encoder = encoder if encoder is not None else _load_sentence_transformer(model_name, device)
         self.batch_size = batch_size
         self.query_prefix, self.passage_prefix = query_prefix, passage_prefix
+        self._lock = threading.Lock()
         self._embeddings = self._encode([passage_prefix + _document_text(doc) for doc in corpus])
+
+    def __deepcopy__(self, memo: dict) -> DenseRetriever:
+        return self
 
     def _encode(self, texts: list[str]):
         import numpy as np
@@ -502,23 +530,40 @@ class DenseRetriever:
 
     def search(self, queries: list[str], topk: int = DEFAULT_TOPK) -> list[list[dict[str, Any]]]:
         """Top-``topk`` passages per query by cosine similarity (ties in corpus order, as BM25's)."""
-        scores = self._encode([self.query_prefix + q for q in queries]) @ self._embeddings.T
+        with self._lock:
+            scores = self._encode([self.query_prefix + q for q in queries]) @ self._embeddings.T
         k = min(topk, len(self.corpus))
         return [[_hit(self.corpus[i], row[i]) for i in top_k_by_score(row, k)] for row in scores]
 
 
 def _parse_remote_hit(entry: dict[str, Any]) -> dict[str, Any]:
-    """A Search-R1 server result entry (``{"document": {...}, "score"}`` or a bare document) as a hit."""
+    """A Search-R1 server result entry (``{"document": {...}, "score"}`` or a bare document) as a hit.
+
+    A document with ``title`` and ``text`` (``trl-tree retrieval-server`` sends them beside ``contents``) is read from
+    them: ``contents`` (``"Title"\ntext``) cannot carry a title that contains a quote or a newline exactly."""
     doc = entry.get("document", entry)
-    if "contents" in doc:
+    if "text" in doc and "title" in doc:
+        title, text = doc["title"], doc["text"]
+    elif "contents" in doc:
         title, text = split_contents(doc["contents"])
     else:
         title, text = doc.get("title", ""), doc["text"]
     return _hit({"id": str(doc.get("id", "")), "title": title, "text": text}, entry.get("score", 0.0))
 
 
+def _describe_http_error(error: BaseException | None) -> str:
+    """An HTTP failure in words: httpx's exceptions often have an empty message (a read timeout), so name the type;
+    an error status comes with the server's own reason (its body)."""
+    text = str(error) if error is not None else ""
+    response = getattr(error, "response", None)  # httpx.HTTPStatusError
+    if response is not None and response.text:
+        text += f": {response.text[:300]}"
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
 SEARCH_R1_SERVER_HELP = (
-    "Start a Search-R1 retrieval server there (from the Search-R1 repository: `python "
+    "Start one there: `trl-tree retrieval-server --corpus_path CORPUS.jsonl --port PORT` (BM25 over a JSONL corpus), "
+    "or Search-R1's (from the Search-R1 repository: `python "
     "search_r1/search/retrieval_server.py --index_path e5_Flat.index --corpus_path wiki-18.jsonl --topk 3 "
     "--retriever_name e5 --retriever_model intfloat/e5-base-v2`, which serves POST /retrieve on port 8000), and wait "
     "until it has loaded its index"
@@ -526,7 +571,8 @@ SEARCH_R1_SERVER_HELP = (
 
 
 class RemoteRetriever:
-    """Client of a Search-R1 compatible retrieval server (``POST {url}/retrieve``), standard library only.
+    """Client of a Search-R1 compatible retrieval server (``POST {url}/retrieve``), such as
+    ``trl-tree retrieval-server`` (:mod:`trl_tree.envs.retrieval_server`) or Search-R1's own.
 
     The request is ``{"queries": [...], "topk": k, "return_scores": true}`` and the response
     ``{"result": [[{"document": {"id", "contents"}, "score"}, ...], ...]}``. Every request has a timeout and failed
@@ -535,19 +581,29 @@ class RemoteRetriever:
     2**max_retries`` seconds instead of hanging a rollout forever. The search tool's caller turns that error into the
     model's observation, so a slow query or a server restarting for a minute does not end a run.
 
-    A server that keeps failing does, through a failure-rate breaker: when more than ``max_failure_rate`` of the last
-    ``window`` searches failed (counted once at least ``min_calls`` searches were made), the failing search raises
-    :class:`~trl_tree.rollout.tools.ToolFatalError` naming the server, which stops training instead of letting it finish
-    on rollouts whose every search returned an error. A rate over a sliding window, rather than a count of consecutive
-    failures, because each failed search has already been retried: the breaker must tolerate sporadic failures (a few
-    timed-out queries among hundreds) yet catch a server that fails most searches while answering some, whose
-    occasional success would reset a consecutive count forever. ``min_calls`` keeps one early failure from reading as
-    a 100% rate. Before that, the first failure of an episode (failures until the window holds none again) is logged
-    as a warning, once, so a degrading server shows in the log before it stops the run. ``max_failure_rate=1.0`` turns
-    the breaker off. Every search of the run counts, from any thread: copies of the retriever share it and its record.
+    Requests go through one ``httpx.Client`` whose pool keeps up to ``max_connections`` connections alive: searches
+    made concurrently (the trainer's tool workers) each take a pooled connection instead of opening a TCP connection
+    per search, and the client is safe to share between threads. Its idle connections are dropped after
+    ``KEEPALIVE_EXPIRY`` seconds, before a uvicorn server (5 s by default, as Search-R1's) closes them, so a search
+    never goes out on a connection the server is closing. A process that forks gets a client of its own.
+
+    A server that keeps failing ends the run, through a failure-rate breaker: when more than ``max_failure_rate`` of
+    the last ``window`` searches failed (counted once at least ``min_calls`` searches were made), the failing search
+    raises :class:`~trl_tree.rollout.tools.ToolFatalError` naming the server, which stops training instead of letting
+    it finish on rollouts whose every search returned an error. A rate over a sliding window, rather than a count of
+    consecutive failures, because each failed search has already been retried: the breaker must tolerate sporadic
+    failures (a few timed-out queries among hundreds) yet catch a server that fails most searches while answering
+    some, whose occasional success would reset a consecutive count forever. ``min_calls`` keeps one early failure from
+    reading as a 100% rate. Before that, the first failure of an episode (failures until the window holds none again)
+    is logged as a warning, once, so a degrading server shows in the log before it stops the run.
+    ``max_failure_rate=1.0`` turns the breaker off. Every search of the run counts, from any thread: copies of the
+    retriever share it and its record. A batched search (several queries in one request) counts once.
 
     :meth:`check` makes one request, to fail at start-up rather than in the first rollout.
     """
+
+    KEEPALIVE_EXPIRY = 4.0  # seconds an idle pooled connection is kept: under uvicorn's default keep-alive of 5 s
+    thread_safe = True  # see `BM25Retriever.thread_safe`
 
     def __init__(
         self,
@@ -558,6 +614,7 @@ class RemoteRetriever:
         max_failure_rate: float = 0.5,
         min_calls: int = 20,
         window: int = 50,
+        max_connections: int = 64,
     ):
         if not 0.0 <= max_failure_rate <= 1.0:
             raise ValueError(
@@ -568,44 +625,80 @@ class RemoteRetriever:
                 f"RemoteRetriever needs 1 <= min_calls <= window (the breaker judges at least min_calls of the last "
                 f"window searches); got min_calls={min_calls}, window={window}."
             )
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1; got {max_connections}.")
+        try:
+            import httpx  # noqa: F401 - here, not at the first search, whose ImportError would read as a failed search
+        except ImportError as e:
+            raise ImportError("RemoteRetriever needs httpx: `pip install trl-tree[retrieval]` (or `pip install "
+                              "httpx`).") from e
         self.endpoint = url.rstrip("/") + ("" if url.rstrip("/").endswith("/retrieve") else "/retrieve")
         self.timeout, self.max_retries, self.backoff = timeout, max_retries, backoff
         self.max_failure_rate, self.min_calls, self.window = max_failure_rate, min_calls, window
+        self.max_connections = max_connections
         self._recent: deque[bool] = deque(maxlen=window)  # True: that search failed
         self._failing = False  # in an episode of failures: its first failure has been logged
         self._lock = threading.Lock()  # tools may run in worker threads (tool_execution="thread") or concurrently
+        self._http = None  # the httpx.Client, made at the first request (and again in a forked process)
+        self._http_pid: int | None = None
+        self._http_lock = threading.Lock()
 
     def __deepcopy__(self, memo: dict) -> RemoteRetriever:
         """The client itself: a copy (an environment snapshot) talks to the same server, so it counts in one record."""
         return self
 
+    def _client(self):
+        """The pooled HTTP client of this process. A connection pool must not cross a fork (two processes would
+        share one socket), so a child process makes its own."""
+        import httpx
+
+        with self._http_lock:
+            if self._http is None or self._http_pid != os.getpid():
+                limits = httpx.Limits(
+                    max_connections=self.max_connections,
+                    max_keepalive_connections=self.max_connections,
+                    keepalive_expiry=self.KEEPALIVE_EXPIRY,
+                )
+                self._http = httpx.Client(timeout=self.timeout, limits=limits)
+                self._http_pid = os.getpid()
+            return self._http
+
+    def close(self) -> None:
+        """Close the pooled connections (a later search opens new ones)."""
+        with self._http_lock:
+            if self._http is not None and self._http_pid == os.getpid():
+                self._http.close()
+            self._http = None
+
     def _post(self, payload: dict[str, Any]) -> dict[str, Any]:
-        request = urllib.request.Request(
-            self.endpoint,
-            data=json.dumps(payload).encode(),
-            headers={"Content-Type": "application/json"},
-            method="POST",
-        )
-        with urllib.request.urlopen(request, timeout=self.timeout) as response:
-            return json.loads(response.read())
+        """One POST; raises httpx.HTTPStatusError on a 4xx/5xx, httpx.TransportError on a failed connection or
+        timeout, ValueError on a body that is not JSON."""
+        response = self._client().post(self.endpoint, json=payload)
+        response.raise_for_status()
+        return response.json()
 
     def _post_with_retries(self, payload: dict[str, Any]) -> dict[str, Any]:
         """POST, retrying on connection errors, timeouts and 5xx; a 4xx is the caller's error and is not retried."""
+        import httpx
+
         last_error: Exception | None = None
         for attempt in range(self.max_retries + 1):
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
             try:
                 return self._post(payload)
-            except urllib.error.HTTPError as e:
-                if e.code < 500:
-                    raise RuntimeError(f"Retrieval server {self.endpoint} rejected the request: HTTP {e.code}.") from e
+            except httpx.HTTPStatusError as e:
+                if e.response.status_code < 500:
+                    raise RuntimeError(
+                        f"Retrieval server {self.endpoint} rejected the request: HTTP {e.response.status_code}: "
+                        f"{e.response.text[:500]}"
+                    ) from e
                 last_error = e
-            except (urllib.error.URLError, OSError) as e:  # refused, reset, DNS, timeout (TimeoutError is an OSError)
+            except (httpx.TransportError, OSError) as e:  # refused, reset, closed, DNS, timeouts
                 last_error = e
         raise ConnectionError(
             f"Retrieval server {self.endpoint} did not answer after {self.max_retries + 1} attempts "
-            f"(timeout {self.timeout}s each): {last_error}. Is the server running?"
+            f"(timeout {self.timeout}s each): {_describe_http_error(last_error)}. Is the server running?"
         ) from last_error
 
     def _parse(self, response: Any, queries: list[str], topk: int) -> list[list[dict[str, Any]]]:
@@ -661,11 +754,14 @@ class RemoteRetriever:
     def check(self) -> None:
         """One search, one attempt, outside the failure record: raise ConnectionError, naming the URL and how to start
         a server, when nothing answers at the URL as a Search-R1 server does. Call it before training."""
+        import httpx
+
         try:
             self._parse(self._post({"queries": ["test"], "topk": 1, "return_scores": True}), ["test"], 1)
-        except (urllib.error.URLError, OSError, ValueError) as error:  # HTTPError, TimeoutError and bad JSON too
+        except (httpx.HTTPError, OSError, ValueError) as error:  # refused, timed out, an HTTP error, not JSON
             raise ConnectionError(
-                f"No Search-R1 retrieval server answers at {self.endpoint} ({error}). {SEARCH_R1_SERVER_HELP}."
+                f"No Search-R1 retrieval server answers at {self.endpoint} ({_describe_http_error(error)}). "
+                f"{SEARCH_R1_SERVER_HELP}."
             ) from error
 
 
@@ -722,11 +818,20 @@ class SearchBackend:
         return None
 
     def __call__(self, query: Any) -> str:
-        error = self._query_error(query)
-        if error is not None:
-            return error
-        hits = self.retriever.search([query.strip()[: self.max_query_chars]], self.topk)[0]
-        return format_passages(hits, self.max_chars)
+        return self.batch([{"query": query}])[0]
+
+    def batch(self, calls: list[dict[str, Any]]) -> list[str]:
+        """The observations of several calls (``{"query": ...}`` each), in order, from one ``retriever.search`` over
+        their valid queries: the batched form of the ``search`` tool (one request to a retrieval server for the calls
+        of a round). Each call's observation is the one it gets alone, its query errors included; a failure of the
+        search itself (the server is down) is every call's, raised as it is raised for one call."""
+        errors = [self._query_error(call.get("query")) for call in calls]
+        queries = [call["query"].strip()[: self.max_query_chars] for call, e in zip(calls, errors) if e is None]
+        hits = self.retriever.search(queries, self.topk) if queries else []
+        if len(hits) != len(queries):
+            raise ValueError(f"The retriever returned {len(hits)} result lists for {len(queries)} queries.")
+        found = iter(hits)
+        return [error if error is not None else format_passages(next(found), self.max_chars) for error in errors]
 
 
 def make_search_tool(
@@ -735,14 +840,19 @@ def make_search_tool(
     max_query_chars: int = DEFAULT_MAX_QUERY_CHARS,
     max_chars: int = DEFAULT_MAX_CHARS,
     long_query: Literal["error", "truncate"] = "error",
+    max_batch_size: int | None = DEFAULT_MAX_BATCH_SIZE,
 ) -> Callable[[str], str]:
     """A stateless ``search(query: str) -> str`` function for TRL's ``tools=[...]``.
 
     TRL builds the tool's JSON schema from the function's name, type hints and docstring
-    (``transformers.utils.get_json_schema``), so the returned closure is a plain function named ``search``.
+    (``transformers.utils.get_json_schema``), so the returned closure is a plain function named ``search``. It
+    declares a batched form (:func:`~trl_tree.rollout.tools.batched_tool`, :meth:`SearchBackend.batch`): the trainer
+    sends the searches of one round, up to ``max_batch_size`` of them, to the retriever in one ``search`` call (one
+    request to a retrieval server) and each call gets the observation it would get alone.
     """
     backend = SearchBackend(retriever, topk, max_query_chars, max_chars, long_query)
 
+    @batched_tool(backend.batch, max_batch_size=max_batch_size)
     def search(query: str) -> str:
         return backend(query)
 

@@ -52,8 +52,11 @@ class HotpotDataArguments(ScriptArguments):
             JSONL corpus (`{"id", "title", "text"}` or Search-R1's `{"id", "contents"}` per line). `None`: the
             distinct context paragraphs of the training and held-out questions.
         retriever (`str`, *optional*, defaults to `"bm25"`):
-            `bm25` (bm25s, index cached on disk), `dense` (E5 via sentence-transformers) or `remote` (a Search-R1
-            retrieval server at `retriever_url`, as the paper uses).
+            `bm25` (bm25s, index cached on disk), `dense` (E5 via sentence-transformers), `remote` (a Search-R1
+            retrieval server at `retriever_url`, as the paper uses: Search-R1's or `trl-tree retrieval-server`), or
+            `server` (start `trl-tree retrieval-server` with BM25 over the same corpus as `bm25` would search, on a
+            free port of 127.0.0.1, search through it as `remote` does, and stop it at exit; every process of a
+            multi-process run starts its own).
         num_train, num_eval (`int`):
             Questions used for training and held out. The synthetic world is generated from both counts together,
             so evaluating a synthetic-trained model on its held-out questions needs the same two numbers.
@@ -73,8 +76,9 @@ class HotpotDataArguments(ScriptArguments):
     retriever: str = field(
         default="bm25",
         metadata={
-            "help": "Retriever: 'bm25', 'dense' (E5) or 'remote' (Search-R1 server).",
-            "choices": ["bm25", "dense", "remote"],
+            "help": "Retriever: 'bm25', 'dense' (E5), 'remote' (a Search-R1 server at --retriever_url) or 'server' "
+            "(start `trl-tree retrieval-server` over the same corpus as bm25, and search through it).",
+            "choices": ["bm25", "dense", "remote", "server"],
         },
     )
     retriever_url: str = field(
@@ -298,14 +302,50 @@ def load_questions(script_args: HotpotDataArguments) -> tuple[list[dict], list[d
     return train, held_out
 
 
+# the retrieval servers this process started (`--retriever server`), stopped by `main` when it ends, or at exit
+_OWN_SERVERS: list = []
+
+
+def start_retrieval_server(script_args: HotpotDataArguments, examples: list[dict]):
+    """`trl-tree retrieval-server` as a child process, with BM25 over the corpus `--retriever bm25` would search: the
+    `--corpus_path` file, else the questions' own paragraphs, written to a JSONL file for it. Returns the running
+    `RetrievalServerProcess` (its `url`)."""
+    import tempfile
+
+    from trl_tree.envs import build_corpus
+    from trl_tree.envs.retrieval_server import RetrievalServerProcess, write_corpus
+
+    corpus_path, owned = script_args.corpus_path, []
+    if corpus_path is None:
+        owned.append(tempfile.mkdtemp(prefix="trl-tree-corpus-"))
+        corpus_path = str(write_corpus(build_corpus(examples), os.path.join(owned[0], "corpus.jsonl")))
+    server_args = ["--corpus_path", corpus_path, "--topk", str(script_args.topk)]
+    if script_args.bm25_cache_dir:
+        server_args += ["--bm25_cache_dir", script_args.bm25_cache_dir]
+    server = RetrievalServerProcess(server_args, owned_paths=owned)
+    _OWN_SERVERS.append(server)
+    server.start()
+    print(f"[trl-tree] retrieval server started at {server.url} (log: {server.log_path})", flush=True)
+    return server
+
+
+def stop_retrieval_servers() -> None:
+    """Stop the retrieval servers this process started (`--retriever server`)."""
+    while _OWN_SERVERS:
+        _OWN_SERVERS.pop().stop()
+
+
 def build_retriever(script_args: HotpotDataArguments, examples: list[dict]):
     """The retriever behind the search tool (see `HotpotScriptArguments.retriever`)."""
     from trl_tree.envs import BM25Retriever, DenseRetriever, RemoteRetriever, build_corpus, load_corpus
 
-    if script_args.retriever == "remote":
+    if script_args.retriever in ("remote", "server"):
+        url = script_args.retriever_url
+        if script_args.retriever == "server":
+            url = start_retrieval_server(script_args, examples).url
         # One search now: without it a missing server shows only after the model has loaded, as searches that all
         # fail (and, past the retriever's failure rate, a stopped run).
-        retriever = RemoteRetriever(script_args.retriever_url)
+        retriever = RemoteRetriever(url)
         try:
             retriever.check()
         except ConnectionError as e:
@@ -319,7 +359,7 @@ def build_retriever(script_args: HotpotDataArguments, examples: list[dict]):
         return DenseRetriever(corpus, model_name=script_args.dense_model)
     if script_args.retriever == "bm25":
         return BM25Retriever(corpus, cache_dir=script_args.bm25_cache_dir)
-    raise ValueError(f"retriever must be 'bm25', 'dense' or 'remote'; got {script_args.retriever!r}.")
+    raise ValueError(f"retriever must be 'bm25', 'dense', 'remote' or 'server'; got {script_args.retriever!r}.")
 
 
 def build_search_tool(script_args: HotpotScriptArguments, training_args, examples: list[dict]):
@@ -550,8 +590,16 @@ def main(script_args: HotpotScriptArguments, training_args, model_args: ModelCon
     """Warm start (optional), evaluate, train, save, evaluate again; returns (and saves) the summary.
 
     The trainer is chosen by the type of `training_args` (`trainer_class_for`). The summary is written to
-    `output_dir/hotpot_results.json` (`RESULTS_FILE`).
+    `output_dir/hotpot_results.json` (`RESULTS_FILE`). A retrieval server it started (`--retriever server`) is
+    stopped when it returns or fails.
     """
+    try:
+        return _main(script_args, training_args, model_args)
+    finally:
+        stop_retrieval_servers()
+
+
+def _main(script_args: HotpotScriptArguments, training_args, model_args: ModelConfig) -> dict[str, Any]:
     from accelerate import PartialState
 
     trainer_class = trainer_class_for(training_args)
