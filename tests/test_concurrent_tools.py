@@ -274,8 +274,8 @@ def test_the_executor_drops_queued_jobs_when_cancelled():
 
     gate = threading.Event()
     executor = ToolExecutor(1)
-    first = ToolJob(lambda: [gate.wait(5)])
-    later = ToolJob(lambda: pytest.fail("a cancelled job must not run"))
+    first = ToolJob([lambda: [gate.wait(5)]])
+    later = ToolJob([lambda: pytest.fail("a cancelled job must not run")])
     executor.submit([first, later])
     executor.cancel()
     gate.set()

@@ -32,11 +32,11 @@ def _kernels() -> str:
     return f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}"
 
 
-def two_steps(name: str, out: str) -> dict:
+def two_steps(name: str, out: str, **config_fields) -> dict:
     """The losses and parameter digests of two optimizer steps of configuration `name`."""
     from tests.launch.tiny_tree_run import build_trainer
 
-    trainer = build_trainer(out, max_steps=2, method=name)
+    trainer = build_trainer(out, max_steps=2, method=name, **config_fields)
     losses: list[float] = []
     compute_loss = trainer.compute_loss
 
@@ -76,6 +76,16 @@ def test_two_training_steps_match_the_record(tmp_path, record, name):
     if record["kernels"] == _kernels():
         assert got == want, f"{name}: training changed; if that is intended, rerun with --update and say why"
     else:  # other vector kernels: the same numbers up to rounding
+        assert [float(v) for v in got["losses"]] == pytest.approx([float(v) for v in want["losses"]], rel=1e-4)
+
+
+def test_one_tool_call_at_a_time_trains_as_the_concurrent_default(tmp_path, record):
+    """`max_concurrent_tool_calls=1` runs a round's calls one after another (as before calls ran concurrently), the
+    default runs them together: the record, made either way, is the same bits."""
+    got, want = two_steps("treeopsd", str(tmp_path), max_concurrent_tool_calls=1), record["runs"]["treeopsd"]
+    if record["kernels"] == _kernels():
+        assert got == want
+    else:
         assert [float(v) for v in got["losses"]] == pytest.approx([float(v) for v in want["losses"]], rel=1e-4)
 
 

@@ -4,10 +4,10 @@ A real agent's tools are slow (a retrieval server answers in 50-500 ms, a sandbo
 runs a batch's calls one after another, so a step pays calls × latency. Here the calls that are ready in one round of
 the turn loop (every branch of every tree of the rank) start together:
 
-- a call is one *job* for the pool, run by `tools.run_tool_call` in `execution="thread"` mode, so it keeps its own
-  deadline (`tool_timeout`) and its error handling: a job ends within its deadline whatever the tool does, and a
-  pool thread is never held by a hung tool (the tool's own thread lingers, as Python cannot kill a thread). Ten hung
-  calls of one round cost one deadline, not ten;
+- a call runs through `tools.run_tool_call` in a worker of the pool, so it keeps its error handling, and the pool's
+  watchdog keeps its deadline (`tool_timeout`): a call past it is a timeout error at once, whatever the tool does,
+  and the worker stuck in it leaves the pool for a new one (Python cannot kill a thread). Ten hung calls of one
+  round cost one deadline, not ten;
 - the calls of one branch's turn run in order, in one job (a *lane*), as GRPOTrainer runs them: a later call may rely
   on an earlier one (the same environment instance, a file it wrote). Concurrency is across branches;
 - the calls of one round to a standalone tool with a batched form (`tools.batched_tool`) go in one request per
@@ -32,12 +32,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .tools import (
+    POOLED,
     ToolFatalError,
     ToolResult,
     _await_tool,
     _check_arguments,
     _describe,
-    _run_in_worker,
+    _timed_out,
     _value_result,
     batch_form,
     error_result,
@@ -55,35 +56,56 @@ class PlannedCall:
     tools: dict[str, Callable]
 
 
-@dataclass
+@dataclass(eq=False)
 class ToolJob:
-    """What the pool runs: `run()` returns one `ToolResult` per call of the job, in order. `done` is set when it has
-    (or when it failed: `error` holds what it raised, re-raised in the waiting thread)."""
+    """What the pool runs: `steps` in order, each returning the `ToolResult`s of its calls (a lane's step is one call,
+    a batched request's one step answers all its calls). `timeout` is each step's deadline (None: none); when a step
+    passes it, `expire(i)` gives the results that stand for steps i.. (a timeout error for step i's calls, "not run"
+    for the later ones). `done` is set when the job has its results, or failed (`error`, re-raised in the waiting
+    thread)."""
 
-    run: Callable[[], list[ToolResult]]
+    steps: list[Callable[[], list[ToolResult]]]
+    timeout: float | None = None
+    expire: Callable[[int], list[ToolResult]] | None = None
     results: list[ToolResult] | None = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
     started: float | None = None
     finished: float | None = None
+    # the worker's progress, which the watchdog reads under `lock`
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    partial: list[ToolResult] = field(default_factory=list, repr=False)
+    step: int = 0
+    step_started: float = 0.0
+    expired: bool = False
 
 
 class ToolExecutor:
-    """A bounded pool of daemon worker threads for tool jobs.
+    """A bounded pool of daemon worker threads for tool jobs, with a watchdog for their deadlines.
+
+    A worker runs a job's calls itself, in its own thread: a thread per call (the single-call path's way to stop
+    waiting at a deadline) costs ~150 µs of interpreter time a call, more than a fast tool. So the deadline is the
+    watchdog's: every `POLL_SECONDS` it looks at the running jobs, and a step past its deadline gets its timeout
+    results at once, whatever the tool does. Python cannot kill the worker stuck in it: that thread leaves the pool
+    (it exits when the tool returns, its late results dropped) and a new worker takes its place, so a hung tool never
+    holds the pool's capacity, and ten hung calls of a round cost one deadline.
 
     Daemon threads, not `concurrent.futures.ThreadPoolExecutor`'s: the interpreter joins those at exit, so a tool
-    stuck past its deadline (its job has returned, its own thread has not) or a run stopped by Ctrl-C would keep the
-    process alive. Workers start when first needed, up to `max_concurrent`.
+    stuck past its deadline, or a run stopped by Ctrl-C, would keep the process alive. Workers start when first
+    needed, up to `max_concurrent`.
     """
 
     def __init__(self, max_concurrent: int):
         check_max_concurrent_tool_calls(max_concurrent)
         self.max_concurrent = max_concurrent
         self._queue: queue.SimpleQueue[tuple[int, ToolJob]] = queue.SimpleQueue()
-        self._workers: list[threading.Thread] = []
+        self._workers = 0
         self._idle = 0
+        self._running: set[ToolJob] = set()
         self._lock = threading.Lock()
         self._generation = 0  # bumped by cancel(): queued jobs of an earlier generation are dropped
+        self._watchdog: threading.Thread | None = None
+        self.finished = threading.Condition()  # notified whenever a job is done (`wait_for(first=True)`)
 
     def submit(self, jobs: Sequence[ToolJob]) -> None:
         """Queue the jobs in order; each starts when a worker is free, and workers are added while more jobs wait
@@ -91,11 +113,16 @@ class ToolExecutor:
         with self._lock:
             for job in jobs:
                 self._queue.put((self._generation, job))
-            while self._queue.qsize() > self._idle and len(self._workers) < self.max_concurrent:
-                self._idle += 1  # a new worker is free until it takes a job
-                worker = threading.Thread(target=self._work, daemon=True, name=f"tool-pool-{len(self._workers)}")
-                self._workers.append(worker)
-                worker.start()
+            self._add_workers()
+            if self._watchdog is None and any(job.timeout is not None for job in jobs):
+                self._watchdog = threading.Thread(target=self._watch, daemon=True, name="tool-pool-watchdog")
+                self._watchdog.start()
+
+    def _add_workers(self) -> None:
+        while self._queue.qsize() > self._idle and self._workers < self.max_concurrent:
+            self._idle += 1  # a new worker is free until it takes a job
+            self._workers += 1
+            threading.Thread(target=self._work, daemon=True, name=f"tool-pool-{self._workers}").start()
 
     def cancel(self) -> None:
         """Drop every queued job that has not started (running ones finish within their deadlines, unobserved)."""
@@ -108,19 +135,66 @@ class ToolExecutor:
             with self._lock:
                 self._idle -= 1
                 dropped = generation != self._generation
+                if not dropped:
+                    self._running.add(job)
             if dropped:
                 job.error = _Cancelled()
-                job.done.set()
-            else:
-                job.started = time.monotonic()
-                try:
-                    job.results = job.run()
-                except BaseException as e:  # noqa: BLE001 - handed to the waiting thread, which re-raises it
-                    job.error = e
-                job.finished = time.monotonic()
-                job.done.set()
+                self._settle(job)
+            elif not self._run(job):
+                return  # the watchdog gave up on this thread's tool: it has left the pool
             with self._lock:
                 self._idle += 1
+
+    def _run(self, job: ToolJob) -> bool:
+        """Run a job's steps; False when the watchdog expired it meanwhile (this thread then leaves the pool)."""
+        job.started = time.monotonic()
+        error = None
+        for i, step in enumerate(job.steps):
+            with job.lock:
+                job.step, job.step_started = i, time.monotonic()
+            try:
+                results = step()
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread, which re-raises it
+                error = e
+            with job.lock:
+                if job.expired:
+                    return False
+                if error is not None:
+                    break
+                job.partial.extend(results)
+        with job.lock:
+            job.error = error
+            job.results = None if error is not None else list(job.partial)
+        self._settle(job)
+        return True
+
+    def _settle(self, job: ToolJob) -> None:
+        job.finished = time.monotonic()
+        with self._lock:
+            self._running.discard(job)
+        job.done.set()
+        with self.finished:
+            self.finished.notify_all()
+
+    def _watch(self) -> None:
+        """Expire every step past its deadline, every `POLL_SECONDS`, for as long as the process runs."""
+        while True:
+            time.sleep(POLL_SECONDS)
+            now = time.monotonic()
+            with self._lock:
+                running = list(self._running)
+            for job in running:
+                with job.lock:
+                    late = (job.timeout is not None and not job.expired and not job.done.is_set()
+                            and now - job.step_started > job.timeout)
+                    if late:
+                        job.expired = True
+                        job.results = job.partial + job.expire(job.step)
+                if late:
+                    with self._lock:  # its worker is stuck in the tool: a new one takes its place
+                        self._workers -= 1
+                        self._add_workers()
+                    self._settle(job)
 
 
 class _Cancelled(Exception):
@@ -130,21 +204,32 @@ class _Cancelled(Exception):
 def wait_for(jobs: Sequence[ToolJob], executor: ToolExecutor, first: bool = False) -> None:
     """Wait until every job is done (`first`: until one is), re-raising the first run-stopping error in job order.
 
-    The wait wakes every `POLL_SECONDS`, so Ctrl-C is not held up by a tool; a job that raised `ToolFatalError` or
-    `KeyboardInterrupt` stops the wait at once. Either way the jobs not yet started are dropped (`cancel`).
+    The wait wakes at least every `POLL_SECONDS`, so Ctrl-C is not held up by a tool, and a job that raised
+    `ToolFatalError` or `KeyboardInterrupt` stops the wait within that time even while earlier jobs still run. Either
+    way the jobs not yet started are dropped (`cancel`).
     """
     try:
-        while True:
-            pending = [job for job in jobs if not job.done.is_set()]
+        if first:
+            while not any(job.done.is_set() for job in jobs):
+                with executor.finished:
+                    executor.finished.wait(POLL_SECONDS)
+                _raise_stopping(jobs)
+        else:
             for job in jobs:
-                if job.done.is_set() and job.error is not None and not isinstance(job.error, _Cancelled):
-                    raise job.error
-            if not pending or (first and len(pending) < len(jobs)):
-                return
-            pending[0].done.wait(POLL_SECONDS)
+                while not job.done.wait(POLL_SECONDS):
+                    _raise_stopping(jobs)
+        _raise_stopping(jobs)
     except BaseException:
         executor.cancel()
         raise
+
+
+def _raise_stopping(jobs: Sequence[ToolJob]) -> None:
+    """Re-raise the first error of a finished job (in job order): ToolFatalError, KeyboardInterrupt, or a failure of
+    the job's own machinery; a dropped job's cancellation is not one."""
+    for job in jobs:
+        if job.done.is_set() and job.error is not None and not isinstance(job.error, _Cancelled):
+            raise job.error
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -188,7 +273,7 @@ def plan_jobs(requests: Sequence[Sequence[PlannedCall]], environments: Sequence[
             batches.setdefault(id(form.fn), []).append((i, k, planned, arguments))
             forms[id(form.fn)] = form
         if lane:
-            job = ToolJob(_run_in_order([calls[k] for k in lane], limits))
+            job = _lane_job([calls[k] for k in lane], limits)
             jobs.append(job)
             for position, k in enumerate(lane):
                 where[i][k] = (job, position)
@@ -197,7 +282,7 @@ def plan_jobs(requests: Sequence[Sequence[PlannedCall]], environments: Sequence[
         size = form.max_batch_size or len(members)
         for start in range(0, len(members), size):
             chunk = members[start : start + size]
-            job = ToolJob(_run_batch(form.fn, [m[2] for m in chunk], [m[3] for m in chunk], limits))
+            job = _batch_job(form.fn, [m[2] for m in chunk], [m[3] for m in chunk], limits)
             jobs.append(job)
             for position, (i, k, _, _) in enumerate(chunk):
                 where[i][k] = (job, position)
@@ -225,26 +310,40 @@ def _checked_arguments(tool: Callable, planned: PlannedCall) -> dict | None:
         return None
 
 
-def _run_in_order(calls: list[PlannedCall], limits: CallLimits) -> Callable[[], list[ToolResult]]:
-    def run() -> list[ToolResult]:
-        return [run_tool_call(c.call, c.tools, limits.timeout, limits.max_chars, "thread", limits.event_loop)
-                for c in calls]
+def _lane_job(calls: list[PlannedCall], limits: CallLimits) -> ToolJob:
+    """A branch's calls, one step each, in order. When one passes its deadline, the later ones are not run: they
+    would share the instance (or the files) that the call still running holds."""
 
-    return run
+    def step(planned: PlannedCall) -> Callable[[], list[ToolResult]]:
+        return lambda: [run_tool_call(planned.call, planned.tools, limits.timeout, limits.max_chars, POOLED,
+                                      limits.event_loop)]
+
+    def expire(i: int) -> list[ToolResult]:
+        name = _call_name(calls[i])
+        return [error_result(name, _describe(_timed_out(limits.timeout)), limits.max_chars)] + [
+            error_result(_call_name(c), f"Not run: the call of {name} before it in this turn timed out and may still "
+                         "be running.", limits.max_chars) for c in calls[i + 1 :]]
+
+    return ToolJob([step(c) for c in calls], limits.timeout, expire)
 
 
-def _run_batch(fn: Callable, calls: list[PlannedCall], arguments: list[dict], limits: CallLimits,
-               ) -> Callable[[], list[ToolResult]]:
+def _call_name(planned: PlannedCall) -> str:
+    function = planned.call.get("function") if isinstance(planned.call, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    return name if isinstance(name, str) else "unknown"
+
+
+def _batch_job(fn: Callable, calls: list[PlannedCall], arguments: list[dict], limits: CallLimits) -> ToolJob:
     """One request of a tool's batched form for several calls, under one deadline. Its failure (an exception, a
     timeout, a wrong number of results) is every call's error; an exception instance in its place is that call's."""
+    name = _call_name(calls[0])
 
     def run() -> list[ToolResult]:
-        name = calls[0].call["function"]["name"]
         try:
             if inspect.iscoroutinefunction(fn):
                 values = _await_tool(fn(arguments), limits.timeout, limits.event_loop)
             else:
-                values = _run_in_worker(lambda: fn(arguments), {}, limits.timeout)
+                values = fn(arguments)
                 if inspect.isawaitable(values):
                     values = _await_tool(values, limits.timeout, limits.event_loop)
             values = list(values)
@@ -257,7 +356,10 @@ def _run_batch(fn: Callable, calls: list[PlannedCall], arguments: list[dict], li
             return [error_result(name, _describe(e), limits.max_chars) for _ in calls]
         return [_batched_value(name, value, limits.max_chars) for value in values]
 
-    return run
+    def expire(i: int) -> list[ToolResult]:
+        return [error_result(name, _describe(_timed_out(limits.timeout)), limits.max_chars) for _ in calls]
+
+    return ToolJob([run], limits.timeout, expire)
 
 
 def _batched_value(name: str, value, max_chars: int | None) -> ToolResult:

@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 TRUNCATION_MARKER = "\n...[truncated: {n} more characters]"
 MAX_OBSERVATION_CHARS = 16_384  # the TreeOPSD paper's cap on a retrieved observation (Appendix E.3)
 TOOL_EXECUTION_MODES = ("main", "thread")
+POOLED = "pooled"  # internal: a synchronous tool runs in the calling thread, whose caller enforces the deadline
 
 
 @dataclass
@@ -294,6 +295,8 @@ def _run_sync(fn: Callable, kwargs: dict, timeout: float | None, execution: str)
     """
     if execution == "thread":
         return _run_in_worker(fn, kwargs, timeout)
+    if execution == POOLED:  # a worker of `tool_executor.ToolExecutor`, whose watchdog gives up at the deadline
+        return fn(**kwargs)
     if timeout is None:
         return fn(**kwargs)
     if _alarm_available():
@@ -452,7 +455,8 @@ def run_tool_call(
     `max_chars` cuts what the model sees (`ToolResult.observation`), not the content reward functions receive.
     Re-raises only KeyboardInterrupt (the user stops the run) and ToolFatalError (the tool says the run cannot go on).
     """
-    check_tool_execution(execution)
+    if execution != POOLED:
+        check_tool_execution(execution)
     function = tool_call.get("function") if isinstance(tool_call, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
     kind = tool_call.get("type", "function") if isinstance(tool_call, dict) else None
