@@ -82,10 +82,11 @@ def _options(text: str) -> list[str]:
 
 @pytest.mark.parametrize("form", [[], ["--reward_funcs", "x.y"]], ids=["hotpot", "generic"])
 @pytest.mark.parametrize("method", METHODS)
-def test_short_help_lists_the_methods_own_fields_first_grouped_and_always_the_reward_options(method, form, capsys):
-    """`trl-tree <method> --help`: the fields the method's sampler, credit and loss read (the method table) open it,
-    group by group; the reward, tools and environment options are there whether or not one is given; every option
-    it lists is a real one (in `--help-all`), and it is a small part of `--help-all`."""
+def test_short_help_lists_what_every_run_needs_first_then_the_methods_own_fields_grouped(method, form, capsys):
+    """`trl-tree <method> --help`: the model, data, rewards and tools open it, then common training (output
+    directory, learning rate first), then the fields the method's sampler, credit and loss read (the method table),
+    group by group, in one block; the reward, tools and environment options are there whether or not one is given;
+    every option it lists is a real one (in `--help-all`), and it is a small part of `--help-all`."""
     out = _help([method, *form, "--help"], capsys)
     full = _help([method, *form, "--help-all"], capsys)
     entry = methods.METHODS[method]
@@ -93,8 +94,15 @@ def test_short_help_lists_the_methods_own_fields_first_grouped_and_always_the_re
                   ("loss", methods.LOSSES[entry.loss])]  # fmt: skip
     own = list(dict.fromkeys(f"--{n}" for kind, c in components for n in (kind, *c.fields)))
     listed = _options(out)
-    assert listed[: len(own)] == own
-    titles = [f"tree sampler ({entry.sampler})", f"credit ({entry.credit})", f"loss ({entry.loss})", "rewards, tools"]
+    first = ["--model_name_or_path", "--dataset_name", "--dataset_config", "--reward_funcs",
+             "--reward_model_name_or_path", "--tools", "--environment_factory", "--use_peft", "--config",
+             "--output_dir", "--learning_rate"]  # fmt: skip
+    assert listed[: len(first)] == first
+    start = listed.index(own[0])
+    assert listed[start : start + len(own)] == own
+    assert start > listed.index("--learning_rate")
+    titles = ["model, data, rewards and tools", "common training", f"tree sampler ({entry.sampler})",
+              f"credit ({entry.credit})", f"loss ({entry.loss})"]  # fmt: skip
     positions = [out.index(f"\n\n{title}") for title in titles]  # a section title follows a blank line
     assert positions == sorted(positions)
     for option in ("--reward_funcs", "--tools", "--environment_factory", "--dataset_name", "--model_name_or_path"):
@@ -130,6 +138,21 @@ def test_treeflex_help_lists_none_of_the_tree_fields(capsys):
     assert [name for name in tree_fields if f"--{name}" in full] == []
     tree_help = set(re.findall(r"--[a-z_0-9]+", _help(["treeadv", "--help-all"], capsys)))
     assert {f"--{name}" for name in tree_fields} <= tree_help
+
+
+def test_the_first_lines_of_help_are_the_model_and_data_and_beta_is_left_out(capsys):
+    """The issue's complaint: the first 40 lines were sampler, credit and loss internals, and `--beta` (refused unless
+    0) was listed as a common option. Now the first option lines are the model and the data; `--beta` is only in
+    `--help-all`, marked as refused."""
+    out = _help(["treeopsd", "--help"], capsys)
+    head = out.split("\n\n", 3)[3].splitlines()  # after the usage line, the command's line and its paragraph
+    assert head[0] == "model, data, rewards and tools:" and head[1].split()[0] == "--model_name_or_path"
+    assert [line.split()[0] for line in head[1:] if line.startswith("  --")][:3] == [
+        "--model_name_or_path", "--dataset_name", "--dataset_config"]
+    assert "--beta" not in _options(out)
+    full = _help(["treeopsd", "--help-all"], capsys)
+    beta = full[full.index("  --beta") :].split("\n  --", 1)[0]
+    assert "refused by trl-tree unless left at GRPO's default" in " ".join(beta.split())
 
 
 def test_every_option_the_short_help_names_is_a_field_of_a_script():

@@ -457,9 +457,12 @@ def _long_prompt_trainer(tmp_path, max_positions: int, words: int, **overrides):
 
 def test_a_prompt_longer_than_the_models_positions_is_an_error_naming_both_lengths(tmp_path):
     """TRL 1.16's GRPOConfig has no max_prompt_length (nothing truncates a prompt), and generate would run past the
-    model's positions without a word: the batch that holds such a prompt stops with both lengths and what to do."""
+    model's positions without a word: the batch that holds such a prompt stops with both lengths and what to do (the
+    trainer refuses such a row of its dataset when it is built, tests/test_prompt_lengths.py; the batch check is what
+    catches a streaming dataset's or an environment's prompt)."""
     assert "max_prompt_length" not in {f.name for f in __import__("dataclasses").fields(GRPOConfig)}
-    trainer = _long_prompt_trainer(tmp_path, max_positions=256, words=300, max_completion_length=16)
+    trainer = _long_prompt_trainer(tmp_path, max_positions=4096, words=300, max_completion_length=16)
+    trainer.model.config.max_position_embeddings = 256  # after the build-time check of the dataset
     prompt_len = len(trl_internals.tokenize_prompts(trainer, [trainer.train_dataset[0]["prompt"]])[0][0])
     assert prompt_len > 256
     with pytest.raises(ValueError, match=rf"{prompt_len} tokens.*max_position_embeddings = 256.*(shorten|filter)"):
@@ -469,7 +472,8 @@ def test_a_prompt_longer_than_the_models_positions_is_an_error_naming_both_lengt
 def test_a_completion_budget_that_cannot_fit_the_positions_warns_once(tmp_path, caplog):
     """max_completion_length ≥ the model's positions: no prompt leaves room for it, said at start-up; a prompt that
     fits but leaves less than max_completion_length is said once, at the first batch that has one."""
-    with caplog.at_level("WARNING", logger="trl_tree.trainer.prompts"):
+    # (its one prompt, tool schema included, does not fit 64 positions either: refused when the trainer is built)
+    with caplog.at_level("WARNING", logger="trl_tree.trainer.prompts"), pytest.raises(ValueError, match="row 0"):
         _long_prompt_trainer(tmp_path, max_positions=64, words=1, max_completion_length=96)
     assert "max_completion_length (96)" in caplog.text and "max_position_embeddings (64)" in caplog.text
     caplog.clear()

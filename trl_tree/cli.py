@@ -34,10 +34,11 @@ launcher failed only after the launch). It imports the objects the generic form 
 `--config_file`, `--mixed_precision`, ...) go to `accelerate launch`; `--accelerate_config NAME_OR_PATH` picks one of
 the configs shipped in `trl_tree/accelerate_configs/` by name, or a file.
 
-`trl-tree <method> --help` is short: the method's own fields first, grouped as the method table declares them (tree
-sampler, credit, loss), then the rewards, tools and data (`--reward_funcs`, `--tools` and `--environment_factory`
-always), common training fields and, in the HotpotQA form, the example's own options (`help_groups`); `--help-all`
-lists every field of both forms. Building either imports the method's config class (transformers'
+`trl-tree <method> --help` is short: what every run needs first (the model, the data, `--reward_funcs`, `--tools` and
+`--environment_factory` always; then common training fields: output directory, learning rate, batch sizes, ...), then
+the method's own fields, grouped as the method table declares them (tree sampler, credit, loss), and, in the HotpotQA
+form, the example's own options (`help_groups`); GRPO options the trainers refuse unless left at their default
+(`--beta`) are left out. `--help-all` lists every field of both forms, the refused ones marked. Building either imports the method's config class (transformers'
 `TrainingArguments` and peft: about 4 of the 6-7 seconds a first `--help` takes on 2 busy cores), so the text is kept
 on disk under a key of everything it depends on (`help_cache_file`) and the next `--help` takes what importing
 trl_tree does (about 2 seconds).
@@ -244,19 +245,24 @@ def launch(command: str, all_args: list[str]) -> int:
 # Help
 # ---------------------------------------------------------------------------------------------------------------
 
-# The short `--help` lists, after the method's own fields (read from the method table), these groups of fields, each
-# with the first sentence of its help or the line given here. Each is a field of the generic script's or the HotpotQA
-# example's parser (tests/test_cli.py checks it); `--help-all` lists every field of both with its whole help.
+# The short `--help` opens with these groups of fields, what every run needs (the model, the data, the rewards and
+# tools, where to write, how fast to learn), then the method's own fields (read from the method table), each with the
+# first sentence of its help or the line given here. Each is a field of the generic script's or the HotpotQA example's
+# parser (tests/test_cli.py checks it); `--help-all` lists every field of both with its whole help. GRPO options the
+# tree trainers refuse unless left at GRPO's default (`beta`, `loss_type`, ...: `TreeTrainerConfig.unused_grpo_options`)
+# are not here, and `--help-all` marks them so.
 DATA_OPTIONS = {
-    "reward_funcs": None, "reward_model_name_or_path": None, "tools": None, "environment_factory": None,
+    "model_name_or_path": "The policy to train: a Hub id or a local folder.",
     "dataset_name": "A Hub id, a local folder, or a .json / .jsonl / .csv / .parquet file.",
     "dataset_config": "The dataset's configuration (subset) name.",
-    "model_name_or_path": "The policy to train: a Hub id or a local folder.", "use_peft": None,
+    "reward_funcs": None, "reward_model_name_or_path": None, "tools": None, "environment_factory": None,
+    "use_peft": None,
 }
+DATA_TITLE = "model, data, rewards and tools"
 TRAINING_OPTIONS = {
-    "output_dir": None, "max_steps": "Optimizer steps to train (overrides num_train_epochs).", "learning_rate": None,
+    "output_dir": None, "learning_rate": None, "max_steps": "Optimizer steps to train (overrides num_train_epochs).",
     "per_device_train_batch_size": None, "num_generations": None, "steps_per_generation": None,
-    "gradient_accumulation_steps": None, "temperature": None, "beta": None, "bf16": None,
+    "gradient_accumulation_steps": None, "temperature": None, "bf16": None,
     "gradient_checkpointing": None, "use_vllm": None, "logging_steps": None, "report_to": None,
     "log_completions": "Log sampled completions, and save the rollout-tree pages (trl-tree view).",
     "save_strategy": None, "seed": None, "push_to_hub": None,
@@ -275,13 +281,14 @@ _KINDS = {"int": "INT", "float": "FLOAT", "str": "STR", "string_to_bool": "BOOL"
 
 def help_groups(command: str, example: bool) -> list[tuple[str, dict[str, str | None]]]:
     """(title, {field: its short help, or None for the first sentence of its own}) of the short help, each field in
-    its first group only: the method's sampler, credit and loss, each with the fields it reads (`trl_tree.methods`),
-    then the rewards and data, common training and, in the HotpotQA example's form (`example`), its own options."""
+    its first group only: what every run needs first (the model, data, rewards and tools; then common training:
+    output directory, learning rate, batch sizes, ...), then the method's sampler, credit and loss, each with the
+    fields it reads (`trl_tree.methods`), and, in the HotpotQA example's form (`example`), the example's options."""
     method = methods.METHODS[command]
     components = [("tree sampler", "sampler", methods.SAMPLERS[method.sampler]),
                   ("credit", "credit", methods.CREDITS[method.credit]), ("loss", "loss", methods.LOSSES[method.loss])]
-    groups = [(f"{title} ({entry.name})", dict.fromkeys([field, *entry.fields])) for title, field, entry in components]
-    groups += [("rewards, tools, data and model", DATA_OPTIONS), ("common training", TRAINING_OPTIONS)]
+    groups = [(DATA_TITLE, DATA_OPTIONS), ("common training", TRAINING_OPTIONS)]
+    groups += [(f"{title} ({entry.name})", dict.fromkeys([field, *entry.fields])) for title, field, entry in components]
     if example:
         groups.append(("the HotpotQA example (without a reward, tools or environment)", EXAMPLE_OPTIONS))
     seen: set[str] = set()
@@ -327,9 +334,10 @@ def _launch_notes(command: str) -> list[argparse.Action]:
 
 
 def help_text(command: str, argv: list[str], *, full: bool = False) -> str:
-    """`trl-tree <command> --help` (`full=False`): the method's own fields first, grouped (`help_groups`), with the
-    reward, tools and environment options always listed; `--help-all` (`full=True`): every field of the form `argv`
-    selects (the generic script's or the HotpotQA example's), then the other form's own.
+    """`trl-tree <command> --help` (`full=False`): what every run needs first, then the method's own fields, grouped
+    (`help_groups`), with the reward, tools and environment options always listed; `--help-all` (`full=True`): every
+    field of the form `argv` selects (the generic script's or the HotpotQA example's), then the other form's own, the
+    options the tree trainers refuse unless left at GRPO's default marked so.
 
     Help shows the defaults of the dataclasses, and a `--config` file's values in their place (as TrlParser's help
     does). Building the parsers imports the method's config class (transformers' `TrainingArguments`): most of the
@@ -350,6 +358,7 @@ def help_text(command: str, argv: list[str], *, full: bool = False) -> str:
     extra = [] if unfit else [a for a in other_parser._actions if a.option_strings and a.dest not in _dests(parser)]
     example = form is hotpot
     if full:
+        _mark_refused_options([*own, *extra])
         formatter = parser._get_formatter()
         title = ("training your own data (with --reward_funcs, --tools or --environment_factory)" if example else
                  "the HotpotQA example (without a reward, tools or environment)")
@@ -384,7 +393,7 @@ def help_text(command: str, argv: list[str], *, full: bool = False) -> str:
     for title, names in help_groups(command, example):
         formatter.start_section(title)
         formatter.add_arguments([_short_action(by_dest[n], h) for n, h in names.items() if n in by_dest])
-        if title.startswith("rewards"):
+        if title == DATA_TITLE:
             config_note = _note(["--config"], "A YAML file of any fields (the command line wins).", "YAML")
             formatter.add_arguments([config_note])
         formatter.end_section()
@@ -393,6 +402,17 @@ def help_text(command: str, argv: list[str], *, full: bool = False) -> str:
     formatter.end_section()
     formatter.add_text(f"`trl-tree {command} --help-all` lists all {len(own) + len(extra)} options.")
     return formatter.format_help()
+
+
+def _mark_refused_options(actions: list[argparse.Action]) -> None:
+    """GRPO options that the tree trainers refuse unless left at GRPO's default (`beta`: any non-zero value), said so
+    in `--help-all` with what to use instead, since their GRPO help describes an effect they do not have here."""
+    from trl_tree.trainer.config import _REJECTED_ADVICE
+
+    for action in actions:
+        advice = _REJECTED_ADVICE.get(action.dest)
+        if advice is not None:
+            action.help = (f"[refused by trl-tree unless left at GRPO's default: {advice}] " + (action.help or ""))
 
 
 # Building the help imports the method's config class, and with it transformers' TrainingArguments and peft: most of

@@ -222,6 +222,73 @@ def format_reward(prompts: list, completions: list[Completion], **kwargs) -> lis
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Completion formats: what a reward function reads, and what the dataset's prompts make TRL hand it
+# ---------------------------------------------------------------------------------------------------------------
+
+# `list[list[dict[str, str]]]`, `typing.List[typing.List[typing.Dict]]`, `Sequence[Sequence[Mapping]]`, as written
+_MESSAGE_LISTS = re.compile(r"^(?:list|sequence)\[(?:list|sequence)\[(?:dict|mapping)\b")
+
+CONVERT_TO_CONVERSATIONAL = (
+    "Give each row's prompt as chat messages (TRL's conversational format), "
+    '{"prompt": [{"role": "user", "content": "..."}]}, e.g. '
+    'dataset.map(lambda row: {"prompt": [{"role": "user", "content": row["prompt"]}]}) with `datasets`'
+)
+
+
+def reads_chat_messages(func) -> bool:
+    """Whether a reward function declares that it reads each completion as chat messages: its `completions` parameter
+    is annotated as a list of message lists (`list[list[dict[str, str]]]`), as TRL's `accuracy_reward`,
+    `reasoning_accuracy_reward`, `think_format_reward` and cosine-scaled reward are (they read
+    `completion[0]["content"]`). An unannotated function says nothing, so it is not judged (False)."""
+    try:
+        signature = inspect.signature(func, eval_str=True)
+    except (NameError, TypeError, ValueError, SyntaxError):  # an annotation that names what it did not import
+        try:
+            signature = inspect.signature(func)
+        except (TypeError, ValueError):
+            return False
+    parameter = signature.parameters.get("completions")
+    if parameter is None or parameter.annotation is inspect.Parameter.empty:
+        return False
+    annotation = parameter.annotation if isinstance(parameter.annotation, str) else repr(parameter.annotation)
+    return bool(_MESSAGE_LISTS.match(re.sub(r"\s|typing\.|collections\.abc\.", "", annotation).lower()))
+
+
+def completion_format_problem(reward_funcs: Sequence, names: Sequence[str], conversational: bool) -> str | None:
+    """What is wrong when a reward function reads chat messages but the dataset's prompts are plain strings, else None.
+
+    For a prompt that is a plain string (TRL's standard format) GRPOTrainer hands reward functions each completion as
+    a plain string, and so do the tree trainers; a function that reads `completion[0]["content"]` then fails on the
+    first batch (under GRPOTrainer too, with "string indices must be integers"), after the model has loaded and
+    generated. Checked when the trainer is built and, for a local data file, by `trl-tree` before launching."""
+    if conversational:
+        return None
+    readers = [name for func, name in zip(reward_funcs, names) if callable(func) and reads_chat_messages(func)]
+    if not readers:
+        return None
+    which = ", ".join(repr(n) for n in readers)
+    return (
+        f"The reward function{'s' if len(readers) > 1 else ''} {which} read{'' if len(readers) > 1 else 's'} each "
+        "completion as chat messages (completion[0]['content']: its `completions` parameter is annotated "
+        "list[list[dict]]), but the dataset's prompts are plain strings (TRL's standard format), for which TRL hands "
+        "reward functions each completion as a plain string, as GRPOTrainer does. "
+        f"{CONVERT_TO_CONVERSATIONAL}; or use reward functions that take plain-string completions."
+    )
+
+
+def dataset_is_conversational(dataset) -> bool | None:
+    """Whether the first row's `prompt` is chat messages (TRL's `is_conversational`, as GRPOTrainer decides it per
+    batch), False for a plain string; None where it cannot be told cheaply: no dataset, no `prompt` column (an
+    environment's reset supplies the prompt), or a streaming dataset (reading a row would fetch it)."""
+    from datasets import Dataset
+    from trl.data_utils import is_conversational
+
+    if not isinstance(dataset, Dataset) or len(dataset) == 0 or "prompt" not in dataset.column_names:
+        return None
+    return is_conversational({"prompt": dataset[0]["prompt"]})
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Guarding the trainer's reward functions
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -316,7 +383,21 @@ def _raised(name: str, error: Exception, j: int | None, completions) -> RuntimeE
     return RuntimeError(
         f"Reward function '{name}' raised {type(error).__name__}: {error} on {where}"
         + (f" (completion: {_quote(completions[j])})" if j is not None else "")
-        + ". Fix the function, or return None for samples it cannot score."
+        + (_text_completion_hint() if _indexed_a_string(error, completions) else
+           ". Fix the function, or return None for samples it cannot score.")
+    )
+
+
+def _indexed_a_string(error: Exception, completions) -> bool:
+    """The error looks like a function reading chat messages out of a plain-string completion."""
+    return isinstance(error, (TypeError, KeyError, IndexError)) and bool(completions) and isinstance(completions[0], str)
+
+
+def _text_completion_hint() -> str:
+    return (
+        ". The completions are plain strings because the dataset's prompts are (TRL's standard format: GRPOTrainer "
+        "hands reward functions the completion text); a function that reads chat messages (completion[0]['content'])"
+        f" needs conversational prompts. {CONVERT_TO_CONVERSATIONAL}; or make the function take strings."
     )
 
 

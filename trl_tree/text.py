@@ -16,3 +16,9 @@ def shorten(value, n: int = 120) -> str:
     """`str(value)` cut to `n` characters with an ellipsis, for error and warning messages that quote model output."""
     text = str(value)
     return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def plural(count: int | float, noun: str, plural_form: str | None = None) -> str:
+    """`count` and the noun, singular for exactly 1 ("1 prompt", "2 prompts", "1 optimizer block"), for console lines
+    that count things the user configured."""
+    return f"{count:g} {noun if count == 1 else plural_form or noun + 's'}"

@@ -203,9 +203,45 @@ def check_arguments(script_args: TreeScriptArguments, training_args, model_args:
     """Import every object the arguments name and check that a model and data are given, so that a typo fails before
     anything is launched (`trl-tree` calls this; `main` meets the same errors)."""
     _require_model_and_data(script_args, model_args, dataset_args)
-    load_reward_funcs(script_args)
+    rewards = load_reward_funcs(script_args)
     load_tools(script_args)
     load_environment_factory(script_args)
+    _check_completion_format(script_args, dataset_args, rewards)
+
+
+def _check_completion_format(script_args: TreeScriptArguments, dataset_args, rewards: list) -> None:
+    """A reward function that reads chat messages on a local data file of plain-string prompts is refused here, before
+    the launch (`rewards.completion_format_problem`; the trainer refuses it too, after the launch, for Hub data)."""
+    from trl_tree.rewards import completion_format_problem
+
+    conversational = _local_data_is_conversational(script_args, dataset_args)
+    names = [getattr(f, "__name__", str(f)) for f in rewards]
+    problem = completion_format_problem(rewards, names, conversational is not False)
+    if problem is not None:
+        raise ValueError(f"--dataset_name {script_args.dataset_name}: {problem}")
+
+
+def _local_data_is_conversational(script_args: TreeScriptArguments, dataset_args) -> bool | None:
+    """Whether the first training row of a local data file or folder has chat-message prompts (streamed: only that
+    row is read); None for Hub data and `datasets:` mixtures, which are not fetched before the launch."""
+    from trl.data_utils import is_conversational
+
+    path = None if dataset_args.datasets or script_args.dataset_name is None else Path(script_args.dataset_name)
+    if path is None or not path.exists() or (path.is_file() and path.suffix not in _FILE_BUILDERS):
+        return None
+    from datasets import load_dataset
+
+    try:
+        if path.is_file():
+            data = load_dataset(_FILE_BUILDERS[path.suffix], data_files={"train": str(path)}, split="train",
+                                streaming=True)
+        else:
+            data = load_dataset(str(path), name=script_args.dataset_config, split=script_args.dataset_train_split,
+                                streaming=True)
+        row = next(iter(data), None)
+    except Exception:  # noqa: BLE001 - data that does not read is the launched script's to report, as before
+        return None
+    return None if not isinstance(row, dict) or "prompt" not in row else is_conversational({"prompt": row["prompt"]})
 
 
 def _require_model_and_data(script_args: TreeScriptArguments, model_args: ModelConfig, dataset_args) -> None:

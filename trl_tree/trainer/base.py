@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import os
 from typing import Any
 
 import torch
@@ -40,10 +41,11 @@ from ..packing import unwrap_model
 from ..rollout.engine import HFEngine
 from ..rollout.samplers import TreeRoot
 from ..rollout.turn_loop import SamplerSettings, TurnLoop
+from ..text import plural
 from ..tree import RolloutTree
 from ..tree_attention import TREE_SDPA
 from ..tree_unit import TreeUnits
-from . import components, engine_ports, model_card, resume
+from . import completions_table, components, engine_ports, model_card, resume
 from . import metrics as tree_metrics
 from .config import TreeConfig, TreeTrainerConfig
 from .environments import EnvironmentHandling
@@ -51,6 +53,17 @@ from .generation_logging import GenerationLogging
 from .prompts import PromptRendering
 from .scoring import RewardScoring
 from .tree_view_logging import TreeViewRecorder, at_global_step
+
+
+@contextlib.contextmanager
+def _set_for_the_block(obj, name: str, value):
+    """`obj.name` is `value` inside the block, and restored after it."""
+    saved = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, saved)
 
 
 @contextlib.contextmanager
@@ -95,6 +108,9 @@ class TreeTrainer(PromptRendering, EnvironmentHandling, RewardScoring, Generatio
                 "`environment_factory=` for tool use."
             )
         trl_internals.check_installed()  # a TRL release that renamed what we build on fails here, with the names
+        self._check_completion_formats(
+            reward_funcs, [("train_dataset", kwargs.get("train_dataset")), ("eval_dataset", kwargs.get("eval_dataset"))]
+        )
         super().__init__(model, reward_funcs, args=args, **kwargs)
         self._attend_tree_rows_by_chains()
         # The dataloader yields prompts, one tree each: a micro-batch of per_device_train_batch_size trajectories of
@@ -110,6 +126,10 @@ class TreeTrainer(PromptRendering, EnvironmentHandling, RewardScoring, Generatio
         self.environment_pool = self._build_environment_pool()
         self._print_effective_batch()
         self._warn_if_budget_exceeds_positions()
+        self._check_dataset_prompt_lengths(self.train_dataset)
+        evals = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"": self.eval_dataset}
+        for name, dataset in evals.items():
+            self._check_dataset_prompt_lengths(dataset, f"eval_dataset{f'[{name!r}]' if name else ''}")
         # the rollout-tree view (one page per generation batch), with the completions table of log_completions
         self._tree_view = TreeViewRecorder(self) if self.log_completions else None
         self._completions_shown_at: int | None = None  # the step whose completions table `log` last showed
@@ -146,13 +166,15 @@ class TreeTrainer(PromptRendering, EnvironmentHandling, RewardScoring, Generatio
         """What a step costs, in the user's terms, once at start-up (main process)."""
         a = self.args
         per_step = a.trees_per_micro_batch * a.world_size * a.gradient_accumulation_steps
+        trajectories = per_step * float(components.trajectory_budget(a))
         self.accelerator.print(
-            f"{type(self).__name__}: num_generations G = {a.num_generations} trajectories of budget per prompt; "
-            f"{a.prompts_per_generation} prompts per generation batch; {a.trees_per_micro_batch} trees per micro-batch "
-            f"per process; K = {a.leaves_per_tree} leaves per tree"
+            f"{type(self).__name__}: num_generations G = {plural(a.num_generations, 'trajectory', 'trajectories')} "
+            f"of budget per prompt; {plural(a.prompts_per_generation, 'prompt')} per generation batch; "
+            f"{plural(a.trees_per_micro_batch, 'tree')} per micro-batch per process; K = "
+            f"{plural(a.leaves_per_tree, 'leaf', 'leaves')} per tree"
             + (" (at most)" if methods.SAMPLERS[a.sampler].variable_leaves else "")
-            + f"; {per_step} prompts and {per_step * float(components.trajectory_budget(a)):g} expected trajectories "
-            f"per optimizer step; E = {a.num_optimizer_blocks} optimizer blocks per generation batch."
+            + f"; {plural(per_step, 'prompt')} and {plural(trajectories, 'expected trajectory', 'expected trajectories')}"
+            f" per optimizer step; E = {plural(a.num_optimizer_blocks, 'optimizer block')} per generation batch."
         )
 
     def get_total_train_batch_size(self, args) -> int:
@@ -204,6 +226,7 @@ class TreeTrainer(PromptRendering, EnvironmentHandling, RewardScoring, Generatio
             "extra": defaultdict(lambda: deque(maxlen=maxlen)),
         }
         trl_internals.set_completion_logs(self, logs)
+        self._completion_meta = deque(maxlen=maxlen)  # each logged row's group, for the console's table
 
     def _build_engine(self):
         """The generation backend, given narrow ports of this trainer (`engine_ports`), not the trainer itself."""
@@ -385,20 +408,55 @@ class TreeTrainer(PromptRendering, EnvironmentHandling, RewardScoring, Generatio
         summary, which transformers logs at the last step's number, the same rows a second time."""
         shown_already = self.log_completions and self.state.global_step == self._completions_shown_at
         self._completions_shown_at = self.state.global_step
-        with at_global_step(self), _switched_off(self, "log_completions", shown_already):
+        # the console's table is trl-tree's (`completions_table`): taken before W&B's logging turns the rows into JSON
+        table = self._console_completions() if self.log_completions and not shown_already else None
+        with (at_global_step(self), _switched_off(self, "log_completions", shown_already),
+              _set_for_the_block(self, "num_completions_to_print", 0)):  # TRL's own table: logged, not printed
             # Trackio files everything of this log at the trainer's step, not at its own count
             super().log(logs, start_time)
             if self._tree_view is not None:
                 self._tree_view.write_ready()
+        if table is not None:
+            self._print_completions(table)
+
+    def _console_completions(self) -> completions_table.Table | None:
+        """The rows of the buffered completions that the console shows (`args.num_completions_to_print` of them,
+        drawn as TRL draws them), prepared for it; None where TRL would print nothing (not the main process, no
+        `rich`, nothing buffered)."""
+        from transformers.utils import is_rich_available
+
+        logs = trl_internals.completion_logs(self)
+        num_rows = len(logs["prompt"])
+        if not (self.accelerator.is_main_process and is_rich_available() and num_rows):
+            return None
+        meta = list(self._completion_meta)[-num_rows:]
+        meta = [None] * (num_rows - len(meta)) + meta
+        rows = completions_table.chosen_rows(num_rows, self.num_completions_to_print)
+        return completions_table.console_table(
+            list(logs["prompt"]), list(logs["completion"]), {k: list(v) for k, v in logs["rewards"].items()},
+            list(logs["advantages"]), {k: list(v) for k, v in logs["extra"].items()}, meta, rows,
+        )
+
+    def _print_completions(self, table: completions_table.Table) -> None:
+        """TRL's table printer on the prepared rows (looked up on TRL's GRPO module, where GRPOTrainer calls it)."""
+        import trl.trainer.grpo_trainer as grpo_module
+
+        grpo_module.print_prompt_completions_sample(
+            table.prompts, table.completions, table.rewards, table.advantages, self.state.global_step, None,
+            extra=table.extra,
+        )
 
     # ---------------------------------------------------------------- checkpoints
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """transformers' `train`, but `resume_from_checkpoint=True` resumes from the newest *complete* checkpoint
         (`resume.last_complete_checkpoint`): transformers takes the newest folder, which a crash during a save leaves
-        partial, and then fails on it."""
+        partial, and then fails on it; a checkpoint given by path whose trainer state is cut short is an error naming
+        the file before anything loads (`resume.check_trainer_state`)."""
         if resume_from_checkpoint is True:
             resume_from_checkpoint = resume.last_complete_checkpoint(self.args.output_dir)
+        elif isinstance(resume_from_checkpoint, str | os.PathLike):
+            resume.check_trainer_state(os.fspath(resume_from_checkpoint))  # before transformers loads the weights
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def end(self) -> None:

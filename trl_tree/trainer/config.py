@@ -342,7 +342,10 @@ class TreeTrainerConfig(GRPOConfig):
         self._check_micro_batch()
         # GRPOConfig's checks and mappings (scale_rewards, pad_to_multiple_of, generation batch, …) run unchanged:
         # with the batch sizes counting trajectories of budget, its divisibility by G is that of whole trees.
-        super().__post_init__()
+        from .quiet import without_trl_default_checkpointing_warning
+
+        with without_trl_default_checkpointing_warning(self):  # GRPOConfig's default, under transformers' old name
+            super().__post_init__()
         if self.steps_per_generation % self.gradient_accumulation_steps != 0:
             raise ValueError(
                 f"steps_per_generation ({self.steps_per_generation}) must be a multiple of gradient_accumulation_steps "

@@ -10,20 +10,11 @@ starts; tests patch the generation config) is passed as a callable, read at each
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 from .. import trl_internals
 from ..rollout.engine import HFPorts
 from ..rollout.vllm_engine import VLLMPorts
-
-
-@contextlib.contextmanager
-def _without_trl_checkpointing_warning():
-    """TRL's `unwrap_model_for_generation` reads `model.is_gradient_checkpointing`, which transformers 5.23 renamed:
-    the FutureWarning is about TRL's code, nothing a user of this library can change, so it is not shown to them."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-        yield
+from .quiet import without_trl_checkpointing_warnings
 
 
 @contextlib.contextmanager
@@ -33,7 +24,7 @@ def _unwrapped_for_generation(trainer):
     from trl.models import unwrap_model_for_generation
 
     with (
-        _without_trl_checkpointing_warning(),
+        without_trl_checkpointing_warnings(),  # TRL's use of transformers' old names (`trainer.quiet`)
         unwrap_model_for_generation(
             trainer.model_wrapped,
             trainer.accelerator,

@@ -338,6 +338,46 @@ def last_complete_checkpoint(output_dir: str) -> str:
     )
 
 
+def check_trainer_state(checkpoint_dir: str) -> None:
+    """A checkpoint given by path whose `trainer_state.json` is not valid JSON is an error naming the file and an
+    earlier checkpoint to resume from, raised before anything loads.
+
+    transformers loads the model weights (and optimizer) first and the trainer state later, so a state file cut short
+    by an interrupted save surfaced as a bare `JSONDecodeError` after the weights had loaded. (A missing file is
+    transformers' to judge: it resumes the weights without the trainer state. `resume_from_checkpoint=True` skips
+    such a folder, `last_complete_checkpoint`.)"""
+    path = os.path.join(checkpoint_dir, TRAINER_STATE_NAME)
+    if not os.path.isfile(path):
+        return
+    try:
+        with open(path) as f:
+            json.load(f)
+    except (OSError, ValueError) as error:
+        raise ValueError(
+            f"resume_from_checkpoint: {path} cannot be read ({type(error).__name__}: {error}): the save that wrote "
+            "it was interrupted, so this checkpoint cannot be resumed; nothing was loaded. Resume from an earlier "
+            f"checkpoint{_earlier_complete(checkpoint_dir)}, or pass resume_from_checkpoint=True, which takes the "
+            "newest complete one."
+        ) from error
+
+
+def _earlier_complete(checkpoint_dir: str) -> str:
+    """' (the newest complete one is PATH)' for the checkpoints beside `checkpoint_dir` older than it, else ''."""
+    parent, name = os.path.split(os.path.normpath(checkpoint_dir))
+    own = _CHECKPOINT.match(name)
+    if own is None or not os.path.isdir(parent):
+        return ""
+    older = sorted(
+        (int(m.group(1)), other) for other in os.listdir(parent)
+        if (m := _CHECKPOINT.match(other)) and int(m.group(1)) < int(own.group(1))
+        and os.path.isdir(os.path.join(parent, other))
+    )
+    for _, other in reversed(older):
+        if not missing_parts(os.path.join(parent, other)):
+            return f" (the newest complete one is {os.path.join(parent, other)})"
+    return f" (none complete is left in {parent})" if older else ""
+
+
 def missing_parts(checkpoint_dir: str) -> list[str]:
     """What `checkpoint_dir` lacks of a checkpoint a resume can read: transformers' trainer state (written last, by
     the main process), the model weights in any layout transformers loads (safetensors or bin, sharded, adapter,

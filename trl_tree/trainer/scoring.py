@@ -15,7 +15,7 @@ import torch
 from trl.data_utils import is_conversational
 
 from .. import pipeline, trl_internals
-from ..rewards import guard_reward_func
+from ..rewards import completion_format_problem, dataset_is_conversational, guard_reward_func
 from . import components
 from . import metrics as tree_metrics
 
@@ -23,6 +23,18 @@ from . import metrics as tree_metrics
 class RewardScoring:
     """Leaves scored by the reward functions; mixed into `TreeTrainer` (reads its accelerator, reward functions and
     weights, environments)."""
+
+    def _check_completion_formats(self, reward_funcs, datasets: list[tuple[str, object]]) -> None:
+        """Refuse, before the model loads, reward functions that read chat messages on a dataset of plain-string
+        prompts (`rewards.completion_format_problem`): as under GRPOTrainer they would get plain-string completions
+        and fail on the first batch. Each dataset (train, eval, a dict of evals) is judged by its first row."""
+        funcs = reward_funcs if isinstance(reward_funcs, list | tuple) else [reward_funcs]
+        names = [getattr(f, "__name__", type(f).__name__) for f in funcs]
+        for name, dataset in datasets:
+            for one in dataset.values() if isinstance(dataset, dict) else [dataset]:
+                problem = completion_format_problem(funcs, names, dataset_is_conversational(one) is not False)
+                if problem is not None:
+                    raise ValueError(f"{type(self).__name__}: {name}: {problem}")
 
     def _guard_reward_funcs(self) -> None:
         """Each reward function wrapped by `rewards.guard_reward_func` (its values checked, named in errors)."""

@@ -52,6 +52,7 @@ from ..rollout.flex_harness import FlexBlock, FlexHarness, FlexKit, FlexSearch, 
 from ..rollout.special_tokens import observation_messages
 from ..tree import RolloutTree
 from .base import TreeTrainer
+from .completions_table import RowMeta
 from .config import TreeFlexConfig
 
 __all__ = ["FlexGroup", "FlexUnits", "TreeFlexConfig", "TreeFlexTrainer", "pack_groups"]
@@ -341,13 +342,16 @@ class TreeFlexTrainer(TreeTrainer):
                 self._tree_view.record_flex(mode, prompts, groups, per_turn)
 
     def _log_flex_completions(self, prompts, groups: list[FlexGroup], per_func: Tensor):
-        rows_prompt, rows_completion, rows_adv, rows_blocks = [], [], [], []
+        rows_prompt, rows_completion, rows_adv, rows_blocks, rows_meta = [], [], [], [], []
         for prompt, group in zip(prompts, groups):
             advantages = credit.group_normalize(group.scores)
-            for search, a in zip(group.searches, advantages.tolist()):
+            key = self._next_completion_group()
+            for k, (search, a) in enumerate(zip(group.searches, advantages.tolist())):
                 rows_prompt.append(prompt)
                 rows_completion.append(search.completion)
                 rows_adv.append(a)
                 rows_blocks.append(" | ".join(f"{b.role}:{len(b.context_ids)}+{len(b.turns)}t" for b in search.blocks))
-        self._log_completion_rows(rows_prompt, rows_completion, rows_adv, {"blocks": rows_blocks}, per_func)
+                rows_meta.append(RowMeta(key, k, len(group.searches)))
+        self._log_completion_rows(rows_prompt, rows_completion, rows_adv, {"blocks": rows_blocks}, per_func,
+                                  rows_meta)
 
