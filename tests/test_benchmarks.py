@@ -294,6 +294,24 @@ def load_benchmarks_common(monkeypatch):
     return module
 
 
+def test_grpo_micro_batches_keep_the_optimizer_steps_and_the_generation_batch(tmp_path, benchmark_script):
+    common = benchmark_script("common")
+    from trl_tree.testing import tiny_model_path
+
+    model, tokenizer = common.load_model(tiny_model_path())
+    task = common.make_task("calculator", None, 4)
+    budget = common.Budget(prompts=8, blocks=4, group_size=8, generation_batches=1, max_completion_length=32,
+                           grpo_micro_batch=4)
+    args = common.build_trainer("grpo", model, tokenizer, task, budget, str(tmp_path)).args
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.steps_per_generation) == (4, 4, 16)
+    # the same generation batch (8 prompts x G) and the same E = 4 optimizer steps per generation batch
+    assert args.per_device_train_batch_size * args.steps_per_generation == 64
+    assert args.steps_per_generation // args.gradient_accumulation_steps == 4 and args.max_steps == 4
+    with pytest.raises(ValueError, match="grpo_micro_batch"):
+        common.build_trainer("grpo", model, tokenizer, task, common.Budget(prompts=8, blocks=4, grpo_micro_batch=3),
+                             str(tmp_path))
+
+
 def test_a_lora_warm_start_is_the_same_model_whatever_the_process_drew_before(tmp_path, monkeypatch):
     """Every method-seed run of a learning table starts from one cached warm start, and a table is completed over
     several sittings on fresh machines: rebuilt from the same inputs, the warm start must be the same weights, also
@@ -420,3 +438,17 @@ def test_path_rows_run_on_a_kernel_without_custom_masks():
         got, _ = packed_token_logps(model, packed)
     assert masks and all(mask is None for mask in masks)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_bench_tools_quick_times_each_variant_against_its_limit(tmp_path):
+    """`bench_tools.py --quick`: every variant at each latency, with its limit and the critical path of its trees."""
+    result = run_benchmark("bench_tools.py", "--quick", "--latencies", "0,0.05", "--repeats", "1", tmp_path=tmp_path)
+    rows = {(r["variant"], r["latency"]): r for r in result["rows"]}
+    assert set(rows) == {(v, lat) for v in ("concurrent", "serial", "grpo") for lat in (0.0, 0.05)}
+    # the same scripted trees either way: the same calls, the same chains of calls
+    assert rows["concurrent", 0.05]["tool_calls"] == rows["serial", 0.05]["tool_calls"] > 0
+    assert rows["concurrent", 0.05]["critical_path_calls"] == rows["serial", 0.05]["critical_path_calls"] >= 2
+    for row in result["rows"]:  # the limit: zero-latency time + the longest chain's seconds (about calls × latency)
+        span = row["limit_seconds"] - rows[row["variant"], 0.0]["seconds"]
+        assert span >= row["critical_path_calls"] * row["latency"] * 0.99
+    assert set(result["targets"]) >= {"zero_latency_concurrent_over_serial_cpu"}
