@@ -12,6 +12,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import fastapi  # noqa: F401 - the server's dependency (extras retrieval, dev): missing, these tests fail
 import httpx
 import pytest
 import torch
@@ -23,9 +24,6 @@ from trl_tree.envs.hotpot import BM25Retriever, RemoteRetriever, build_corpus, m
 from trl_tree.envs.retrieval_server import RetrievalServerProcess, write_corpus
 from trl_tree.envs.synthetic import make_synthetic_hotpot
 from trl_tree.rollout.tools import ToolFatalError, batch_form
-
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
 
 
 @pytest.fixture(scope="module")
