@@ -42,6 +42,7 @@ import threading
 import time
 from pathlib import Path
 
+import torch
 from common import environment, markdown_table, write_json
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
@@ -403,6 +404,9 @@ def main() -> None:
                         help="real generation against the project's retrieval server (see above)")
     parser.add_argument("--real_prompts", type=int, default=2, help="prompts per batch with --real")
     args = parser.parse_args()
+    # one intra-op thread, as the test suite runs: the tiny model's kernels are too small for two, and OpenMP's
+    # spinning threads then made a batch's CPU time (and wall time) vary 2-3x between identical batches
+    torch.set_num_threads(1)
     if args.real:
         rows = real_rows(args.real, [float(x) for x in args.latencies.split(",")], args.real_prompts)
         print(markdown_table(rows, list(rows[0])))

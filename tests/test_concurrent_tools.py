@@ -446,3 +446,24 @@ def test_the_defaults_run_tools_concurrently_and_one_setting_restores_grpos_orde
     assert not SamplerSettings(max_turns=2, max_completion_length=8, max_concurrent_tool_calls=1).concurrent_tools
     with pytest.raises(ValueError, match="max_concurrent_tool_calls must be a positive number"):
         SamplerSettings(max_turns=2, max_completion_length=8, max_concurrent_tool_calls=0)
+
+
+def test_a_round_with_more_calls_than_the_last_gets_workers_for_all_of_them():
+    """Idle workers take jobs off the queue before they can say so: the pool counts jobs and free workers under one
+    lock, so a second, larger round still starts every job at once (it once started only as many as the first)."""
+    from trl_tree.rollout.tool_executor import ToolJob, wait_for
+
+    global IN_FLIGHT
+    IN_FLIGHT = InFlight()
+
+    def nap():
+        with IN_FLIGHT:
+            time.sleep(0.2)
+        return ["ok"]
+
+    executor = ToolExecutor(16)
+    for size in (3, 12):
+        jobs = [ToolJob([nap]) for _ in range(size)]
+        executor.submit(jobs)
+        wait_for(jobs, executor)
+    assert IN_FLIGHT.most == 12

@@ -100,7 +100,8 @@ class ToolExecutor:
         self.max_concurrent = max_concurrent
         self._queue: queue.SimpleQueue[tuple[int, ToolJob]] = queue.SimpleQueue()
         self._workers = 0
-        self._idle = 0
+        self._idle = 0  # workers waiting for a job (counted until they take one, under `_lock`)
+        self._pending = 0  # jobs queued and not yet taken (the same bookkeeping: qsize() runs ahead of it)
         self._running: set[ToolJob] = set()
         self._lock = threading.Lock()
         self._generation = 0  # bumped by cancel(): queued jobs of an earlier generation are dropped
@@ -113,13 +114,16 @@ class ToolExecutor:
         with self._lock:
             for job in jobs:
                 self._queue.put((self._generation, job))
+            self._pending += len(jobs)
             self._add_workers()
             if self._watchdog is None and any(job.timeout is not None for job in jobs):
                 self._watchdog = threading.Thread(target=self._watch, daemon=True, name="tool-pool-watchdog")
                 self._watchdog.start()
 
     def _add_workers(self) -> None:
-        while self._queue.qsize() > self._idle and self._workers < self.max_concurrent:
+        """Start workers while more jobs wait than workers are free. Both counts change under `_lock` only: an idle
+        worker may already have taken a job off the queue and wait for the lock to say so."""
+        while self._pending > self._idle and self._workers < self.max_concurrent:
             self._idle += 1  # a new worker is free until it takes a job
             self._workers += 1
             threading.Thread(target=self._work, daemon=True, name=f"tool-pool-{self._workers}").start()
@@ -134,6 +138,7 @@ class ToolExecutor:
             generation, job = self._queue.get()
             with self._lock:
                 self._idle -= 1
+                self._pending -= 1
                 dropped = generation != self._generation
                 if not dropped:
                     self._running.add(job)
