@@ -438,6 +438,9 @@ def test_with_chunked_generation_ready_branches_generate_while_tools_run():
     assert all(b.done and len(b.turns) == 2 for b in branches)
     assert engine.calls_while_tools_ran > 0  # the others went on sampling their answers meanwhile
     assert loop.tool_stats.wait_seconds < 0.5 * 3  # less than the slow calls took one after another
+    _, serial, _ = grow(slow, n=12, engine=PlannedEngine(), chunk_tokens=2, max_completion_length=64,
+                        max_concurrent_tool_calls=1)
+    assert serial.tool_stats.wait_seconds >= 0.5 * 3  # one after another, the loop stands still for every one
 
 
 def test_the_defaults_run_tools_concurrently_and_one_setting_restores_grpos_order():

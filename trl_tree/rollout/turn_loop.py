@@ -445,9 +445,11 @@ class TurnLoop:
         self.tool_stats.calls += sum(len(r.calls) for r in requests)
         serial = [r for r in requests if self._one_at_a_time(r)]
         drew: dict[type, bool] = {}
+        start = time.monotonic()
         for request in serial:
             cls = type(request.branch.env)
             drew[cls] = self._run_serially(request) or drew.get(cls, False)
+        self.tool_stats.wait_seconds += time.monotonic() - start  # the loop stands still while they run
         if self.executor is not None:  # environments seen drawing stay serial; the others join the pool
             for cls, did in drew.items():
                 self._environment_draws[cls] = self._environment_draws.get(cls, False) or did
