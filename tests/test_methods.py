@@ -391,3 +391,17 @@ def test_a_plain_tree_trainer_refuses_treeflexs_config(tmp_path):
     with pytest.raises(TypeError, match="TreeTrainer needs a TreeConfig"):
         TreeTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
                     processing_class=tok)
+
+
+@pytest.mark.parametrize(("register", "table", "name"), [
+    (lambda: methods.register_sampler("init_expand")(lambda args, loop, seed: None), methods.SAMPLERS, "init_expand"),
+    (lambda: methods.register_credit("likelihood")(lambda unit, args: None), methods.CREDITS, "likelihood"),
+    (lambda: methods.register_loss("treeopsd", prepare=lambda *a: None)(lambda batch, args: None), methods.LOSSES,
+     "treeopsd"),
+], ids=["sampler", "credit", "loss"])
+def test_a_name_registered_twice_is_refused_and_the_first_stays(register, table, name):
+    """Registering a taken name once replaced the component silently (verl's registry refuses it, so does this)."""
+    first = table[name]
+    with pytest.raises(ValueError, match=f"named '{name}' is registered already"):
+        register()
+    assert table[name] is first

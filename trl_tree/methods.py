@@ -257,11 +257,21 @@ LOSSES: dict[str, Loss] = {}
 METHODS: dict[str, Method] = {}
 
 
+def _free(table: dict, kind: str, name: str) -> str:
+    """`name`, refused when `table` has it already: a second registration under a name would silently replace the
+    first, and every config, preset and test that names it would then run the other component."""
+    if name in table:
+        raise ValueError(f"A {kind} named {name!r} is registered already; give the new one another name (registered "
+                         f"{kind}s: {', '.join(sorted(table))}).")
+    return name
+
+
 def register_sampler(name: str, **spec) -> Callable:
     """Decorator: register `build(args, loop, seed)` as the sampler `name` (the other `Sampler` attributes as keywords)."""
+    _free(SAMPLERS, "sampler", name)
 
     def register(build):
-        SAMPLERS[name] = Sampler(name=name, build=build, **spec)
+        SAMPLERS[_free(SAMPLERS, "sampler", name)] = Sampler(name=name, build=build, **spec)
         return build
 
     return register
@@ -269,9 +279,10 @@ def register_sampler(name: str, **spec) -> Callable:
 
 def register_credit(name: str, **spec) -> Callable:
     """Decorator: register `values(unit, args) -> V` as the credit `name`."""
+    _free(CREDITS, "credit", name)
 
     def register(values):
-        CREDITS[name] = Credit(name=name, values=values, **spec)
+        CREDITS[_free(CREDITS, "credit", name)] = Credit(name=name, values=values, **spec)
         return values
 
     return register
@@ -280,6 +291,7 @@ def register_credit(name: str, **spec) -> Callable:
 def register_loss(name: str, *, prepare: Callable, credit_kind: type[TurnCredit] = TurnCredit, **spec) -> Callable:
     """Decorator: register `compute(batch, args) -> (loss, metrics)` as the loss `name`, with its `prepare` and the
     credit kind both share. The registered `compute` checks the micro-batch's kind first (`TurnCredit.require`)."""
+    _free(LOSSES, "loss", name)
 
     def register(compute):
         @functools.wraps(compute)
@@ -287,14 +299,15 @@ def register_loss(name: str, *, prepare: Callable, credit_kind: type[TurnCredit]
             credit_kind.require(batch.credit, f"the {name!r} loss")
             return compute(batch, args)
 
-        LOSSES[name] = Loss(name=name, prepare=prepare, compute=checked, credit_kind=credit_kind, **spec)
+        LOSSES[_free(LOSSES, "loss", name)] = Loss(name=name, prepare=prepare, compute=checked,
+                                                   credit_kind=credit_kind, **spec)
         return compute
 
     return register
 
 
 def register_method(method: Method) -> Method:
-    METHODS[method.name] = method
+    METHODS[_free(METHODS, "method", method.name)] = method
     return method
 
 
