@@ -26,7 +26,7 @@ observation is `observation_tokens` one-token words (plus the chat template's fe
 words, so two trajectories share exactly what the tree makes them share, and the reward (the answer's word in the first
 half of the word list) is a fair coin per leaf. So the sweep measures what the library and the model cost for a given
 shape of tree, not what a random model happens to ramble; token counts are exact and reproducible (given `--seed`).
-`--engine scripted` replaces the forced model by `trl_tree.rollout.engine.ScriptedEngine` (no model in sampling: the
+`--engine scripted` replaces the forced model by `trl_tree.testing.ScriptedEngine` (no model in sampling: the
 library's own sampling overhead alone).
 
 Measured per point and variant, the mean over `--batches` generation batches after `--warmup` (`common.BatchMeter`):
@@ -91,7 +91,8 @@ from common import (
 from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.trainer_callback import PrinterCallback
 
-from trl_tree.rollout.engine import HFEngine, ScriptedEngine
+from trl_tree.rollout.engine import HFEngine
+from trl_tree.testing import ScriptedEngine
 from trl_tree.trainer.engine_ports import hf_ports
 
 AXES = ("leaves", "turns", "observation_tokens", "prompts")

@@ -48,9 +48,8 @@ from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_tree import TreeOPSDConfig, TreeOPSDTrainer
-from trl_tree.rollout.engine import ScriptedEngine
 from trl_tree.rollout.turn_loop import Branch
-from trl_tree.testing import tiny_model_and_tokenizer
+from trl_tree.testing import ScriptedEngine, tiny_model_and_tokenizer
 
 VARIANTS = ("concurrent", "serial", "grpo")
 M, N = 4, 2

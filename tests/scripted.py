@@ -12,9 +12,8 @@ import json
 import torch
 from datasets import Dataset
 
-from trl_tree.rollout.engine import ScriptedEngine
 from trl_tree.rollout.flex_harness import REFLECTION_PROMPT
-from trl_tree.testing import calculator, tiny_model_and_tokenizer
+from trl_tree.testing import ScriptedEngine, calculator, tiny_model_and_tokenizer
 
 CALL_1_PLUS_1 = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+1"}}\n</tool_call>'
 # what a history ends with when the model speaks again after a tool result (the key of a reply script)

@@ -10,7 +10,7 @@ from trl_tree.envs import build_corpus, examples_to_dataset, make_search_tool, s
 from trl_tree.envs.agent_eval import AgentSettings, AgentTemplate, GreedyEngine, evaluate_agent
 from trl_tree.envs.hotpot import BM25Retriever
 from trl_tree.envs.synthetic import make_synthetic_hotpot
-from trl_tree.rollout.engine import ScriptedEngine
+from trl_tree.testing import ScriptedEngine
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,9 @@ from transformers import TrainerCallback
 from tests.remote_env import RemoteCounterEnv, SessionServer, TicketEnv
 from tests.scripted import arithmetic_dataset, config, tiny, tool_call, unchanged_after_training
 from trl_tree import TreeOPSDConfig, TreeOPSDTrainer
-from trl_tree.rollout.engine import ScriptedEngine
 from trl_tree.rollout.env_branching import EnvironmentPool, RecordedCall, ReplayDivergenceWarning, TreeEnvironment
 from trl_tree.rollout.tools import run_tool_call
+from trl_tree.testing import ScriptedEngine
 
 
 @pytest.fixture

@@ -8,9 +8,9 @@ from collections import Counter
 import pytest
 
 from tests.scripted import CounterEnv
-from trl_tree.rollout.engine import ScriptedEngine
 from trl_tree.rollout.samplers import InitExpandSampler, TreeRoot
 from trl_tree.rollout.turn_loop import Branch, SamplerSettings, TurnLoop
+from trl_tree.testing import ScriptedEngine
 from trl_tree.tree import Turn
 
 CALL, ANSWER, OBSERVATION, EOS = 5, 6, 9, 2

@@ -13,9 +13,9 @@ import pytest
 
 from tests.scripted import config
 from trl_tree import TreeOPSDConfig
-from trl_tree.rollout.engine import ScriptedEngine
 from trl_tree.rollout.tools import run_tool_call
 from trl_tree.rollout.turn_loop import Branch, SamplerSettings, TurnLoop
+from trl_tree.testing import ScriptedEngine
 from trl_tree.trainer.base import TreeTrainer
 
 needs_sigalrm = pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="no SIGALRM on this platform")

@@ -28,10 +28,9 @@ from tests.scripted import (
 )
 from trl_tree import TreeOPSDConfig, TreeOPSDTrainer
 from trl_tree.rollout import tools as tools_module
-from trl_tree.rollout.engine import ScriptedEngine
 from trl_tree.rollout.tools import TRUNCATION_MARKER, run_tool_call
 from trl_tree.rollout.turn_loop import Branch, SamplerSettings, TurnLoop
-from trl_tree.testing import calculator
+from trl_tree.testing import ScriptedEngine, calculator
 
 FIRST_TURN = "<|im_start|>assistant\n"
 

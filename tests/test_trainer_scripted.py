@@ -171,7 +171,7 @@ def test_stateful_environment_branches_see_the_state_at_their_anchor(tmp_path):
         seen.append([[m["content"] for m in c if m["role"] == "tool"] for c in completions])
         return [float(e.n) for e in environments]
 
-    from trl_tree.rollout.engine import ScriptedEngine
+    from trl_tree.testing import ScriptedEngine
 
     args = config(TreeOPSDConfig, tmp_path, num_initial_rollouts=1, num_branches=3, max_turns=5,
                   max_completion_length=300)
@@ -310,8 +310,8 @@ def test_a_budget_cut_trajectory_is_scored_and_its_truncated_turn_can_be_masked(
 
 def test_every_rank_issues_the_same_number_of_generate_calls():
     """A rank whose branches are done keeps calling the engine (with nothing) while another rank still works."""
-    from trl_tree.rollout.engine import ScriptedEngine
     from trl_tree.rollout.turn_loop import Branch, SamplerSettings, TurnLoop
+    from trl_tree.testing import ScriptedEngine
 
     engine = ScriptedEngine(lambda prefix: [7, 2], eos_ids=[2])
     other_rank_rounds = iter([True, True, False])  # the other rank still works in rounds 2 and 3
@@ -353,8 +353,8 @@ def test_max_turn_tokens_caps_each_sampled_turn_and_the_cut_turn_ends_the_trajec
 
 def test_turn_cap_counts_the_head_a_mid_turn_branch_already_has():
     """A branch resumed inside a turn (token-level branching) has part of the turn already: the cap is the turn's."""
-    from trl_tree.rollout.engine import ScriptedEngine
     from trl_tree.rollout.turn_loop import Branch, SamplerSettings, TurnLoop
+    from trl_tree.testing import ScriptedEngine
     from trl_tree.tree import Turn
 
     engine = ScriptedEngine(lambda prefix: [7] * 50 + [2], eos_ids=[2])
@@ -374,7 +374,7 @@ def test_a_turn_of_zero_tokens_is_an_empty_action_that_ends_its_trajectory(tmp_p
     """A backend that returns no token for a turn (TRL's response parser fails on an empty completion): the turn is
     an empty action, the trajectory ends there and its leaf is scored like any other; training goes on."""
     from trl_tree import TreeConfig
-    from trl_tree.rollout.engine import ScriptedEngine
+    from trl_tree.testing import ScriptedEngine
     from trl_tree.trainer.base import TreeTrainer
 
     model, tok = tiny()

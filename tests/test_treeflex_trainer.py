@@ -33,14 +33,13 @@ from trl_tree import TreeFlexConfig, TreeFlexTrainer, Turn, losses
 from trl_tree.batch import LossInputs, TurnCredit
 from trl_tree.losses import aggregation_weights
 from trl_tree.packing import PackedTrees, packed_token_logps
-from trl_tree.rollout.engine import ScriptedEngine
 from trl_tree.rollout.flex_harness import (
     EXECUTION,
     REFLECTION,
     FlexBlock,
     FlexSearch,
 )
-from trl_tree.testing import calculator
+from trl_tree.testing import ScriptedEngine, calculator
 from trl_tree.trainer.treeflex import FlexGroup, pack_groups
 
 

@@ -45,6 +45,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 # the warm start and the model cache live in their own modules (the scripts use them too); re-exported here, where
 # tests and benchmarks have always found them
 from trl_tree.model_cache import cache_root, save_model_atomically  # noqa: F401
+from trl_tree.rollout.engine import Continuation, _cut_at_eos
 from trl_tree.warm_start import assistant_token_mask, warm_start  # noqa: F401
 
 # Bump when anything that changes the built files changes (corpus, vocab size, config), so stale caches are not reused.
@@ -496,3 +497,27 @@ def smollm2_path(cache_dir: str | None = None) -> str:
     return str(path)
 
 
+class ScriptedEngine:
+    """Replays fixed turns: `script(prefix) -> list[int]` decides what the "model" says after a prefix (or returns
+    `(ids, entropies)` to also script per-token entropies, e.g. to drive entropy-guided expansion).
+
+    For tests and demos, the way TRL tests its tool loop with patched generation: the tree that comes out is known
+    in advance. Log-probs are uniform placeholders (the trainer recomputes π_old with the training model anyway).
+    """
+
+    resumes_turns = False  # a script answers a whole turn from a history; it cannot resume one cut short
+
+    def __init__(self, script, eos_ids):
+        self.script = script
+        self.eos_ids = set(eos_ids)
+        self.calls = 0
+
+    def generate(self, prefixes: list[list[int]], max_new_tokens: list[int]) -> list[Continuation]:
+        self.calls += 1
+        results = []
+        for prefix, budget in zip(prefixes, max_new_tokens):
+            out = self.script(list(prefix))
+            ids, entropies = (list(out[0]), list(out[1])) if isinstance(out, tuple) else (list(out), [0.0] * len(out))
+            n, finished = _cut_at_eos(ids, self.eos_ids, budget)
+            results.append(Continuation(ids[:n], [0.0] * n, entropies[:n], finished))
+        return results

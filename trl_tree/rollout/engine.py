@@ -276,29 +276,3 @@ def _synced_generation(model) -> bool:
     from transformers.integrations.fsdp import is_fsdp_managed_module
 
     return is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model)
-
-
-class ScriptedEngine:
-    """Replays fixed turns: `script(prefix) -> list[int]` decides what the "model" says after a prefix (or returns
-    `(ids, entropies)` to also script per-token entropies, e.g. to drive entropy-guided expansion).
-
-    For tests and demos, the way TRL tests its tool loop with patched generation: the tree that comes out is known
-    in advance. Log-probs are uniform placeholders (the trainer recomputes π_old with the training model anyway).
-    """
-
-    resumes_turns = False  # a script answers a whole turn from a history; it cannot resume one cut short
-
-    def __init__(self, script, eos_ids):
-        self.script = script
-        self.eos_ids = set(eos_ids)
-        self.calls = 0
-
-    def generate(self, prefixes: list[list[int]], max_new_tokens: list[int]) -> list[Continuation]:
-        self.calls += 1
-        results = []
-        for prefix, budget in zip(prefixes, max_new_tokens):
-            out = self.script(list(prefix))
-            ids, entropies = (list(out[0]), list(out[1])) if isinstance(out, tuple) else (list(out), [0.0] * len(out))
-            n, finished = _cut_at_eos(ids, self.eos_ids, budget)
-            results.append(Continuation(ids[:n], [0.0] * n, entropies[:n], finished))
-        return results
