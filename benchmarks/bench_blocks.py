@@ -68,7 +68,16 @@ from trl_tree import losses
 from trl_tree.batch import LossInputs
 from trl_tree.methods import TeacherCredit, clip_epsilons
 
-LOSS_OF = {"treeopsd": "treeopsd", "treepo": "treepo", "clip": "grpo"}
+# method -> (the trainer's `loss`, its `zero_credit_anchor`): the two last are issue 40's ablation, TreeOPSD without
+# its q = 1/2 pull on zero-credit turns (V_i = 0) and TreePO with it (`losses.zero_credit_anchor`)
+VARIANTS = {"treeopsd": ("treeopsd", None), "treepo": ("treepo", None), "clip": ("grpo", None),
+            "treeopsd_no_anchor": ("treeopsd", False), "treepo_anchor": ("treepo", True)}
+LOSS_OF = {method: loss for method, (loss, _) in VARIANTS.items()}
+DEFAULT_METHODS = ("treeopsd", "treepo", "clip")
+# settings added after the first run files were written: left out of a run's settings at these defaults, so the
+# earlier run files still match
+LATER_DEFAULTS = {"tree_choice": "spread", "measure": "every"}
+MAP_THRESHOLDS = (0.1, 1.0)  # held-out KL (nats per assistant token) of the stability map's "largest stable scale"
 SCHEDULES = ("revisit", "disjoint")
 LOG_PANELS = {"abs_s_mean": 0.01, "abs_s_max": 0.01, "heldout_kl": 1e-3}  # panel -> symlog's linear range
 # the quantities plotted, one panel each (JSON key -> axis label)
@@ -94,12 +103,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--blocks", type=int, default=8, help="sequential optimizer blocks (E) of the revisit schedule")
     p.add_argument("--disjoint_blocks", type=int, default=2,
                    help="blocks of the disjoint schedule (one tree each by default); --trees must be a multiple")
-    p.add_argument("--methods", default=",".join(LOSS_OF), help=f"comma-separated subset of {list(LOSS_OF)}")
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"comma-separated subset of {list(LOSS_OF)}")
     p.add_argument("--schedules", default=",".join(SCHEDULES), help=f"comma-separated subset of {list(SCHEDULES)}")
     p.add_argument("--lr_scales", default="1,10", help="multiples of the learning benchmark's learning rate")
     p.add_argument("--heldout", type=int, default=2, help="scripted held-out trajectories for the KL")
     p.add_argument("--seed", type=int, default=0, help="drives the prompts and the sampling of the trees")
+    p.add_argument("--tree_choice", choices=("spread", "sampled"), default="spread",
+                   help="spread: the first --trees trees with a reward spread; sampled: the first --trees as sampled, "
+                        "trees without a spread (all V_i = 0) included, as the learning benchmark trains them")
+    p.add_argument("--measure", choices=("every", "last"), default="every",
+                   help="disjoint schedule: measure every turn after every block (every), or only after the last "
+                        "(last: θ_old's point is exact without a forward; each block's own turns still as trained)")
+    p.add_argument("--map_blocks", default=None,
+                   help="the stability map: for each E in this list (e.g. 4,2,8) and each --tree_seeds, the disjoint "
+                        "schedule of all --trees trees in E blocks, at every --lr_scales and --methods; run files "
+                        "seedS-eE-METHOD-lrXx.json")
+    p.add_argument("--tree_seeds", default="0", help="the stability map's independent generation batches (seeds)")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--gradient_checkpointing", action=argparse.BooleanOptionalAction, default=False,
+                   help="recompute activations in the backward pass: the same numbers in less memory (a large tree "
+                        "trained without it can take over 10 GB)")
     p.add_argument("--quick", action="store_true", help="tiny model, 2 trees, 2 blocks, one learning rate")
     p.add_argument("--output", default=None, help="JSON path; run files and cached trees go next to it")
     p.add_argument("--plot", default=None, help="PNG path (default: the output's, with .png)")
@@ -119,6 +142,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     args.schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
     args.lr_scales = [float(s) for s in args.lr_scales.split(",") if s.strip()]
+    args.tree_seeds = [int(s) for s in args.tree_seeds.split(",") if s.strip()]
+    if args.map_blocks is not None:
+        args.map_blocks = [int(e) for e in args.map_blocks.split(",") if e.strip()]
+        if bad := [e for e in args.map_blocks if args.trees % e]:
+            p.error(f"--trees ({args.trees}) must be a multiple of every --map_blocks; not of {bad}")
     if unknown := (set(args.methods) - set(LOSS_OF)) | (set(args.schedules) - set(SCHEDULES)):
         p.error(f"unknown methods or schedules {sorted(unknown)}: methods {list(LOSS_OF)}, schedules {SCHEDULES}")
     if args.trees % args.disjoint_blocks:
@@ -192,15 +220,16 @@ def trainer_for(args, task, model, tokenizer, output_dir: str):
                     seed=args.seed, generation_batches=1)
     peft = lora_config(args.lora_rank) if args.lora_rank else None
     trainer = build_trainer("treeopsd", model, tokenizer, task, budget, output_dir, peft_config=peft,
-                            gradient_checkpointing=False)
+                            gradient_checkpointing=args.gradient_checkpointing)
     trainer.model.train()
     return trainer
 
 
 def with_loss(trainer, base_args, method: str) -> None:
-    """The trainer's config with `method`'s loss: what `compute_loss` and the micro-batches' credit read."""
+    """The trainer's config with `method`'s loss (and zero-credit anchor): what `compute_loss` and the
+    micro-batches' credit read."""
     args = copy.copy(base_args)
-    args.loss = LOSS_OF[method]
+    args.loss, args.zero_credit_anchor = VARIANTS[method]
     trainer.args = args
 
 
@@ -247,15 +276,18 @@ def train_blocks(trainer, base_args, trees, method: str, lr: float, schedule: st
     """E optimizer blocks of `method` from θ_old on `trees`; the measurements at θ_old and after every block.
 
     `revisit`: the state after block e is measured on the forward that trains block e + 1 (the same weights, the
-    whole batch), so a block costs one forward and backward. `disjoint`: after every block, a forward of every
-    micro-batch; and each block's own turns as they are trained (`trained_*`)."""
+    whole batch), so a block costs one forward and backward. `disjoint`: one tree per micro-batch, block e
+    accumulating the gradients of its trees' micro-batches (each loss divided by their number: the mean over the
+    block's trees, as one micro-batch of them would give, in one tree's memory); after every block, a forward of
+    every micro-batch; and each block's own turns as they are trained (`trained_*`)."""
     model = trainer.model
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name in theta_old:
                 p.copy_(theta_old[name])
     blocks = args.blocks if schedule == "revisit" else args.disjoint_blocks
-    chunks = 1 if schedule == "revisit" else blocks
+    chunks = 1 if schedule == "revisit" else len(trees)
+    per_block = 1 if schedule == "revisit" else len(trees) // blocks  # micro-batches (trees) a block accumulates
     with_loss(trainer, base_args, "treeopsd")
     measured = trainer.micro_batches(trees, chunks)
     with_loss(trainer, base_args, method)
@@ -272,24 +304,39 @@ def train_blocks(trainer, base_args, trees, method: str, lr: float, schedule: st
                              for b, q_b in zip(batches, q)]
         return {"block": block, **pooled(parts), "heldout_kl": heldout(model)}
 
-    points = [] if schedule == "revisit" else [everything(0)]
+    last_only = schedule == "disjoint" and getattr(args, "measure", "every") == "last"
+    if schedule == "revisit":
+        points = []
+    elif last_only:  # at θ_old every s_i = 0, every ratio is 1 and the held-out KL is 0: no forward needed
+        zero = [{**target_gaps(torch.zeros_like(q_b, dtype=torch.float64), q_b), "clip_fraction": 0.0,
+                 "trained_tokens": int((b["turn_ids"] >= 0).sum())} for b, q_b in zip(batches, q)]
+        points = [{"block": 0, **pooled(zero), "heldout_kl": 0.0, "trained_blocks": []}]
+    else:
+        points = [everything(0)]
     for e in range(blocks):
-        index = 0 if schedule == "revisit" else e
-        inputs = block_forward(trainer, model, batches[index], grad=True)
-        trained = turn_measures(inputs, q[index], epsilons)
+        indices = [0] if schedule == "revisit" else range(e * per_block, (e + 1) * per_block)
+        measures, loss = [], 0.0
+        for index in indices:
+            inputs = block_forward(trainer, model, batches[index], grad=True)
+            measures.append(turn_measures(inputs, q[index], epsilons))
+            part = trainer.turn_loss(inputs, "train") / len(indices)
+            part.backward()
+            loss += float(part.detach())
+        trained = pooled(measures) if len(measures) > 1 else measures[0]
         if schedule == "revisit":
             points.append(everything(e, [trained]))
+        elif last_only:
+            points[0]["trained_blocks"].append(trained)  # block e + 1's turns as it trains them
         else:
             points[-1].update({f"trained_{k}": v for k, v in trained.items()})  # block e + 1's turns, before it
-        loss = trainer.turn_loss(inputs, "train")
-        loss.backward()
         torch.nn.utils.clip_grad_norm_(parameters, a.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        points[-1]["next_loss"] = float(loss.detach())
-        if schedule == "disjoint" or e == blocks - 1:
+        points[-1]["next_loss"] = loss
+        if (schedule == "disjoint" and not last_only) or e == blocks - 1:
             points.append(everything(e + 1))
-        last = points[-1]
+        last = points[-1] if not (last_only and e < blocks - 1) else {"block": f"{e + 1} (its own turns, as trained)",
+                                                                       **trained, "heldout_kl": float("nan")}
         print(f"    {schedule} {method} lr {lr:g} block {last['block']}: gap {last['gap_mean']:+.4f}  past "
               f"{last['past_fraction']:.2f}  |s| {last['abs_s_mean']:.4f} (max {last['abs_s_max']:.3f})  KL "
               f"{last['heldout_kl']:.2e}  clip {last['clip_fraction']:.3f}", flush=True)
@@ -314,7 +361,7 @@ def held_out_examples(task, tokenizer, count: int) -> list[tuple[list[int], list
 def main(argv=None):
     args = parse_args(argv)
     if args.report_only:
-        return report_present_runs(args)
+        return report_present_runs(args) if args.map_blocks is None else map_report(args)
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -327,12 +374,14 @@ def main(argv=None):
     model_path = warm_started_model(task, base, args.warm_start_steps or 0, lr=args.warm_start_lr or 3e-3,
                                     batch_size=args.warm_start_batch_size or 8, lora_rank=args.lora_rank)
     runs_dir = Path(args.output).with_name(Path(args.output).stem + ".runs") if args.output else None
+    if args.map_blocks is not None:
+        return stability_map(args, task, model_path, runs_dir)
     model, tokenizer = load_model(model_path)
     with tempfile.TemporaryDirectory() as output_dir:
         trainer = trainer_for(args, task, model, tokenizer, output_dir)
         base_args = trainer.args
         sampled, sampling_seconds = sampled_trees(trainer, task, args, runs_dir)
-        trees = chosen_trees(sampled, args.trees)
+        trees = chosen_trees(sampled, args.trees, args.tree_choice)
         model = trainer.model
         theta_old = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         heldout = HeldOutKL(model, held_out_examples(task, tokenizer, args.heldout), trainer.temperature)
@@ -343,6 +392,156 @@ def main(argv=None):
                     results.setdefault(schedule, {}).setdefault(method, {})[f"{scale:g}x"] = one_run(
                         trainer, base_args, trees, method, scale, schedule, heldout, args, theta_old, runs_dir)
     report(results, args, trees, sampling_seconds)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The stability map: learning-rate scale × E × method, over independent generation batches
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def map_args(args, seed: int, blocks: int):
+    """The settings of one cell of the map: the disjoint schedule of `blocks` blocks on the trees of `seed`."""
+    out = copy.copy(args)
+    out.seed, out.disjoint_blocks, out.schedules = seed, blocks, ["disjoint"]
+    return out
+
+
+def map_run_name(seed: int, blocks: int) -> str:
+    return f"seed{seed}-e{blocks}"
+
+
+def stability_map(args, task, model_path: str, runs_dir: Path | None) -> None:
+    """Every (tree seed, E, scale, method) of the map, in the order of the arguments' lists, each written as it
+    finishes and skipped when present; the trees of each seed sampled once (cached); then `map_report`."""
+    for seed in args.tree_seeds:
+        cell = map_args(args, seed, args.map_blocks[0])
+        random.seed(seed)
+        torch.manual_seed(seed)
+        model, tokenizer = load_model(model_path)
+        with tempfile.TemporaryDirectory() as output_dir:
+            trainer = trainer_for(cell, task, model, tokenizer, output_dir)
+            base_args = trainer.args
+            sampled, _ = sampled_trees(trainer, task, cell, runs_dir)
+            trees = chosen_trees(sampled, args.trees, args.tree_choice)
+            model = trainer.model
+            theta_old = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+            heldout = HeldOutKL(model, held_out_examples(task, tokenizer, args.heldout), trainer.temperature)
+            for blocks in args.map_blocks:  # in the order given, so that a sitting makes the runs that matter first
+                cell = map_args(args, seed, blocks)
+                for scale in args.lr_scales:
+                    for method in args.methods:
+                        one_run(trainer, base_args, trees, method, scale, "disjoint", heldout, cell, theta_old,
+                                runs_dir, prefix=map_run_name(seed, blocks))
+        del trainer, model
+    if args.output:
+        map_report(args)
+
+
+def largest_stable_scale(kl_by_scale: dict[float, list[float]], threshold: float) -> float | None:
+    """The largest scale below which (itself included) every measured seed's held-out KL stays under `threshold`,
+    scanning scales upward and stopping at the first that crosses; None when the smallest already crosses."""
+    best = None
+    for scale in sorted(kl_by_scale):
+        if max(kl_by_scale[scale]) >= threshold:
+            break
+        best = scale
+    return best
+
+
+def map_cells(args) -> dict:
+    """E -> method -> scale -> [final point of each tree seed present] from the run files; missing ones named."""
+    runs_dir = Path(args.output).with_name(Path(args.output).stem + ".runs")
+    cells: dict = {}
+    for blocks in args.map_blocks:
+        for method in args.methods:
+            for scale in args.lr_scales:
+                for seed in args.tree_seeds:
+                    path = runs_dir / f"{map_run_name(seed, blocks)}-{method}-lr{scale:g}x.json"
+                    if not path.is_file():
+                        print(f"[map E = {blocks} {method} {scale:g}x seed {seed}] missing", flush=True)
+                        continue
+                    run = json.loads(path.read_text())
+                    if run["settings"] != run_settings(map_args(args, seed, blocks)):
+                        raise SystemExit(f"{path} was made with other settings ({run['settings']}).")
+                    last = {**run["points"][-1], "seed": seed, "cpu_seconds": run["cpu_seconds"]}
+                    cells.setdefault(blocks, {}).setdefault(method, {}).setdefault(scale, []).append(last)
+    return cells
+
+
+def map_report(args) -> None:
+    """The map's table (per E, method and scale: held-out KL and mean |s| after E blocks, per seed), per E and
+    method the largest stable scale at each of `MAP_THRESHOLDS`, JSON next to --output and one figure."""
+    if not args.output:
+        raise SystemExit("the stability map reads and writes next to --output; pass --output.")
+    cells = map_cells(args)
+    if not cells:
+        raise SystemExit("No run files of the map yet.")
+    rows, stable = [], {}
+    for blocks, by_method in cells.items():
+        for method, by_scale in by_method.items():
+            for scale, points in sorted(by_scale.items()):
+                rows.append({"E": blocks, "method": method, "lr": f"{scale:g}× ({args.learning_rate * scale:.2g})",
+                             "seeds": ",".join(str(p["seed"]) for p in points),
+                             "held-out KL": ", ".join(f"{p['heldout_kl']:.3g}" for p in points),
+                             "mean |s|": ", ".join(f"{p['abs_s_mean']:.3g}" for p in points),
+                             "max |s|": ", ".join(f"{p['abs_s_max']:.3g}" for p in points),
+                             "past q": ", ".join(f"{p['past_fraction']:.2f}" for p in points),
+                             "CPU min": f"{sum(p['cpu_seconds'] for p in points) / 60 / len(points):.1f}"})
+            kl = {scale: [p["heldout_kl"] for p in points] for scale, points in by_scale.items()}
+            stable.setdefault(str(blocks), {})[method] = {f"{t:g}": largest_stable_scale(kl, t) for t in MAP_THRESHOLDS}
+            stable[str(blocks)][method]["measured"] = sorted(kl)
+    stable_rows = [{"E": blocks, "method": method, "scales measured": ", ".join(f"{s:g}" for s in by_t["measured"]),
+                    **{f"largest scale, KL < {t:g}": (f"{by_t[f'{t:g}']:g}×" if by_t[f"{t:g}"] is not None
+                                                       else f"< {by_t['measured'][0]:g}×") for t in MAP_THRESHOLDS}}
+                   for blocks, by_method in stable.items() for method, by_t in by_method.items()]
+    caption = (f"Stability map: held-out KL(π_old ‖ π_θ) per assistant token on {args.heldout} scripted held-out "
+               f"trajectories and mean |s_i| after E disjoint blocks of the {args.trees} trees of one generation "
+               f"batch ({args.tree_choice}), per tree seed; scale × {args.learning_rate:g}")
+    table = markdown_table(rows, list(rows[0])) + "\n\n" + markdown_table(stable_rows, list(stable_rows[0]))
+    print(f"\n{caption}\n\n{table}")
+    write_json(args.output, {"config": vars(args), "environment": environment(), "thresholds": list(MAP_THRESHOLDS),
+                             "cells": {str(b): {m: {f"{s:g}": v for s, v in bs.items()} for m, bs in bm.items()}
+                                       for b, bm in cells.items()},
+                             "largest_stable_scale": stable})
+    Path(args.output).with_suffix(".md").write_text(f"{caption}\n\n{table}\n")
+    plot_map(cells, args.plot or str(Path(args.output).with_suffix(".png")), caption)
+
+
+def plot_map(cells: dict, path: str, caption: str) -> None:
+    """Two rows (held-out KL, mean |s| after E blocks) × one column per E; a line per method through the seeds' mean,
+    each seed a dot; log-log, the thresholds dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = {"treeopsd": "tab:blue", "treepo": "tab:orange", "clip": "tab:green", "treeopsd_no_anchor": "tab:purple",
+               "treepo_anchor": "tab:red"}
+    columns = sorted(cells)
+    figure, axes = plt.subplots(2, len(columns), figsize=(4.2 * len(columns), 6.4), squeeze=False)
+    for col, blocks in enumerate(columns):
+        for row, (key, label) in enumerate((("heldout_kl", "held-out KL per token"), ("abs_s_mean", "mean |s_i|"))):
+            ax = axes[row][col]
+            for method, by_scale in cells[blocks].items():
+                scales = sorted(by_scale)
+                means = [sum(p[key] for p in by_scale[s]) / len(by_scale[s]) for s in scales]
+                ax.plot(scales, means, color=colours.get(method), marker="o", markersize=3, label=method)
+                for s in scales:
+                    ax.scatter([s] * len(by_scale[s]), [p[key] for p in by_scale[s]], color=colours.get(method), s=8,
+                               alpha=0.5)
+            if key == "heldout_kl":
+                for t in MAP_THRESHOLDS:
+                    ax.axhline(t, color="grey", linestyle="--", linewidth=0.8)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("symlog", linthresh=LOG_PANELS[key])  # 0 stays drawable
+            ax.set_title(f"E = {blocks}: {label}", fontsize=9)
+            ax.set_xlabel("learning-rate scale", fontsize=8)
+            ax.tick_params(labelsize=7)
+    axes[0][0].legend(fontsize=7)
+    figure.suptitle(caption, fontsize=8, wrap=True)
+    figure.tight_layout(rect=(0, 0, 1, 0.92))
+    figure.savefig(path, dpi=110)
+    print(f"wrote {path}", flush=True)
 
 
 def report_present_runs(args) -> None:
@@ -368,12 +567,13 @@ def report_present_runs(args) -> None:
                 results.setdefault(schedule, {}).setdefault(method, {})[f"{scale:g}x"] = run["points"]
     if not results:
         raise SystemExit(f"No run files for this grid in {runs_dir}.")
-    report(results, args, chosen_trees(saved["trees"], args.trees), saved["sampling_seconds"])
+    report(results, args, chosen_trees(saved["trees"], args.trees, args.tree_choice), saved["sampling_seconds"])
 
 
-def one_run(trainer, base_args, trees, method, scale, schedule, heldout, args, theta_old, runs_dir):
+def one_run(trainer, base_args, trees, method, scale, schedule, heldout, args, theta_old, runs_dir, prefix=None):
     """One (schedule, method, learning rate): from its run file when a sitting made it with these settings."""
-    path = runs_dir / f"{schedule}-{method}-lr{scale:g}x.json" if runs_dir else None
+    name = f"{prefix or schedule}-{method}-lr{scale:g}x.json"
+    path = runs_dir / name if runs_dir else None
     settings = run_settings(args)
     if path is not None and path.is_file():
         saved = json.loads(path.read_text())
@@ -392,13 +592,19 @@ def one_run(trainer, base_args, trees, method, scale, schedule, heldout, args, t
 
 def run_settings(args) -> dict:
     """What a run's numbers depend on (not which runs to make, nor where to write)."""
-    return {k: v for k, v in vars(args).items() if k not in ("methods", "schedules", "lr_scales", "output", "plot",
-                                                              "threads", "quick", "report_only")}
+    out = {k: v for k, v in vars(args).items() if k not in ("methods", "schedules", "lr_scales", "output", "plot",
+                                                             "threads", "quick", "report_only", "map_blocks",
+                                                             "tree_seeds", "gradient_checkpointing")}
+    for k, default in LATER_DEFAULTS.items():
+        if out.get(k) == default:
+            del out[k]
+    return out
 
 
 def sampling_settings(args) -> dict:
     """What the sampled trees depend on: the run's settings but for how they are trained and measured."""
-    return {k: v for k, v in run_settings(args).items() if k not in ("trees", "blocks", "disjoint_blocks", "heldout")}
+    return {k: v for k, v in run_settings(args).items()
+            if k not in ("trees", "blocks", "disjoint_blocks", "heldout", "tree_choice", "measure")}
 
 
 def sampled_trees(trainer, task, args, runs_dir: Path | None):
@@ -420,9 +626,13 @@ def sampled_trees(trainer, task, args, runs_dir: Path | None):
     return trees, seconds
 
 
-def chosen_trees(trees: list, count: int) -> list:
-    """The first `count` trees with a reward spread, then the first others: only a spread gives any turn credit
-    (V_i = 0 everywhere else), so a tree without one changes no loss's first block and only adds to the cost."""
+def chosen_trees(trees: list, count: int, choice: str = "spread") -> list:
+    """`spread`: the first `count` trees with a reward spread, then the first others: only a spread gives any turn
+    credit (V_i = 0 everywhere else), so a tree without one changes no loss's first block. `sampled`: the first
+    `count` as sampled, as a generation batch of the learning benchmark trains them (after the first block, TreeOPSD
+    pulls a tree without a spread back toward π_old, TreePO leaves it alone)."""
+    if choice == "sampled":
+        return list(trees[:count])
     spread = [t for t in trees if len(set(t.rewards)) > 1]
     return (spread + [t for t in trees if len(set(t.rewards)) <= 1])[:count]
 
@@ -439,7 +649,7 @@ def report(results: dict, args, trees, sampling_seconds: float) -> None:
     for schedule, by_method in results.items():
         for method, by_lr in by_method.items():
             for lr, points in by_lr.items():
-                first, last = points[1], points[-1]
+                first, last = points[1 if len(points) > 2 else -1], points[-1]
                 rows.append({"schedule": schedule, "method": method, "lr": lr,
                              "blocks": last["block"], "gap after 1": f"{first['gap_mean']:+.4f}",
                              "gap after E": f"{last['gap_mean']:+.4f}",

@@ -64,12 +64,15 @@ from common import (
     warm_started_model,
     write_json,
 )
+from stats import collapsed
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 
 from trl_tree.rewards import format_reward
 
-METHODS = ("grpo", "treepo", "treeopsd", "at2po", "treeadv")
+# treeopsd_no_anchor / treepo_anchor: issue 40's ablation (`common.LOSS_VARIANTS`: TreeOPSD without its q = 1/2 pull
+# on zero-credit turns, TreePO with it)
+METHODS = ("grpo", "treepo", "treeopsd", "at2po", "treeadv", "treeopsd_no_anchor", "treepo_anchor")
 DEFAULT_METHODS = ("grpo", "treepo", "treeopsd")
 # What `--model smollm2` changes (each still overridable on the command line). The warm start (10 LoRA steps) leaves
 # held-out success well inside (0, 1) (see benchmarks/README.md); turns are capped so that one rambling sampled turn
@@ -129,6 +132,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warm_start_sweep", default=None,
                    help="comma-separated warm-start lengths: measure each one's held-out success and exit")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: 1 on CPU)")
+    p.add_argument("--grpo_micro_batch", type=int, default=None,
+                   help="GRPO: sequences per micro-batch, gradients accumulated over the step (default: the whole "
+                        "step at once; 4 bounds the training forward's memory, the same step up to rounding)")
     p.add_argument("--gradient_checkpointing", action=argparse.BooleanOptionalAction, default=True,
                    help="recompute activations in the backward pass (GRPOConfig's default, kept: without it GRPO's "
                         "16 unpacked SmolLM2 trajectories need ~18 GB; numerically the same either way)")
@@ -299,8 +305,11 @@ def run_file(output: str, method: str, seed: int) -> Path:
 
 # Arguments that do not change a run's numbers: which runs to make, where to write, threads, and gradient
 # checkpointing (recomputed activations are the same activations)
+# (and GRPO's micro-batch split: one tiny-model step with micro-batches of 4 against one of 16 differed by 8e-6 in
+# the parameters for an update of 1e-3, rounding; each run file still records it in its config)
 NOT_RESULT_ARGUMENTS = {"methods", "seeds", "output", "plot", "threads", "gradient_checkpointing", "report_only",
-                        "tree_view"}  # the pages cost one no-grad forward a batch and change no sample or step
+                        "tree_view",  # the pages cost one no-grad forward a batch and change no sample or step
+                        "grpo_micro_batch"}
 
 
 def checked_run(path: Path, args) -> dict:
@@ -408,6 +417,8 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
         for name, part in (("first", lambda x: x[: max(1, len(x) // 3)]), ("last", lambda x: x[-max(1, len(x) // 3):])):
             row[f"train_reward_{name}_mean"], row[f"train_reward_{name}_std"] = mean_std(
                 [statistics.fmean(part(r["train_reward"])) if r["train_reward"] else 0.0 for r in seeds])
+        row["collapsed"] = sum(collapsed(r["curve"][-1]) for r in seeds)  # stats.collapsed: format or EM lost
+        row["runs"] = len(seeds)
         cpu = [r["train_cpu_seconds"] / 60 for r in seeds if "train_cpu_seconds" in r]  # older run files lack it
         row["run_cpu_minutes_mean"], row["run_cpu_minutes_std"] = mean_std(cpu) if cpu else (float("nan"),) * 2
         summary[method] = row
@@ -415,7 +426,8 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
 
 
 # Which paired differences the report shows, when both methods have runs: the flagship against each alternative
-PAIRS = (("treeopsd", "treepo"), ("treeopsd", "grpo"), ("treepo", "grpo"))
+PAIRS = (("treeopsd", "treepo"), ("treeopsd", "grpo"), ("treepo", "grpo"), ("treeopsd", "treeopsd_no_anchor"),
+         ("treepo_anchor", "treepo"))
 
 
 def paired_difference(a_runs: list[dict], b_runs: list[dict], metric: str = "exact_match", resamples: int = 10_000,
@@ -424,8 +436,13 @@ def paired_difference(a_runs: list[dict], b_runs: list[dict], metric: str = "exa
     ran (seed s of A paired with seed s of B: the same data order and warm start), with a 95 % bootstrap interval
     that resamples seeds and, within each replicate, questions (both with replacement; the same questions for every
     seed, since every seed answers the same held-out set). Pairing removes the questions' own difficulty from the
-    noise, which a difference of two independent means keeps. None when no seed has per-question outcomes in both."""
+    noise, which a difference of two independent means keeps. None when no seed has per-question outcomes in both.
+
+    The training run is the unit of replication, not the question: `per_seed` holds each seed's difference and
+    `t_ci95` the Student-t interval over them (`stats.t_interval`), the interval to quote; the bootstrap's `ci95`
+    treats question-seeds as independent and is kept only as the spread over questions."""
     import numpy as np
+    from stats import t_interval
 
     def outcomes(runs):
         return {r["seed"]: r["curve"][-1]["per_question"][metric] for r in runs
@@ -441,8 +458,11 @@ def paired_difference(a_runs: list[dict], b_runs: list[dict], metric: str = "exa
     pick_questions = rng.integers(0, d.shape[1], size=(resamples, d.shape[1]))
     replicates = d[pick_seeds[:, :, None], pick_questions[:, None, :]].mean(axis=(1, 2))
     low, high = np.quantile(replicates, [0.025, 0.975])
+    per_seed = {s: float(row.mean()) for s, row in zip(seeds, d)}
+    interval = t_interval(list(per_seed.values()))
     return {"mean": float(d.mean()), "ci95": [float(low), float(high)], "seeds": seeds, "questions": d.shape[1],
-            "a_better": int((d > 0).sum()), "b_better": int((d < 0).sum())}
+            "a_better": int((d > 0).sum()), "b_better": int((d < 0).sum()), "per_seed": per_seed,
+            "t_ci95": [interval.low, interval.high] if interval.n > 1 else None}
 
 
 def paired_differences(runs: dict[str, list[dict]], metric: str) -> dict[str, dict]:
@@ -577,7 +597,8 @@ def report(runs: dict[str, list[dict]], args, model_path: str) -> None:
              **{label: _pm(s, key) for label, key in columns.items()},
              "train reward": _pm(s, "train_reward"), "train reward, first third": _pm(s, "train_reward_first"),
              "train reward, last third": _pm(s, "train_reward_last"), "rollout tokens": _pm(s, "rollout_tokens", digits=0),
-             "run CPU minutes": _pm(s, "run_cpu_minutes", digits=0)}
+             "run CPU minutes": _pm(s, "run_cpu_minutes", digits=0),
+             "collapsed runs": f"{s['collapsed']} of {s['runs']}"}
             for m, s in summary.items()]
     seeds = ",".join(str(s) for s in args.seeds)
     caption = (f"Held-out greedy answers to {args.num_eval or args.num_test} questions ({args.task}, {args.model}), "
@@ -588,11 +609,14 @@ def report(runs: dict[str, list[dict]], args, model_path: str) -> None:
     if differences:
         paired_rows = [{"A − B": name.replace(" - ", " − "), "seeds": ",".join(map(str, d["seeds"])),
                         "questions": d["questions"], f"paired {metric} difference": f"{d['mean']:+.3f}",
-                        "95 % bootstrap interval": f"[{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]",
+                        "per seed": ", ".join(f"{v:+.3f}" for v in d["per_seed"].values()),
+                        "95 % t-interval over seeds": (f"[{d['t_ci95'][0]:+.3f}, {d['t_ci95'][1]:+.3f}]"
+                                                       if d["t_ci95"] else "one seed: none"),
                         "questions A better / B better (summed over seeds)": f"{d['a_better']} / {d['b_better']}"}
                        for name, d in differences.items()]
-        table += ("\n\nPaired on the same held-out questions after training (seed s against seed s; the interval "
-                  "resamples seeds and questions):\n\n" + markdown_table(paired_rows, list(paired_rows[0])))
+        table += ("\n\nPaired on the same held-out questions after training (seed s against seed s; the interval is "
+                  "a Student-t interval over the seeds, each run one unit):\n\n"
+                  + markdown_table(paired_rows, list(paired_rows[0])))
     print(f"\n{caption}\n\n{table}")
     model_name = {"tiny": "tiny Qwen3", "smollm2": "SmolLM2-135M-Instruct"}[args.model]
     title = (f"{task_title}, {model_name}; P={args.prompts}, E={args.blocks}, G={args.group_size} vs "

@@ -42,6 +42,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # the tree methods by name (the method table's, TreeFlex aside: its unit is a group of searches, not a tree) and
 # "flat_grpo": GRPO's loss on trl-tree's own agent loop, the plain TreeTrainer with sampler="flat"
 TREE_METHODS = {**{n: m.title for n, m in methods.METHODS.items() if n != "treeflex"}, "flat_grpo": "Tree"}
+# issue 40's ablation, as benchmark methods: a named method with its `zero_credit_anchor` set the other way
+# (TreeOPSD without its q = 1/2 pull on zero-credit turns; TreePO with it; `losses.zero_credit_anchor`)
+LOSS_VARIANTS = {"treeopsd_no_anchor": ("treeopsd", {"zero_credit_anchor": False}),
+                 "treepo_anchor": ("treepo", {"zero_credit_anchor": True})}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -271,6 +275,10 @@ class Budget:
     # TRL's tool loop ends a trajectory at a tool call it cannot parse; the tree trainers do the same here (their
     # default, "observe", answers it with an error observation), so that both sides sample the same kind of episode
     malformed_tool_calls: str = "end"
+    # GRPO only: sequences per micro-batch, gradients accumulated over the optimizer step's prompts·G/E sequences
+    # (None: one micro-batch per step). TRL's "dapo" loss normalises by the step's tokens whatever the split, so the
+    # step is the same; what it bounds is the training forward's memory (16 unpacked sequences' logits at once)
+    grpo_micro_batch: int | None = None
 
     def __post_init__(self):
         if self.prompts % self.blocks:
@@ -307,16 +315,23 @@ def build_trainer(method: str, model, tokenizer, task: Task, budget: Budget, out
     kwargs = dict(model=model, reward_funcs=task.reward_funcs, train_dataset=task.train_dataset(),
                   processing_class=tokenizer, tools=task.tools, peft_config=peft_config)
     if method == "grpo":
+        per_step = budget.prompts * budget.group_size // budget.blocks
+        micro = budget.grpo_micro_batch or per_step
+        if per_step % micro:
+            raise ValueError(f"grpo_micro_batch ({micro}) must divide the {per_step} sequences of an optimizer step.")
+        accumulation = per_step // micro  # TRL counts steps_per_generation in micro-batches
         args = GRPOConfig(
-            **common,
+            **{**common, "steps_per_generation": budget.blocks * accumulation,
+               "gradient_accumulation_steps": accumulation},
             num_generations=budget.group_size,
-            per_device_train_batch_size=budget.prompts * budget.group_size // budget.blocks,
+            per_device_train_batch_size=micro,
             max_tool_calling_iterations=budget.max_turns - 1,  # the same number of assistant turns as max_turns
             **({"generation_kwargs": {"max_new_tokens": budget.max_turn_tokens}} if budget.max_turn_tokens else {}),
         )
         return GRPOTrainer(args=args, **kwargs)
+    method, variant = LOSS_VARIANTS.get(method, (method, {}))
     if method not in TREE_METHODS:
-        raise ValueError(f"Unknown method {method!r}; choose grpo or one of {list(TREE_METHODS)}.")
+        raise ValueError(f"Unknown method {method!r}; choose grpo or one of {list(TREE_METHODS) + list(LOSS_VARIANTS)}.")
     import trl_tree
 
     name = TREE_METHODS[method]
@@ -332,6 +347,7 @@ def build_trainer(method: str, model, tokenizer, task: Task, budget: Budget, out
         max_turn_tokens=budget.max_turn_tokens,
         packing=packing,
         malformed_tool_calls=budget.malformed_tool_calls,
+        **variant,
     )
     return trainer_class(args=args, **kwargs)
 
@@ -361,6 +377,7 @@ def budget_from_args(args, generation_batches: int, seed: int) -> Budget:
         generation_batches=generation_batches, learning_rate=args.learning_rate, max_turns=args.max_turns,
         max_completion_length=args.max_completion_length, seed=seed, malformed_tool_calls=args.malformed_tool_calls,
         max_turn_tokens=getattr(args, "max_turn_tokens", None),
+        grpo_micro_batch=getattr(args, "grpo_micro_batch", None),
     )
 
 

@@ -86,3 +86,49 @@ def test_the_caption_names_the_blocks_of_the_schedules_that_ran_only(bench_block
     args = SimpleNamespace(blocks=8, disjoint_blocks=4)
     assert bench_blocks.schedule_blocks(args, {"disjoint": {}}) == "4 (disjoint)"
     assert bench_blocks.schedule_blocks(args, {"revisit": {}, "disjoint": {}}) == "8 (revisit) or 4 (disjoint)"
+
+
+def test_the_largest_stable_scale_stops_at_the_first_scale_that_crosses_on_any_seed(bench_blocks):
+    kl = {1.0: [0.01, 0.02], 2.0: [0.03, 0.05], 4.0: [0.2, 0.05], 8.0: [0.05, 0.04]}
+    assert bench_blocks.largest_stable_scale(kl, 0.1) == 2.0  # 8x is under again, but 4x crossed first
+    assert bench_blocks.largest_stable_scale(kl, 1.0) == 8.0
+    assert bench_blocks.largest_stable_scale(kl, 0.005) is None
+
+
+def test_settings_added_later_leave_earlier_run_files_matching(bench_blocks):
+    args = bench_blocks.parse_args(["--quick"])
+    settings = bench_blocks.run_settings(args)
+    assert "tree_choice" not in settings and "measure" not in settings and "tree_seeds" not in settings
+    args.tree_choice = "sampled"
+    assert bench_blocks.run_settings(args)["tree_choice"] == "sampled"
+
+
+def test_the_ablation_variants_set_the_loss_and_its_zero_credit_anchor(bench_blocks):
+    trainer, base = SimpleNamespace(args=None), SimpleNamespace(loss="treeopsd", zero_credit_anchor=None)
+    for method, expected in (("treeopsd_no_anchor", ("treeopsd", False)), ("treepo_anchor", ("treepo", True)),
+                             ("clip", ("grpo", None))):
+        bench_blocks.with_loss(trainer, base, method)
+        assert (trainer.args.loss, trainer.args.zero_credit_anchor) == expected
+    assert base.loss == "treeopsd" and base.zero_credit_anchor is None  # the trainer's own config is not changed
+
+
+def test_the_quick_stability_map_writes_every_cell_and_reads_them_back(tmp_path):
+    output = tmp_path / "map.json"
+    command = [sys.executable, str(ROOT / "benchmarks" / "bench_blocks.py"), "--quick", "--map_blocks", "2,1",
+               "--tree_seeds", "0,1", "--tree_choice", "sampled", "--measure", "last",
+               "--methods", "treeopsd,treeopsd_no_anchor,treepo_anchor", "--output", str(output)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
+    first = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stderr[-4000:]
+    result = json.loads(output.read_text())
+    for blocks in ("1", "2"):
+        for method in ("treeopsd", "treeopsd_no_anchor", "treepo_anchor"):
+            points = result["cells"][blocks][method]["1"]
+            assert [p["seed"] for p in points] == [0, 1]
+            assert all(p["block"] == int(blocks) and "heldout_kl" in p for p in points)
+            assert method in result["largest_stable_scale"][blocks]
+    assert len(list((tmp_path / "map.runs").glob("seed*-e*-*.json"))) == 12
+    assert output.with_suffix(".png").is_file()
+    again = subprocess.run([*command, "--report_only"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert "missing" not in again.stdout

@@ -66,6 +66,7 @@ def treeopsd_loss(
     tau: Tensor | float,
     tree_ids: Tensor,
     num_trees: int | None = None,
+    keep: Tensor | None = None,
 ) -> Tensor:
     """T5: TreeOPSD's turn-level Bernoulli forward-KL to the frozen teacher, mean over trees.
 
@@ -76,12 +77,16 @@ def treeopsd_loss(
 
     Args:
         tau: τ per tree ([n_trees]) or one float for every tree.
+        keep: optional [n_turns] bool: only these turns' KL terms enter the sum (the others get no gradient); L_x
+            still counts every turn, so a kept turn's gradient is the one above. None: every turn (T5 as written).
     """
     num_turns = q.numel()
     n_trees = _per_tree(tree_ids, num_trees)
     s = turn_mean_log_ratio(logps, old_logps, turn_ids, num_turns)
     lengths = turn_token_counts(turn_ids, num_turns).to(s.dtype)
     kl = bernoulli_kl_from_logit(q.detach(), s)
+    if keep is not None:
+        kl = torch.where(keep.to(kl.device), kl, torch.zeros_like(kl))
     tree_tokens = torch.zeros(n_trees, dtype=s.dtype, device=s.device).index_add(0, tree_ids, lengths)
     tree_kl = torch.zeros(n_trees, dtype=s.dtype, device=s.device).index_add(0, tree_ids, lengths * kl)
     tau = torch.as_tensor(tau, dtype=s.dtype, device=s.device).expand(n_trees)
@@ -111,6 +116,34 @@ def treepo_loss(
         0, tree_ids, V.detach().to(ratio_sum.dtype) * ratio_sum
     )
     return (-per_tree / tree_tokens.clamp(min=1)).mean()
+
+
+def zero_credit_turns(V: Tensor) -> Tensor:
+    """The turns with no credit, V_i = 0 (every turn of a tree without a reward spread): TreeOPSD's teacher there is
+    q_i = 1/2 (T4), so its KL pulls them back toward π_old, while TreePO's surrogate (T7) gives them no gradient."""
+    return V == 0
+
+
+def zero_credit_anchor(
+    logps: Tensor,
+    old_logps: Tensor,
+    turn_ids: Tensor,
+    V: Tensor,
+    tau: Tensor | float,
+    tree_ids: Tensor,
+    num_trees: int | None = None,
+) -> Tensor:
+    """The part of T5 that TreeOPSD's zero-credit turns contribute, on its own: a q = 1/2 anchor, mean over trees.
+
+        A_x = (τ_x / L_x) Σ_{i ∈ x, V_i = 0} L_i · KL(Ber(1/2) ‖ Ber(σ(s_i))),   L_x over every unique turn of x.
+
+    Per-token gradient ∂A_x/∂log π_θ(a_ij) = (τ/L_x)(p_i − 1/2) on those turns (0 elsewhere): descent moves each
+    by τ(1/2 − p_i)/L_x, back toward s_i = 0. TreePO's loss plus this anchor is TreePO with TreeOPSD's pull on
+    zero-credit turns; TreeOPSD's loss with `keep = V ≠ 0` is TreeOPSD without it (an ablation of T5's two parts).
+    """
+    half = torch.full_like(V, 0.5, dtype=torch.float64)
+    return treeopsd_loss(logps, old_logps, turn_ids, half, tau, tree_ids, num_trees=num_trees,
+                         keep=zero_credit_turns(V))
 
 
 # ---------------------------------------------------------------------------------------------------------------

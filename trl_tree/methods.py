@@ -747,18 +747,40 @@ def _teacher_gaps(credits: list[TeacherCredit]) -> dict[str, Tensor]:
     return {"treeopsd/abs_q_minus_half": torch.cat([(c.q - 0.5).abs() for c in credits])}
 
 
+_ZERO_CREDIT = {
+    "zero_credit_anchor": "pull zero-credit turns (V_i = 0) toward π_old with a q = 1/2 teacher (default: treeopsd "
+                          "yes, treepo no; the other choice is an ablation)"
+}
+
+
+def zero_credit_anchor(args, loss: str) -> bool:
+    """Whether the loss `loss` ("treeopsd" or "treepo") pulls zero-credit turns toward π_old: the config's
+    `zero_credit_anchor`, or when it is None the loss's own behaviour (T5's KL to q = 1/2 does, T7 does not)."""
+    chosen = getattr(args, "zero_credit_anchor", None)
+    return (loss == "treeopsd") if chosen is None else bool(chosen)
+
+
+def _check_treepo(args) -> None:
+    """The anchor's τ = (K − 1)/(ρ√K) needs a radius 0 < ρ < 1/2, as TreeOPSD's teacher does."""
+    if zero_credit_anchor(args, "treepo") and not 0.0 < args.target_radius < 0.5:
+        raise ValueError(f"target_radius ρ must satisfy 0 < ρ < 1/2 for the zero-credit anchor's τ; got "
+                         f"{args.target_radius}.")
+
+
 @register_loss(
     "treeopsd", prepare=_teacher, credit_kind=TeacherCredit,
-    fields={"target_radius": "ρ: teacher radius, q ∈ [1/2 − ρ, 1/2 + ρ]"},
+    fields={"target_radius": "ρ: teacher radius, q ∈ [1/2 − ρ, 1/2 + ρ]", **_ZERO_CREDIT},
     credit_metrics=_teacher_gaps,
     check=_check_teacher,
 )
 def _treeopsd(batch: LossInputs, args):
     """TreeOPSD T5: the turn-level Bernoulli forward-KL to the frozen teacher q; logs how far each turn still is
-    from it, |σ(s_i) − q_i|."""
+    from it, |σ(s_i) − q_i|. With `zero_credit_anchor=False`, turns with V_i = 0 are left out of the sum."""
     c = batch.credit
+    keep = None if zero_credit_anchor(args, "treeopsd") else ~losses.zero_credit_turns(c.A)
     loss = losses.treeopsd_loss(
-        batch.logps, batch.old_logps, batch.turn_ids, c.q, c.tau, batch.tree_ids, num_trees=batch.num_trees
+        batch.logps, batch.old_logps, batch.turn_ids, c.q, c.tau, batch.tree_ids, num_trees=batch.num_trees,
+        keep=keep,
     )
     with torch.no_grad():
         s = losses.turn_mean_log_ratio(batch.logps, batch.old_logps, batch.turn_ids, batch.num_turns)
@@ -766,12 +788,24 @@ def _treeopsd(batch: LossInputs, args):
     return loss, {"treeopsd/abs_p_minus_q/block_{block}": gap}
 
 
-@register_loss("treepo", prepare=_plain, fields={})
+def _treepo_credit(tree, A, args) -> TurnCredit:
+    """A alone; with the zero-credit anchor also TreeOPSD's teacher and its τ (which the anchor reads)."""
+    return _teacher(tree, A, args) if zero_credit_anchor(args, "treepo") else _plain(tree, A, args)
+
+
+@register_loss("treepo", prepare=_treepo_credit, fields=_ZERO_CREDIT, check=_check_treepo)
 def _treepo(batch: LossInputs, args):
-    """T7: TreeOPSD's first-block gradient in every block."""
+    """T7: TreeOPSD's first-block gradient in every block; with `zero_credit_anchor=True`, plus TreeOPSD's q = 1/2
+    pull on zero-credit turns (`losses.zero_credit_anchor`)."""
     loss = losses.treepo_loss(
         batch.logps, batch.old_logps, batch.turn_ids, batch.credit.A, batch.tree_ids, num_trees=batch.num_trees
     )
+    if zero_credit_anchor(args, "treepo"):
+        TeacherCredit.require(batch.credit, "the 'treepo' loss with zero_credit_anchor=True")
+        c = batch.credit
+        loss = loss + losses.zero_credit_anchor(
+            batch.logps, batch.old_logps, batch.turn_ids, c.A, c.tau, batch.tree_ids, num_trees=batch.num_trees
+        )
     return loss, {}
 
 

@@ -649,6 +649,12 @@ class TreeConfig(TreeTrainerConfig):
         branching_rounds (`int`, defaults to `1`): rounds of token-level branching; a continuation may branch again
             in a later round ("token_entropy").
         target_radius (`float`, defaults to `0.25`): ρ for the "treeopsd" loss: q ∈ [1/2 − ρ, 1/2 + ρ], 0 < ρ < 1/2.
+        zero_credit_anchor (`bool`, *optional*): whether turns with zero credit (V_i = 0: every turn of a tree
+            without a reward spread) are pulled back toward π_old by a q = 1/2 Bernoulli teacher
+            (`losses.zero_credit_anchor`). None: the loss's own behaviour ("treeopsd" pulls them, its KL to
+            q_i = 1/2; "treepo" gives them no gradient). False with "treeopsd": they are left out of the KL; True with
+            "treepo": the anchor, with TreeOPSD's τ, is added to the fixed-credit loss. The two are the ablation that
+            separates TreeOPSD's finite target from its implicit anchor; other losses do not read it.
         packing (`str`, defaults to `"tree"`): `"tree"` forwards each tree once as a packed row of its unique tokens
             with an ancestor-only attention mask (flex_attention / sdpa / eager); `"paths"` forwards one causal row
             per root-to-leaf path (any attention kernel, e.g. flash-attention) and still trains each unique token once.
@@ -682,6 +688,9 @@ class TreeConfig(TreeTrainerConfig):
     min_segment_length: int = field(default=8, metadata={"help": "Fewest tokens per split segment."})
     branching_rounds: int = field(default=1, metadata={"help": "Rounds of token-level branching."})
     target_radius: float = field(default=0.25, metadata={"help": "ρ: q ∈ [1/2 − ρ, 1/2 + ρ], 0 < ρ < 1/2."})
+    zero_credit_anchor: bool | None = field(
+        default=None, metadata={"help": "Pull V = 0 turns toward π_old (None: treeopsd yes, treepo no; an ablation)."}
+    )
     packing: str = field(default="tree", metadata={"help": "'tree' (one packed row per tree), 'paths' or 'auto'."})
 
     default_num_initial_rollouts: ClassVar[int] = 4  # the preset's M when neither M nor G is set

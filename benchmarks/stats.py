@@ -1,0 +1,314 @@
+"""Statistics over training runs, the run (seed) as the unit: pure functions, and a report of the learning tables.
+
+A learning run is one seed of one method; its held-out questions are not independent draws of the run's quality
+(they share its weights), so intervals here are over runs: a Student-t interval of the per-seed values, or of the
+per-seed paired differences when two methods share their seeds (same warm start, same first generation batch). With
+n runs the t-interval has n − 1 degrees of freedom; with 2 or 3 runs it is wide, and that width is the evidence.
+
+    t_interval(values)            mean, sample SD and the two-sided t-interval over runs
+    paired_differences(a, b)      b − a per common seed (dicts seed -> value)
+    detectable_difference(sd, n)  the smallest true difference a design of n runs detects with power 0.8 at α = 0.05
+    collapsed(point)              whether a run's held-out point has lost the agent (format or EM under a threshold)
+    collapse_count_p_value(...)   Fisher's exact test of two collapse counts (3 of 3 against 0 of 3: p = 0.10)
+
+The detectable difference uses the usual normal-shift approximation of the t-test's power,
+δ = (t_{1−α/2, ν} + t_{power, ν}) · SE, with SE = sd/√n and ν = n − 1 for a paired (or one-sample) design, and
+SE = sd·√(2/n), ν = 2n − 2 for two independent groups of n runs each (sd: the between-run SD of one group).
+
+Usage (the report of every learning table's stored runs, `results/stats.{json,md}`):
+    python benchmarks/stats.py --output benchmarks/results/stats.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+# A run has collapsed when fewer than half of its held-out answers are well-formed, or when it answers fewer than 5 %
+# of the held-out questions exactly (the warm starts answer 32-35 %): the agent no longer searches and answers.
+COLLAPSE_FORMAT_RATE = 0.5
+COLLAPSE_EXACT_MATCH = 0.05
+
+
+def t_pdf(x: float, df: float) -> float:
+    """Student's t density with `df` degrees of freedom."""
+    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+    return math.exp(log_c - (df + 1) / 2 * math.log1p(x * x / df))
+
+
+def t_cdf(x: float, df: float) -> float:
+    """P(T ≤ x) for Student's t: 1/2 + ∫_0^x t_pdf, by composite Simpson on u = atan(t) (a finite range, smooth)."""
+    if x == 0:
+        return 0.5
+    b = math.atan(x)  # t = tan u, dt = sec² u du: the integrand stays bounded as |x| → ∞
+    steps = 4000
+    h = b / steps
+    total = 0.0
+    for k in range(steps + 1):
+        u = k * h
+        w = 1 if k in (0, steps) else (4 if k % 2 else 2)
+        total += w * t_pdf(math.tan(u), df) / math.cos(u) ** 2
+    return 0.5 + total * h / 3
+
+
+def t_quantile(p: float, df: float) -> float:
+    """The p-quantile of Student's t (bisection on `t_cdf`; |error| < 1e-9)."""
+    if not 0 < p < 1:
+        raise ValueError(f"p must lie in (0, 1); got {p}")
+    if p == 0.5:
+        return 0.0
+    if p < 0.5:
+        return -t_quantile(1 - p, df)
+    lo, hi = 0.0, 1.0
+    while t_cdf(hi, df) < p:
+        lo, hi = hi, hi * 2
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_cdf(mid, df) < p else (lo, mid)
+        if hi - lo < 1e-10:
+            break
+    return (lo + hi) / 2
+
+
+@dataclass(frozen=True)
+class Interval:
+    """Mean of n runs, their sample SD (ddof = 1), and the two-sided t-interval at `confidence`."""
+
+    n: int
+    mean: float
+    sd: float
+    low: float
+    high: float
+    confidence: float
+
+    def text(self, digits: int = 3, signed: bool = True) -> str:
+        f = f"+.{digits}f" if signed else f".{digits}f"
+        if self.n < 2:
+            return f"{self.mean:{f}} (1 run: no interval)"
+        if self.sd == 0:  # the spread is estimated as 0 from so few runs: no interval worth the name
+            return f"{self.mean:{f}} ({self.n} identical values: no interval)"
+        return f"{self.mean:{f}} [{self.low:{f}}, {self.high:{f}}]"
+
+
+def t_interval(values: list[float], confidence: float = 0.95) -> Interval:
+    """mean ± t_{(1+c)/2, n−1} · sd/√n over runs; with one run the interval is the point (no spread to estimate)."""
+    values = [float(v) for v in values]
+    n = len(values)
+    if n == 0:
+        raise ValueError("t_interval needs at least one value")
+    mean = statistics.fmean(values)
+    if n == 1:
+        return Interval(1, mean, 0.0, mean, mean, confidence)
+    sd = statistics.stdev(values)
+    half = t_quantile((1 + confidence) / 2, n - 1) * sd / math.sqrt(n)
+    return Interval(n, mean, sd, mean - half, mean + half, confidence)
+
+
+def paired_differences(a: dict[int, float], b: dict[int, float]) -> dict[int, float]:
+    """b − a for every seed both have (seed order)."""
+    return {s: b[s] - a[s] for s in sorted(set(a) & set(b))}
+
+
+def detectable_difference(sd: float, n: int, alpha: float = 0.05, power: float = 0.8, paired: bool = True) -> float:
+    """The true difference a two-sided t-test at level α detects with probability `power`, from n runs per group.
+
+    paired: n paired differences with SD `sd` (ν = n − 1, SE = sd/√n); else two independent groups of n runs with
+    common SD `sd` (ν = 2n − 2, SE = sd·√(2/n)). Normal-shift approximation: δ = (t_{1−α/2, ν} + t_{power, ν})·SE.
+    """
+    df = n - 1 if paired else 2 * n - 2
+    if df < 1:
+        return math.inf
+    se = sd / math.sqrt(n) if paired else sd * math.sqrt(2 / n)
+    return (t_quantile(1 - alpha / 2, df) + t_quantile(power, df)) * se
+
+
+def runs_needed(sd: float, delta: float, alpha: float = 0.05, power: float = 0.8, paired: bool = True,
+                most: int = 1000) -> int:
+    """The fewest runs per group whose `detectable_difference` is at most `delta` (`most` + 1 if none up to it)."""
+    for n in range(2, most + 1):
+        if detectable_difference(sd, n, alpha, power, paired) <= delta:
+            return n
+    return most + 1
+
+
+def collapse_count_p_value(a: int, n_a: int, b: int, n_b: int) -> float:
+    """Fisher's exact test, two-sided, of a collapsed runs of n_a against b of n_b: the probability, with the
+    collapses spread over the runs at random (margins fixed), of a split at most as likely as the one seen."""
+    total, k = n_a + n_b, a + b
+
+    def p(x: int) -> float:
+        return math.comb(n_a, x) * math.comb(n_b, k - x) / math.comb(total, k)
+
+    seen = p(a)
+    return min(1.0, sum(p(x) for x in range(max(0, k - n_b), min(k, n_a) + 1) if p(x) <= seen * (1 + 1e-9)))
+
+
+def collapsed(point: dict, format_threshold: float = COLLAPSE_FORMAT_RATE,
+              em_threshold: float = COLLAPSE_EXACT_MATCH) -> bool:
+    """A held-out point (a learning run's curve entry) of an agent that no longer answers: format rate under
+    `format_threshold` or exact match under `em_threshold`."""
+    return point["format_rate"] < format_threshold or point["exact_match"] < em_threshold
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The learning tables' stored runs
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def load_runs(runs_dir: str | Path) -> dict[str, dict[int, dict]]:
+    """method -> seed -> run file (`bench_learning.py`'s `<output>.runs/METHOD-seedSEED.json`)."""
+    out: dict[str, dict[int, dict]] = {}
+    for path in sorted(Path(runs_dir).glob("*-seed*.json")):
+        run = json.loads(path.read_text())
+        out.setdefault(run["method"], {})[int(run["seed"])] = run
+    return out
+
+
+def final_point(run: dict) -> dict:
+    """The run's last held-out evaluation (its `heldout_after`)."""
+    return run["curve"][-1]
+
+
+def method_summary(runs: dict[int, dict]) -> dict:
+    """Per seed the final EM, its gain over the warm start, the format rate and collapse; the t-interval of the EM and
+    of the gain over seeds; the collapsed count."""
+    seeds = sorted(runs)
+    em = {s: final_point(runs[s])["exact_match"] for s in seeds}
+    gain = {s: em[s] - runs[s]["heldout_before"] for s in seeds}
+    return {"seeds": seeds, "exact_match": em, "gain": gain,
+            "format_rate": {s: final_point(runs[s])["format_rate"] for s in seeds},
+            "collapsed": {s: collapsed(final_point(runs[s])) for s in seeds},
+            "collapsed_count": sum(collapsed(final_point(runs[s])) for s in seeds),
+            "em_interval": asdict(t_interval(list(em.values()))), "gain_interval": asdict(t_interval(list(gain.values())))}
+
+
+def comparison(a: dict[int, dict], b: dict[int, dict]) -> dict | None:
+    """b − a: per common seed, the t-interval of the paired differences and the detectable difference of that
+    design (paired, from the differences' SD); None without a common seed."""
+    diffs = paired_differences({s: final_point(r)["exact_match"] for s, r in a.items()},
+                               {s: final_point(r)["exact_match"] for s, r in b.items()})
+    if not diffs:
+        return None
+    interval = t_interval(list(diffs.values()))
+    return {"differences": diffs, "interval": asdict(interval),
+            "detectable_difference": (detectable_difference(interval.sd, interval.n)
+                                      if interval.n > 1 and interval.sd > 0 else None)}
+
+
+# the stored learning tables whose runs share a warm start (bench_learning refuses mixed tables)
+TABLES = {
+    "e1_v1": "smollm2_learning.runs",
+    "e1_v2": "smollm2_learning_v2.runs",
+    "e2_v2": "smollm2_learning_v2_e2.runs",
+    "e4_v1": "smollm2_learning_e4_v1.runs",
+    "e4": "smollm2_learning_e4.runs",
+    "e4_lr2e-3": "smollm2_learning_e4_lr2e-3.runs",
+    "e1_lr2e-3": "smollm2_learning_e1_lr2e-3.runs",
+    "e4_lr2e-3_ablation": "smollm2_learning_e4_lr2e-3_ablation.runs",
+}
+
+
+# pairs are reported as (earlier in this order) − (later): TreeOPSD first
+METHOD_ORDER = ("treeopsd", "treeopsd_no_anchor", "treepo_anchor", "treepo", "grpo", "at2po", "treeadv")
+
+
+def _order(method: str) -> tuple[int, str]:
+    return (METHOD_ORDER.index(method) if method in METHOD_ORDER else len(METHOD_ORDER), method)
+
+
+# pairs across tables with the same warm start, settings and seeds but for the one thing compared (so seed s of
+# both shares its first generation batch): (table a, method a, table b, method b), reported as a − b
+CROSS = (
+    ("e4_lr2e-3", "treeopsd", "e4_lr2e-3_ablation", "treeopsd_no_anchor"),  # what TreeOPSD's anchor adds
+    ("e4_lr2e-3_ablation", "treepo_anchor", "e4_lr2e-3", "treepo"),  # what the anchor adds to TreePO
+    ("e4_lr2e-3_ablation", "treeopsd_no_anchor", "e4_lr2e-3", "treepo"),  # TreeOPSD's target alone
+    ("e1_lr2e-3", "treeopsd", "e4_lr2e-3", "treepo"),  # E = 1 (TreePO = TreeOPSD) against TreePO at E = 4
+    ("e1_lr2e-3", "treeopsd", "e4_lr2e-3", "treeopsd"),
+)
+
+
+def table_report(runs_dir: Path) -> dict:
+    """Per method its `method_summary`; per pair of methods `a − b` (a before b in `METHOD_ORDER`) the paired
+    `comparison` over their common seeds."""
+    runs = load_runs(runs_dir)
+    names = sorted(runs, key=_order)
+    report = {"runs_dir": str(runs_dir), "methods": {m: method_summary(runs[m]) for m in names}, "pairs": {}}
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            pair = comparison(runs[b], runs[a])
+            if pair is not None:
+                report["pairs"][f"{a} - {b}"] = pair
+    # an unpaired design's detectable difference, from each method's between-seed SD (two groups of n runs)
+    for summary in report["methods"].values():
+        sd, n = summary["em_interval"]["sd"], summary["em_interval"]["n"]
+        summary["detectable_vs_independent_group"] = detectable_difference(sd, n, paired=False) if n > 1 else None
+    return report
+
+
+def markdown(reports: dict[str, dict]) -> str:
+    lines = ["| table | method | seeds | final EM per seed | mean EM [95 % t-interval] | gain [95 % t] | collapsed |",
+             "|---|---|---|---|---|---|---|"]
+    for table, report in reports.items():
+        for m, s in report["methods"].items():
+            em = ", ".join(f"{s['exact_match'][k]:.3f}" for k in s["seeds"])
+            ei, gi = s["em_interval"], s["gain_interval"]
+            lines.append(f"| {table} | {m} | {','.join(map(str, s['seeds']))} | {em} | "
+                         f"{_text(ei, signed=False)} | {_text(gi)} | {s['collapsed_count']} of {len(s['seeds'])} |")
+    return "\n".join(lines) + "\n" + pairs_markdown(reports)
+
+
+def pairs_markdown(reports: dict[str, dict]) -> str:
+    lines = ["", "| table | pair (a − b) | seeds | differences | mean [95 % t-interval] | detectable (paired, power 0.8) |",
+              "|---|---|---|---|---|---|"]
+    for table, report in reports.items():
+        for pair, c in report["pairs"].items():
+            d = ", ".join(f"{v:+.3f}" for v in c["differences"].values())
+            det = f"{c['detectable_difference']:.3f}" if c["detectable_difference"] is not None else "—"
+            lines.append(f"| {table} | {pair} | {','.join(map(str, c['differences']))} | {d} | {_text(c['interval'])} "
+                         f"| {det} |")
+    return "\n".join(lines) + "\n"
+
+
+def cross_reports(results: Path) -> dict:
+    """The `CROSS` pairs whose two tables both have runs, as a report with only `pairs`."""
+    pairs = {}
+    for table_a, a, table_b, b in CROSS:
+        runs_a = load_runs(results / TABLES[table_a]).get(a, {}) if (results / TABLES[table_a]).is_dir() else {}
+        runs_b = load_runs(results / TABLES[table_b]).get(b, {}) if (results / TABLES[table_b]).is_dir() else {}
+        pair = comparison(runs_b, runs_a) if runs_a and runs_b else None
+        if pair is not None:
+            pairs[f"{table_a}:{a} - {table_b}:{b}"] = pair
+    return {"pairs": pairs}
+
+
+def _text(interval: dict, signed: bool = True) -> str:
+    return Interval(**interval).text(signed=signed)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--results", default=str(Path(__file__).parent / "results"), help="the results folder")
+    p.add_argument("--output", default=None, help="JSON path (a Markdown table is written next to it, .md)")
+    args = p.parse_args(argv)
+    reports = {}
+    for table, folder in TABLES.items():
+        path = Path(args.results) / folder
+        if path.is_dir() and any(path.glob("*-seed*.json")):
+            reports[table] = table_report(path)
+    cross = cross_reports(Path(args.results))
+    text = markdown(reports) + ("\nAcross tables (same warm start, settings and seeds but the one compared):\n"
+                                + pairs_markdown({"across": cross}) if cross["pairs"] else "")
+    print(text)
+    if args.output:
+        out = {"collapse": {"format_rate_below": COLLAPSE_FORMAT_RATE, "exact_match_below": COLLAPSE_EXACT_MATCH},
+               "tables": reports, "across_tables": cross["pairs"]}
+        Path(args.output).write_text(json.dumps(out, indent=1, default=str) + "\n")
+        Path(args.output).with_suffix(".md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()

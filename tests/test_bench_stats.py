@@ -1,0 +1,94 @@
+"""`benchmarks/stats.py`: intervals over runs, paired differences, collapse counts and detectable differences mean
+what the benchmarks' README says they mean."""
+
+import json
+import math
+
+import pytest
+
+
+@pytest.fixture
+def stats(benchmark_script):
+    return benchmark_script("stats")
+
+
+@pytest.mark.parametrize("p, df, expected", [(0.975, 1, 12.706204736), (0.975, 2, 4.302652730), (0.975, 4, 2.776445105),
+                                             (0.8, 2, 1.060660172), (0.975, 30, 2.042272456), (0.5, 3, 0.0)])
+def test_t_quantiles_match_the_tables(stats, p, df, expected):
+    assert stats.t_quantile(p, df) == pytest.approx(expected, abs=1e-6)
+    assert stats.t_quantile(1 - p, df) == pytest.approx(-expected, abs=1e-6)
+
+
+def test_the_t_interval_is_over_runs_and_the_issues_stress_interval_straddles_zero(stats):
+    # the three paired stress-setting differences of issue 40: +0.109, +0.531, +0.359 -> about [-0.19, +0.86]
+    interval = stats.t_interval([0.109375, 0.53125, 0.359375])
+    assert interval.n == 3 and interval.mean == pytest.approx(1 / 3, abs=1e-3)
+    assert interval.low == pytest.approx(-0.19, abs=0.01) and interval.high == pytest.approx(0.86, abs=0.01)
+    assert interval.low < 0 < interval.high
+    # the half-width is t_{0.975, n-1} sd / sqrt(n)
+    assert interval.high - interval.mean == pytest.approx(4.302652730 * interval.sd / math.sqrt(3), rel=1e-9)
+
+
+def test_one_run_has_no_interval(stats):
+    interval = stats.t_interval([0.4])
+    assert (interval.low, interval.high, interval.sd) == (0.4, 0.4, 0.0)
+    assert "no interval" in interval.text()
+
+
+def test_paired_differences_use_only_common_seeds(stats):
+    assert stats.paired_differences({0: 0.1, 1: 0.2, 2: 0.3}, {1: 0.5, 2: 0.1, 3: 0.9}) == pytest.approx(
+        {1: 0.3, 2: -0.2})
+
+
+def test_the_detectable_difference_shrinks_as_one_over_root_n_and_is_larger_unpaired(stats):
+    sd = 0.05
+    d3, d12 = stats.detectable_difference(sd, 3), stats.detectable_difference(sd, 12)
+    assert d12 < d3
+    # large n: the normal approximation (z_{0.975} + z_{0.8}) sd / sqrt(n) = 2.8016 sd / sqrt(n)
+    assert stats.detectable_difference(sd, 2000) == pytest.approx(2.8016 * sd / math.sqrt(2000), rel=2e-3)
+    assert stats.detectable_difference(sd, 5, paired=False) > stats.detectable_difference(sd, 5)
+    assert stats.detectable_difference(sd, 1) == math.inf
+    n = stats.runs_needed(sd, 0.04)
+    assert stats.detectable_difference(sd, n) <= 0.04 < stats.detectable_difference(sd, n - 1)
+
+
+def test_a_run_collapses_when_its_answers_lose_their_form_or_almost_all_fail(stats):
+    assert stats.collapsed({"format_rate": 0.0, "exact_match": 0.0})
+    assert stats.collapsed({"format_rate": 0.98, "exact_match": 0.0})
+    assert stats.collapsed({"format_rate": 0.3, "exact_match": 0.2})
+    assert not stats.collapsed({"format_rate": 1.0, "exact_match": 0.117})
+
+
+def test_the_table_report_reads_run_files(stats, tmp_path):
+    def run(method, seed, em, fmt):
+        point = {"exact_match": em, "format_rate": fmt}
+        (tmp_path / f"{method}-seed{seed}.json").write_text(json.dumps(
+            {"method": method, "seed": seed, "heldout_before": 0.344, "curve": [{"exact_match": 0.344}, point]}))
+
+    for seed, (a, b) in enumerate([(0.008, 0.117), (0.0, 0.531), (0.0, 0.359)]):
+        run("treepo", seed, a, 0.0)
+        run("treeopsd", seed, b, 1.0)
+    report = stats.table_report(tmp_path)
+    assert report["methods"]["treepo"]["collapsed_count"] == 3
+    assert report["methods"]["treeopsd"]["collapsed_count"] == 0
+    pair = report["pairs"]["treeopsd - treepo"]
+    assert list(pair["differences"]) == [0, 1, 2]
+    assert pair["interval"]["mean"] == pytest.approx((0.109 + 0.531 + 0.359) / 3, abs=1e-3)
+    assert "3 of 3" in stats.markdown({"stress": report})
+
+
+def test_identical_values_give_no_interval_and_no_detectable_difference(stats):
+    assert "identical" in stats.t_interval([0.2, 0.2]).text()
+    run = {"method": "m", "seed": 0, "heldout_before": 0.3}
+    a = {s: {**run, "seed": s, "curve": [{"exact_match": 0.4, "format_rate": 1.0}]} for s in (0, 1)}
+    b = {s: {**run, "seed": s, "curve": [{"exact_match": 0.5, "format_rate": 1.0}]} for s in (0, 1)}
+    pair = stats.comparison(a, b)
+    assert pair["differences"] == pytest.approx({0: 0.1, 1: 0.1}) and pair["detectable_difference"] is None
+
+
+def test_fisher_exact_of_collapse_counts(stats):
+    assert stats.collapse_count_p_value(3, 3, 0, 3) == pytest.approx(0.1)  # 2 / C(6, 3)
+    assert stats.collapse_count_p_value(0, 3, 0, 3) == pytest.approx(1.0)
+    assert stats.collapse_count_p_value(5, 5, 0, 5) == pytest.approx(2 / 252)
+    # [[3, 1], [1, 5]]: the tables with its margins as or less likely than it: 15/210 + 24/210 + 1/210 (as scipy.stats.fisher_exact)
+    assert stats.collapse_count_p_value(3, 4, 1, 6) == pytest.approx(40 / 210)
