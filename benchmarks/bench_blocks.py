@@ -378,13 +378,9 @@ def main(argv=None):
         return stability_map(args, task, model_path, runs_dir)
     model, tokenizer = load_model(model_path)
     with tempfile.TemporaryDirectory() as output_dir:
-        trainer = trainer_for(args, task, model, tokenizer, output_dir)
+        trainer, trees, sampling_seconds, theta_old, heldout = prepared_batch(
+            args, task, model, tokenizer, output_dir, runs_dir)
         base_args = trainer.args
-        sampled, sampling_seconds = sampled_trees(trainer, task, args, runs_dir)
-        trees = chosen_trees(sampled, args.trees, args.tree_choice)
-        model = trainer.model
-        theta_old = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-        heldout = HeldOutKL(model, held_out_examples(task, tokenizer, args.heldout), trainer.temperature)
         results = {}
         for schedule in args.schedules:
             for method in args.methods:
@@ -392,6 +388,17 @@ def main(argv=None):
                     results.setdefault(schedule, {}).setdefault(method, {})[f"{scale:g}x"] = one_run(
                         trainer, base_args, trees, method, scale, schedule, heldout, args, theta_old, runs_dir)
     report(results, args, trees, sampling_seconds)
+
+
+def prepared_batch(args, task, model, tokenizer, output_dir: str, runs_dir: Path | None):
+    """What every run on one generation batch starts from: the trainer, its (cached) sampled trees as chosen, the
+    seconds sampling took, θ_old's trainable weights and the held-out KL meter."""
+    trainer = trainer_for(args, task, model, tokenizer, output_dir)
+    sampled, sampling_seconds = sampled_trees(trainer, task, args, runs_dir)
+    trees = chosen_trees(sampled, args.trees, args.tree_choice)
+    theta_old = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    heldout = HeldOutKL(trainer.model, held_out_examples(task, tokenizer, args.heldout), trainer.temperature)
+    return trainer, trees, sampling_seconds, theta_old, heldout
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -419,13 +426,8 @@ def stability_map(args, task, model_path: str, runs_dir: Path | None) -> None:
         torch.manual_seed(seed)
         model, tokenizer = load_model(model_path)
         with tempfile.TemporaryDirectory() as output_dir:
-            trainer = trainer_for(cell, task, model, tokenizer, output_dir)
+            trainer, trees, _, theta_old, heldout = prepared_batch(cell, task, model, tokenizer, output_dir, runs_dir)
             base_args = trainer.args
-            sampled, _ = sampled_trees(trainer, task, cell, runs_dir)
-            trees = chosen_trees(sampled, args.trees, args.tree_choice)
-            model = trainer.model
-            theta_old = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-            heldout = HeldOutKL(model, held_out_examples(task, tokenizer, args.heldout), trainer.temperature)
             for blocks in args.map_blocks:  # in the order given, so that a sitting makes the runs that matter first
                 cell = map_args(args, seed, blocks)
                 for scale in args.lr_scales:
