@@ -25,9 +25,16 @@ from tests.scripted import (
 from tests.trees import flat_gspo_token
 from trl_tree import TreeAdvConfig, TreeAdvTrainer, TreeConfig, TreeTrainer, Turn
 from trl_tree.batch import TurnCredit
-from trl_tree.rollout.token_branching import split_turns
+from trl_tree.rollout.token_branching import BRANCH_POINTS_METRIC, split_turns
 from trl_tree.rollout.turn_loop import Branch
 from trl_tree.testing import calculator
+
+
+def _capture_samples(trainer) -> list:
+    """Every `SampledTrees` the trainer's sampler returns from now on (its per-tree stats travel with it)."""
+    sampled, sample = [], trainer.sampler.sample
+    trainer.sampler.sample = lambda roots: sampled.append(sample(roots)) or sampled[-1]
+    return sampled
 
 
 def _trainer(tmp_path, script, cls=TreeAdvTrainer, config_cls=TreeAdvConfig, n_prompts=1, tools=None, **overrides):
@@ -62,9 +69,10 @@ def _cut_offsets(tree, first):
 def test_branches_start_at_high_entropy_tokens_within_the_cap_and_min_segment_length(tmp_path):
     trainer, captured = _trainer(tmp_path, math_entropy_script(), num_initial_rollouts=2, entropy_threshold=TAU,
                                  max_branches_per_tree=2, min_segment_length=3, max_turns=1)
+    sampled = _capture_samples(trainer)
     batch = trainer.generate_batch([trainer.train_dataset[0]])
     tree = captured[0]
-    assert trainer.sampler.last_branch_points == [2, 1]  # the cap binds on tree 1 (token 7 was eligible)
+    assert sampled[0].stats[BRANCH_POINTS_METRIC] == [2.0, 1.0]  # the cap binds on tree 1 (token 7 was eligible)
     assert tree.num_leaves == 5 and tree.rewards == [1.0, 0.0, 0.0, 1.0, 1.0]
     first_1, first_2 = tree.roots
     # root 1 is cut before tokens 4 and 10, root 2 before token 7; the token that starts each cut-off piece is one of
@@ -257,8 +265,9 @@ def test_real_generation_with_exact_entropies_keeps_the_invariants_over_two_roun
     captured = []
     original = trainer.turn_credit
     trainer.turn_credit = lambda tree: captured.append(tree) or original(tree)
+    sampled = _capture_samples(trainer)
     batch = trainer.generate_batch([trainer.train_dataset[0]])
-    tree, points = captured[0], trainer.sampler.last_branch_points
+    tree, points = captured[0], [int(n) for n in sampled[0].stats[BRANCH_POINTS_METRIC]]
     assert all(n <= 3 for n in points) and tree.num_leaves == 2 + sum(points) and sum(points) > 0
     for turn in tree.turns:
         if turn.partial:

@@ -22,7 +22,7 @@ it grows, what its leaves are, how it packs, and whether π_old goes back into i
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -61,10 +61,13 @@ class LeafScores:
 @dataclass
 class Grown:
     """What a unit kind grew for one generation batch: per prompt, its leaves; `diverged`, per prompt, how many
-    branches were dropped because their environment disagreed with their history (None: the kind has no replays)."""
+    branches were dropped because their environment disagreed with their history (None: the kind has no replays);
+    `sampler_stats`, what the sampler measured while growing them (metric name -> one value per tree), returned here
+    rather than left on the sampler so the trainer logs the batch it was given, not whatever the sampler did last."""
 
     leaves: list[list[Any]]
     diverged: list[int] | None = None
+    sampler_stats: dict[str, list[float]] = field(default_factory=dict)
 
 
 class RolloutUnit(Protocol):

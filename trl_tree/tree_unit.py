@@ -22,7 +22,8 @@ class TreeUnits:
     """Trees grown by `sampler` with `engine` (one rollout session per generation batch).
 
     Args:
-        sampler: a tree sampler (`trl_tree.methods.SAMPLERS`): `sample(roots) -> branches per root`.
+        sampler: a tree sampler (`trl_tree.methods.SAMPLERS`): `sample(roots) -> SampledTrees`, the branches per
+            root and what the sampler measured growing them.
         engine: the generation backend (its rollout session drops state valid only for the current weights).
         pad_id: the padding id; layout: `TreeConfig.packing` ("auto": the cheaper forward for `model_config`).
         mask_truncated: GRPO's `mask_truncated_completions` (`mask_truncated_turns`).
@@ -42,7 +43,7 @@ class TreeUnits:
             branches_per_tree = self.sampler.sample(roots)
         diverged = [sum(b.diverged_at is not None for b in branches) for branches in branches_per_tree]
         kept = [[b for b in branches if b.diverged_at is None] for branches in branches_per_tree]
-        return Grown(kept, diverged)
+        return Grown(kept, diverged, branches_per_tree.stats)
 
     def build(self, inputs: list[dict], roots: list, leaves: list[list[Any]], rewards: list[torch.Tensor]):
         return [

@@ -20,6 +20,16 @@ from .turn_loop import Branch, TurnLoop, _bind_tools
 # ---------------------------------------------------------------------------------------------------------------
 
 
+class SampledTrees(list):
+    """What `sample` returns: per root, its finished branches (a list, as the callers index and unpack it), with
+    `stats`, what the sampler measured while growing them (metric name -> one value per tree, prompt-major; e.g.
+    TreeAdv's branch points). The tree unit passes them on in `pipeline.Grown` for the trainer to log."""
+
+    def __init__(self, per_root: list[list[Branch]], stats: dict[str, list[float]] | None = None):
+        super().__init__(per_root)
+        self.stats = stats or {}
+
+
 @dataclass
 class TreeRoot:
     """What a sampler needs to start one tree: the rendered prompt, the root's (already reset) environment if any, and
@@ -87,7 +97,7 @@ class InitExpandSampler:
         self.num_branches = num_branches
         self.rng = random.Random(seed)
 
-    def sample(self, roots: list[TreeRoot]) -> list[list[Branch]]:
+    def sample(self, roots: list[TreeRoot]) -> SampledTrees:
         """Returns, per tree, its K finished branches: the M initial ones first, then their continuations (each
         trajectory's in the order they started)."""
         initial = [
@@ -127,7 +137,7 @@ class InitExpandSampler:
         per_tree: list[list[Branch]] = [[] for _ in roots]
         for branch in initial + expansions:
             per_tree[branch.tree].append(branch)
-        return per_tree
+        return SampledTrees(per_tree)
 
 
 class EntropyGuidedSampler:
@@ -154,7 +164,7 @@ class EntropyGuidedSampler:
         self.mode, self.alpha = mode, alpha
         self.rng = random.Random(seed)
 
-    def sample(self, roots: list[TreeRoot]) -> list[list[Branch]]:
+    def sample(self, roots: list[TreeRoot]) -> SampledTrees:
         branching = self.rounds > 0 and self.per_round > 0
         per_tree = [
             [_start(i, root, first=m == 0, snapshots=branching) for m in range(self.num_initial)]
@@ -168,7 +178,7 @@ class EntropyGuidedSampler:
             self.loop.run([b for branches in new for b in branches])
             for branches, added in zip(per_tree, new):
                 branches.extend(added)
-        return per_tree
+        return SampledTrees(per_tree)
 
     def _expand(self, root: TreeRoot, branches: list[Branch]) -> list[Branch]:
         tree = RolloutTree.from_trajectories(root.prompt_ids, [b.turns for b in branches], [0.0] * len(branches))

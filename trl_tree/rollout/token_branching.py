@@ -40,8 +40,10 @@ import math
 from collections.abc import Iterable
 
 from ..tree import RolloutTree, Turn
-from .samplers import TreeRoot, _start
+from .samplers import SampledTrees, TreeRoot, _start
 from .turn_loop import Branch, TurnLoop
+
+BRANCH_POINTS_METRIC = "treeadv/branch_points_per_tree"  # token-level branch points each tree got, per batch
 
 
 def split_turns(branch: Branch, cuts: Iterable[int]) -> tuple[list[Turn], list[int]]:
@@ -146,9 +148,8 @@ class TokenEntropySampler:
             raise ValueError("entropy_threshold must be a number (use float('inf') to turn branching off).")
         self.loop, self.num_trees, self.threshold = loop, num_trees, threshold
         self.max_branches, self.min_segment_length, self.rounds = max_branches, min_segment_length, rounds
-        self.last_branch_points: list[int] = []  # per tree (root) of the last call, prompt-major: for logging
 
-    def sample(self, roots: list[TreeRoot]) -> list[list[Branch]]:
+    def sample(self, roots: list[TreeRoot]) -> SampledTrees:
         branching = self.max_branches > 0
         forests = [
             [[_start(x, root, first=m == 0, snapshots=branching)] for m in range(self.num_trees)]
@@ -172,14 +173,13 @@ class TokenEntropySampler:
                         used[x][m] += 1
             self.loop.run(new)
         self.loop.run(self._ensure_two_leaves(roots, forests, cuts, added, used))
-        self.last_branch_points = [n for per_prompt in used for n in per_prompt]
         per_prompt = []
         for x, forest in enumerate(forests):
             branches = [tree[0] for tree in forest] + added[x]
             for branch in branches:
                 branch.turns = split_turns(branch, _cuts_of(branch, cuts[x]))[0]
             per_prompt.append(branches)
-        return per_prompt
+        return SampledTrees(per_prompt, {BRANCH_POINTS_METRIC: [float(n) for per_tree in used for n in per_tree]})
 
     def _branch(self, root: TreeRoot, tree: list[Branch], cuts, threshold: float, quota: int) -> list[Branch]:
         """Choose up to `quota` branch points in one tree, record them as cuts, and return the new branches."""

@@ -109,6 +109,9 @@ class GenerationLogging:
         if self.environment_factories is not None:
             metrics["tree/diverged_branches"].append(self._mean_over_ranks(result.grown.diverged))
         self.log_turn_credit(metrics, per_turn)
+        for name, per_tree in result.grown.sampler_stats.items():  # what the sampler measured (TreeAdv: branch points)
+            if per_tree:
+                metrics[name].append(self._mean_over_ranks(per_tree))
         if self.log_completions:
             self._log_tree_completions(prompts, trees, branches_per_tree, result.scores.per_func)
             if self._tree_view is not None:

@@ -42,9 +42,3 @@ class TreeAdvTrainer(TreeTrainer):
         trainer.train()
         ```
     """
-
-    def log_turn_credit(self, metrics, per_turn) -> None:
-        super().log_turn_credit(metrics, per_turn)
-        points = getattr(self.sampler, "last_branch_points", None)
-        if points:
-            metrics["treeadv/branch_points_per_tree"].append(self._mean_over_ranks([float(n) for n in points]))
