@@ -1,13 +1,19 @@
 """Refactoring guard: every method's two training steps are bit-identical to the ones recorded before a change.
 
-Each configuration of `tests/launch/tiny_tree_run.py` (the five named methods and the mixed compositions) trains two
+Each configuration of `tests/launch/tiny_tree_run.py` (the named methods and the mixed compositions) trains two
 optimizer blocks of one generation batch from the cached warm start, with real sampling. The test records, per
 optimizer step, the loss each micro-batch returned and a digest of every trainable parameter after the step: equal
 digests after an Adam step mean equal gradients, so the pair pins sampling, credit, packing, the loss and its gradient
 at once. A change that is meant to keep behaviour (docs/design.md: the architecture of #29) must keep this file's
 record; a change that is meant to alter the numbers regenerates it, and says why in its commit:
 
-    python tests/test_golden_training.py --update
+    python -m tests.test_golden_training --update
+
+The configurations are `tests/launch/tiny_tree_run.CONFIGURATIONS`, which must train every registered sampler,
+credit and loss. A new one (a composition added there for a newly registered component) is recorded alone, leaving
+the others' records as they are:
+
+    python -m tests.test_golden_training --add NAME
 
 Bits depend on the CPU's vector kernels: the record notes `torch.backends.cpu.get_cpu_capability()` and the torch
 version, and a machine with other kernels compares the losses to 1e-4 instead of the digests bit for bit.
@@ -23,9 +29,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.launch.tiny_tree_run import CONFIGURATIONS, build_trainer, uncovered
+
 RECORD = Path(__file__).parent / "data" / "golden_training.json"
-CONFIGURATIONS = ("treeopsd", "treepo", "at2po", "treeadv", "treeflex", "treeadv_gspo", "opsd_on_entropy_tree",
-                  "atpo_on_init_expand", "flat_grpo")
 
 
 def _kernels() -> str:
@@ -34,8 +40,6 @@ def _kernels() -> str:
 
 def two_steps(name: str, out: str, **config_fields) -> dict:
     """The losses and parameter digests of two optimizer steps of configuration `name`."""
-    from tests.launch.tiny_tree_run import build_trainer
-
     trainer = build_trainer(out, max_steps=2, method=name, **config_fields)
     losses: list[float] = []
     compute_loss = trainer.compute_loss
@@ -69,8 +73,16 @@ def record() -> dict:
     return json.loads(RECORD.read_text())
 
 
+def test_every_registered_component_is_in_the_record():
+    """A newly registered sampler, credit or loss is pinned once a configuration trains it."""
+    assert not uncovered(CONFIGURATIONS), "\n".join(uncovered(CONFIGURATIONS))
+
+
 @pytest.mark.parametrize("name", CONFIGURATIONS)
 def test_two_training_steps_match_the_record(tmp_path, record, name):
+    if name not in record["runs"]:
+        pytest.fail(f"{name!r} has no golden record: record it with `python -m tests.test_golden_training --add "
+                    f"{name}` (the others' records stay as they are) and commit {RECORD.name}.")
     got, want = two_steps(name, str(tmp_path)), record["runs"][name]
     assert len(got["digests"]) == 2 and len(got["losses"]) >= 2
     if record["kernels"] == _kernels():
@@ -92,11 +104,18 @@ def test_one_tool_call_at_a_time_trains_as_the_concurrent_default(tmp_path, reco
 if __name__ == "__main__":
     import tempfile
 
-    if sys.argv[1:] != ["--update"]:
+    if sys.argv[1:] == ["--update"]:
+        names, runs = CONFIGURATIONS, {}
+    elif sys.argv[1:2] == ["--add"] and sys.argv[2:] and set(sys.argv[2:]) <= set(CONFIGURATIONS):
+        recorded = json.loads(RECORD.read_text())
+        if recorded["kernels"] != _kernels():  # the new runs' bits would not be comparable with the others'
+            raise SystemExit(f"{RECORD.name} was made with {recorded['kernels']}, this machine has {_kernels()}: "
+                             "add the configuration on a machine with the record's kernels.")
+        names, runs = sys.argv[2:], recorded["runs"]
+    else:
         raise SystemExit(__doc__)
     torch.set_num_threads(1)  # as the suite runs (tests/conftest.py)
-    runs = {}
-    for name in CONFIGURATIONS:
+    for name in names:
         with tempfile.TemporaryDirectory() as out:
             runs[name] = two_steps(name, out)
         print(name, runs[name]["losses"], flush=True)

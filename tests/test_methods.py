@@ -4,6 +4,7 @@ the typed micro-batch credit (`trl_tree.batch`) survives TRL's buffers."""
 
 import dataclasses
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -79,7 +80,7 @@ def test_needs_entropies_follows_the_chosen_components(tmp_path, choice, needed)
 
 
 def test_an_unknown_component_names_the_field_and_the_registered_choices(tmp_path):
-    with pytest.raises(ValueError, match=r"loss must be one of \('treeopsd', 'treepo', 'atpo', 'grpo', 'gspo_token'"):
+    with pytest.raises(ValueError, match=re.escape(f"loss must be one of {tuple(methods.LOSSES)}")):
         config(TreeConfig, tmp_path, loss="ppo")
 
 
@@ -97,7 +98,8 @@ def half_treepo():
     def prepare(tree, A, args):
         return TurnCredit(A=A)
 
-    @methods.register_loss("half_treepo", prepare=prepare, fields={"target_radius": "a field this loss reads"})
+    @methods.register_loss("half_treepo", prepare=prepare, fields={"target_radius": "a field this loss reads"},
+                           returns=("half_treepo/abs_A",))
     def compute(batch, args):
         loss, metrics = methods.LOSSES["treepo"].compute(batch, args)
         return loss / 2, {"half_treepo/abs_A": batch.credit.A.abs()}
@@ -143,19 +145,23 @@ def _one_batch(trees, args, seed=0):
     return LossInputs.build(turn_ids, new, old, TurnCredit.stack(units))
 
 
-@pytest.mark.parametrize("loss, credit_name", [
-    ("treeopsd", "likelihood"), ("treepo", "likelihood"), ("atpo", "child_mean"), ("grpo", "leaf_mean"),
-    ("gspo_token", "leaf_mean"),
-])  # fmt: skip
-def test_each_tree_loss_returns_its_loss_and_typed_metrics(tmp_path, loss, credit_name):
-    """(loss, metrics): the loss equals the pure function of `trl_tree.losses` on the same tensors; a clipped loss
-    reports GRPO's clip counts per root-to-leaf path (K rows per tree), TreeOPSD its teachers' gaps per turn."""
+# the credit each tree loss is checked with (any other would do: the three choices are independent); a new loss
+# gets "leaf_mean"
+_CREDIT_OF = {"treeopsd": "likelihood", "treepo": "likelihood", "atpo": "child_mean"}
+
+
+@pytest.mark.parametrize("loss", [name for name, loss in methods.LOSSES.items() if loss.unit == "tree"])
+def test_each_tree_loss_returns_its_loss_and_declared_metrics(tmp_path, loss):
+    """(loss, metrics): finite, the metrics it declares (`Loss.returns`); TreeOPSD's equals the pure function of
+    `trl_tree.losses` on the same tensors; a clipped loss reports GRPO's clip counts per root-to-leaf path (K rows
+    per tree), TreeOPSD its teachers' gaps per turn."""
     eps = {"epsilon": 3e-4, "epsilon_high": 4e-4} if loss == "gspo_token" else {}
-    args = config(TreeConfig, tmp_path, loss=loss, credit=credit_name, **eps)
+    args = config(TreeConfig, tmp_path, loss=loss, credit=_CREDIT_OF.get(loss, "leaf_mean"), **eps)
     trees = [hotpot_like_tree(), deep_tree()]
     batch = _one_batch(trees, args)
     value, metrics = methods.LOSSES[loss].compute(batch, args)
     assert value.dim() == 0 and math.isfinite(value.item())
+    assert set(metrics) == set(methods.LOSSES[loss].returns)
     if methods.LOSSES[loss].clipped:
         counts = metrics["clip_ratio"].counts
         assert counts.shape == (sum(t.num_leaves for t in trees), 3)
@@ -405,3 +411,44 @@ def test_a_name_registered_twice_is_refused_and_the_first_stays(register, table,
     with pytest.raises(ValueError, match=f"named '{name}' is registered already"):
         register()
     assert table[name] is first
+
+
+@pytest.fixture
+def loss_table():
+    """`methods.LOSSES` as it was before the test, whatever the test registered."""
+    before = dict(methods.LOSSES)
+    yield methods.LOSSES
+    methods.LOSSES.clear()
+    methods.LOSSES.update(before)
+
+
+_CLIP_FIELDS = {"epsilon": "ε", "epsilon_high": "ε_high"}
+
+
+@pytest.mark.parametrize(("declaration", "message"), [
+    ({"credit_kind": TurnCredit, "fields": _CLIP_FIELDS, "returns": ("clip_ratio",)},
+     r"Loss 'bad' returns 'clip_ratio', counted per sequence, but its credit kind TurnCredit\(A\) numbers none"),
+    ({"credit_kind": methods.PathCredit, "fields": {}, "returns": ("clip_ratio",)},
+     "Loss 'bad' returns 'clip_ratio' but does not read epsilon, epsilon_high"),
+    ({"credit_kind": methods.PathCredit, "fields": _CLIP_FIELDS},
+     r"Loss 'bad' reads 'epsilon' but does not declare returns=\('clip_ratio', ...\)"),
+], ids=["clipped-without-paths", "clipped-without-epsilon", "epsilon-without-clip-metrics"])
+def test_an_inconsistent_loss_declaration_is_refused_naming_the_loss(loss_table, declaration, message):
+    """The clip metrics, the clip fields and a credit kind that numbers sequences go together; a loss declaring
+    some without the others is refused at registration, not found as a KeyError in a training step."""
+    with pytest.raises(ValueError, match=message):
+        methods.register_loss("bad", prepare=lambda *a: None, **declaration)(lambda batch, args: None)
+    assert "bad" not in loss_table
+
+
+def test_a_loss_returning_undeclared_metrics_fails_naming_it(tmp_path, loss_table):
+    """The registered `compute` compares the metric names with the declaration (`Loss.returns`) on every call."""
+
+    @methods.register_loss("quiet_treepo", prepare=lambda tree, A, args: TurnCredit(A=A), returns=("quiet/A",))
+    def compute(batch, args):
+        return loss_table["treepo"].compute(batch, args)
+
+    args = config(TreeConfig, tmp_path, loss="quiet_treepo")
+    with pytest.raises(ValueError, match=r"Loss 'quiet_treepo' returned the metrics \[\] but declares "
+                                         r"returns=\('quiet/A',\)"):
+        loss_table["quiet_treepo"].compute(_one_batch([hotpot_like_tree()], args), args)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -46,6 +47,9 @@ class TurnCredit:
 
     A: Tensor
     count: Tensor | None = per_unit(default=None, kw_only=True)
+    # the sequences a clipped loss counts its clip ratio per ("root-to-leaf paths"), empty when the kind numbers
+    # none: `methods.register_loss` refuses a clipped loss whose kind has none
+    clip_sequences: ClassVar[str] = ""
 
     @classmethod
     def per_unit_fields(cls) -> frozenset[str]:

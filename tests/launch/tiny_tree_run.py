@@ -68,6 +68,31 @@ METHODS = {
     **{name: _entry(name, TINY.get(name, {}), {}) for name in methods.METHODS},
     **{name: _entry(*variant) for name, variant in VARIANTS.items()},
 }
+# launched only: its searches differ per rank, which a single process cannot show
+LAUNCH_ONLY = ("treeflex_uneven",)
+# the configurations the golden record and the credit-direction test train, in order: every named method, then the
+# compositions, which between them must train every registered sampler, credit and loss (`uncovered`)
+CONFIGURATIONS = tuple(name for name in METHODS if name not in LAUNCH_ONLY)
+
+
+def components(name: str) -> dict[str, str]:
+    """The sampler, credit and loss configuration `name` trains: its overrides, else its config class's defaults."""
+    _, config_cls, overrides, _ = METHODS[name]
+    defaults = config_cls.__dataclass_fields__
+    return {kind: overrides.get(kind, defaults[kind].default) for kind in ("sampler", "credit", "loss")}
+
+
+def uncovered(configurations, kinds=("sampler", "credit", "loss")) -> list[str]:
+    """What to add for each registered component of `kinds` that none of `configurations` trains: a composition in
+    VARIANTS, which the golden record, the credit-direction test and this launcher then pick up."""
+    trained = [components(name) for name in configurations]
+    tables = {"sampler": methods.SAMPLERS, "credit": methods.CREDITS, "loss": methods.LOSSES}
+    return [
+        f"the {kind} {name!r} is trained by no configuration: add one using it to VARIANTS in "
+        f"tests/launch/tiny_tree_run.py (e.g. \"{name}_tiny\": (None, {{\"{kind}\": \"{name}\", ...}}, {{}})), then "
+        f"record it: python -m tests.test_golden_training --add {name}_tiny"
+        for kind in kinds for name in tables[kind] if all(c[kind] != name for c in trained)
+    ]
 
 
 def correct_answer(completions, answer, **kwargs):
