@@ -49,10 +49,74 @@ from torch.utils.checkpoint import checkpoint
 from .tree import RolloutTree
 from .tree_attention import TREE_SDPA, chain_attention_mask, tree_chains
 
-LAYOUTS = ("tree", "paths")
-MASKED_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", TREE_SDPA)
+
+@dataclass(frozen=True)
+class Layout:
+    """A way of packing trees into rows, declared once so that `pack_trees`, the configs' `packing` check and their
+    messages all read the same list (`LAYOUTS`, `PACKING_CHOICES`)."""
+
+    name: str
+    doc: str
+
+
+@dataclass(frozen=True)
+class AttentionKernel:
+    """What the packing needs to know about one attention implementation, declared once (`KERNELS`) so that the
+    mask dispatch, the `auto` layout choice, the trainer's kernel switch and the error messages cannot disagree.
+
+    Attributes:
+        name: transformers' `attn_implementation` string.
+        mask: the custom mask it takes for an ancestor-masked tree row: "dense" (boolean [B, 1, T, T]), "additive"
+            (float [B, 1, T, T]), "block" (a flex_attention BlockMask) or "chains" (the rows' chains,
+            `trl_tree.tree_attention`).
+        sparse: computes only the visible pairs of a tree row, so the tree layout (unique tokens once) is never
+            dearer than paths.
+        tree_rows_with: the kernel that forwards tree rows faster and is otherwise this one (sdpa -> tree_sdpa);
+            the trainer switches a policy to it when it forwards tree rows.
+    """
+
+    name: str
+    mask: str
+    sparse: bool = False
+    tree_rows_with: str | None = None
+
+    @property
+    def chained(self) -> bool:
+        """Needs the tree rows' chains passed down to every attention call instead of a [T, T] mask."""
+        return self.mask == "chains"
+
+
+KERNELS = {
+    kernel.name: kernel
+    for kernel in (
+        AttentionKernel("sdpa", mask="dense", tree_rows_with=TREE_SDPA),
+        AttentionKernel("eager", mask="additive"),
+        AttentionKernel("flex_attention", mask="block", sparse=True),
+        AttentionKernel(TREE_SDPA, mask="chains", sparse=True),
+    )
+}
+TREE_LAYOUTS = {
+    layout.name: layout
+    for layout in (
+        Layout("tree", "one ancestor-masked row per tree: unique tokens once"),
+        Layout("paths", "one causal row per unique root-to-leaf path"),
+    )
+}
+# "auto" is not a packing of its own: `pack_cheapest` picks one of the layouts per micro-batch
+AUTO_LAYOUT = "auto"
+LAYOUTS = tuple(TREE_LAYOUTS)
+PACKING_CHOICES = (*LAYOUTS, AUTO_LAYOUT)
+# Kernels that take the ancestor mask of a tree row
+MASKED_IMPLEMENTATIONS = tuple(KERNELS)
 # Kernels that compute only the visible pairs of a tree row, so that its unique tokens are never dearer than paths
-SPARSE_IMPLEMENTATIONS = ("flex_attention", TREE_SDPA)
+SPARSE_IMPLEMENTATIONS = tuple(name for name, kernel in KERNELS.items() if kernel.sparse)
+
+
+def kernel_for_tree_rows(attn_implementation: str | None) -> str | None:
+    """The kernel a policy loaded with `attn_implementation` should be switched to when it forwards tree rows
+    (sdpa -> tree_sdpa), or None to keep its own."""
+    kernel = KERNELS.get(attn_implementation)
+    return kernel.tree_rows_with if kernel else None
 
 
 @dataclass
@@ -342,11 +406,12 @@ def _ordered_blocks(blocks: Tensor) -> tuple[Tensor, Tensor]:
 
 def attention_mask_for(attn_implementation: str | None, subtree_end: Tensor, valid: Tensor, dtype: torch.dtype):
     """The 4D mask that `attn_implementation` understands, or a ValueError if it cannot take a custom mask."""
-    if attn_implementation == "sdpa":
+    kernel = KERNELS.get(attn_implementation)
+    if kernel is not None and kernel.mask == "dense":
         return dense_attention_mask(subtree_end, valid)
-    if attn_implementation == "eager":
+    if kernel is not None and kernel.mask == "additive":
         return additive_attention_mask(subtree_end, valid, dtype)
-    if attn_implementation == "flex_attention":
+    if kernel is not None and kernel.mask == "block":
         return block_mask(subtree_end, valid)
     raise ValueError(
         f"Attention implementation {attn_implementation!r} cannot take the tree (ancestor) attention mask. Load the "
@@ -360,7 +425,8 @@ def attention_inputs(attn_implementation: str | None, subtree_end: Tensor, valid
     """The forward kwargs that make rows of ancestor-masked trees attend correctly: for tree_sdpa the rows' chains
     (`trl_tree.tree_attention`, which transformers hands down to every attention call) with its placeholder mask,
     otherwise the mask the kernel understands (`attention_mask_for`)."""
-    if attn_implementation == TREE_SDPA:
+    kernel = KERNELS.get(attn_implementation)
+    if kernel is not None and kernel.chained:
         return {"attention_mask": chain_attention_mask(len(valid), subtree_end.device),
                 "tree_chains": tree_chains(subtree_end, valid)}
     return {"attention_mask": attention_mask_for(attn_implementation, subtree_end, valid, dtype)}

@@ -37,13 +37,12 @@ from trl.trainer.utils import RepeatSampler, repeat_iterable_dataset
 
 from .. import methods, pipeline, trl_internals
 from ..batch import LossInputs, TurnCredit
-from ..packing import unwrap_model
+from ..packing import kernel_for_tree_rows, unwrap_model
 from ..rollout.engine import HFEngine
 from ..rollout.samplers import TreeRoot
 from ..rollout.turn_loop import SamplerSettings, TurnLoop
 from ..text import plural
 from ..tree import RolloutTree
-from ..tree_attention import TREE_SDPA
 from ..tree_unit import TreeUnits
 from . import completions_table, components, engine_ports, model_card, resume
 from . import metrics as tree_metrics
@@ -143,8 +142,9 @@ class TreeTrainer(PromptRendering, EnvironmentHandling, RewardScoring, Generatio
         so the tree layout stays cheaper than path rows at any length. Every other forward (generation, causal rows)
         is transformers' sdpa itself, and the setting is not saved with the model (`trl_tree.tree_attention`)."""
         base = unwrap_model(self.model)
-        if self._forwards_tree_rows() and getattr(base.config, "_attn_implementation", None) == "sdpa":
-            base.set_attn_implementation(TREE_SDPA)
+        kernel = kernel_for_tree_rows(getattr(base.config, "_attn_implementation", None))
+        if self._forwards_tree_rows() and kernel is not None:
+            base.set_attn_implementation(kernel)
 
     def _forwards_tree_rows(self) -> bool:
         """Whether training forwards packed tree rows (with `subtree_end`): every `packing` but "paths"."""

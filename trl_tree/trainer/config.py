@@ -29,12 +29,8 @@ from typing import ClassVar
 from trl import GRPOConfig
 
 from .. import methods
-from ..rollout.env_branching import ENVIRONMENT_BRANCHING, check_replay_divergence
-from ..rollout.prefix_cache import check_max_bytes
-from ..rollout.special_tokens import check_observation_special_tokens
-from ..rollout.tool_executor import check_max_concurrent_tool_calls
-from ..rollout.tools import MAX_OBSERVATION_CHARS, check_tool_execution
-from ..rollout.turn_loop import check_chunk_tokens, check_max_tool_calls_per_turn
+from ..rollout.tools import MAX_OBSERVATION_CHARS
+from . import config_checks
 
 logger = logging.getLogger(__name__)
 
@@ -72,10 +68,11 @@ def _as_grpo_reads(name: str, value):
     return value
 
 
-PACKING_LAYOUTS = ("tree", "paths", "auto")
-MALFORMED_TOOL_CALL_POLICIES = ("observe", "end")
+# The allowed values, with the checks that enforce them (`config_checks`); re-exported for existing importers
+PACKING_LAYOUTS = config_checks.PACKING_LAYOUTS
+MALFORMED_TOOL_CALL_POLICIES = config_checks.MALFORMED_TOOL_CALL_POLICIES
 ANCHOR_RULES = methods.ANCHOR_RULES  # the init_expand sampler's own (`methods.Sampler.check`)
-GENERATION_CACHES = ("prefix", "static", "dynamic")
+GENERATION_CACHES = config_checks.GENERATION_CACHES
 
 
 def component_choices(kind: str, unit: str = "tree") -> str:
@@ -550,62 +547,14 @@ class TreeTrainerConfig(GRPOConfig):
 
     def _check_tree_fields(self):
         self._apply_tool_calling_iterations()
-        if self.max_turns is None or self.max_turns < 1:
-            raise ValueError(f"max_turns must be ≥ 1 (assistant turns per trajectory); got {self.max_turns}.")
-        from .components import MULTI_OBJECTIVE_AGGREGATIONS
-
-        if self.multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
-            raise ValueError(
-                f"multi_objective_aggregation must be one of {MULTI_OBJECTIVE_AGGREGATIONS}; got "
-                f"{self.multi_objective_aggregation!r}."
-            )
-        check_tool_execution(self.tool_execution)
-        check_max_concurrent_tool_calls(self.max_concurrent_tool_calls)
-        check_max_tool_calls_per_turn(self.max_tool_calls_per_turn)
-        if self.malformed_tool_calls not in MALFORMED_TOOL_CALL_POLICIES:
-            raise ValueError(
-                f"malformed_tool_calls must be one of {MALFORMED_TOOL_CALL_POLICIES}; got {self.malformed_tool_calls!r}:"
-                " 'observe' answers an unparseable tool call with an error observation, 'end' ends the trajectory."
-            )
-        check_observation_special_tokens(self.observation_special_tokens)
-        if self.max_completion_length is None or self.max_completion_length < 1:
-            raise ValueError("max_completion_length must be a positive number of tokens per trajectory.")
-        if self.environment_branching not in ENVIRONMENT_BRANCHING:
-            raise ValueError(
-                f"environment_branching must be one of {ENVIRONMENT_BRANCHING}; got {self.environment_branching!r}: "
-                "'fork' uses the environment's fork(), 'copy' copy.deepcopy, 'replay' re-runs the recorded tool calls "
-                "on a fresh instance, 'auto' fork(), else a copy when nothing could be shared, else replay."
-            )
-        check_replay_divergence(self.replay_divergence)
-        if self.max_turn_tokens is not None and self.max_turn_tokens < 1:
-            raise ValueError(
-                f"max_turn_tokens must be a positive number of tokens per assistant turn, or None; got "
-                f"{self.max_turn_tokens}."
-            )
-        check_chunk_tokens(self.generation_chunk_tokens)
-        check_max_bytes(self.max_prefix_cache_bytes)
-        if self.generation_cache not in GENERATION_CACHES:
-            raise ValueError(
-                f"generation_cache must be one of {GENERATION_CACHES}; got {self.generation_cache!r}: 'prefix' reuses "
-                "earlier turns' keys and values within a rollout, 'static' preallocates the KV cache of each generate "
-                "call, 'dynamic' grows it token by token."
-            )
+        config_checks.check_tree_fields(self)
         self._check_generation_kwargs()
 
     def _check_generation_kwargs(self):
         """A tree grows by continuing each prefix with one sampled (or greedy) sequence: beam search and several
         returned sequences per prefix give rows that belong to no branch (and a KV cache expanded per beam, which the
         prefix store cannot splice), so they are refused here rather than failing mid-rollout."""
-        kwargs = self.generation_kwargs or {}
-        for name in ("num_beams", "num_return_sequences"):
-            value = kwargs.get(name)
-            if value is not None and value != 1:
-                raise ValueError(
-                    f"generation_kwargs {name}={value} is not supported: tree sampling needs one sampled sequence per "
-                    "prefix (each continuation is one branch of the tree; more branches come from the sampler fields, "
-                    "e.g. num_initial_rollouts and num_branches). Remove it or set it to 1; greedy decoding "
-                    "(do_sample=False) and the sampling options (temperature, top_p, top_k, ...) are fine."
-                )
+        config_checks.check_generation_kwargs(self)
 
 
 @dataclass
@@ -755,8 +704,7 @@ class TreeConfig(TreeTrainerConfig):
 
     def _check_tree_fields(self):
         super()._check_tree_fields()
-        if self.packing not in PACKING_LAYOUTS:
-            raise ValueError(f"packing must be one of {PACKING_LAYOUTS}; got {self.packing!r}.")
+        config_checks.check_packing(self)
 
 
 @dataclass
