@@ -97,3 +97,22 @@ def test_greedy_decoding_is_deterministic_and_stops_at_the_budget(world):
     engine = GreedyEngine(model, tok)
     out = engine.generate([[1, 2, 3]], [5])[0]
     assert len(out.ids) <= 5
+
+
+def test_evaluation_runs_every_limit_the_trainer_runs(tmp_path):
+    """`AgentSettings.from_config` reads a training config through the trainers' own `SamplerSettings.from_config`:
+    every turn-loop field (turns, budgets, tool limits, malformed calls) equals training's, non-default values
+    included, so before/after numbers measure the policy under the limits it was optimised with."""
+    from dataclasses import fields
+
+    from trl_tree.rollout.turn_loop import SamplerSettings
+
+    args = config(TreeOPSDConfig, tmp_path, max_turns=3, max_turn_tokens=40, generation_chunk_tokens=8,
+                  tool_timeout=2.5, max_tool_calls_per_turn=2, malformed_tool_calls="observe", tool_failure_penalty=-0.5,
+                  max_concurrent_tool_calls=3, observation_special_tokens="raw")
+    settings = AgentSettings.from_config(args, batch_size=5)
+    loop = SamplerSettings.from_config(args)
+    assert {f.name: getattr(settings, f.name) for f in fields(SamplerSettings)} == vars(loop)
+    assert settings.batch_size == 5 and settings.observation_special_tokens == "raw"
+    with pytest.raises(ValueError, match="max_concurrent_tool_calls"):
+        AgentSettings(max_concurrent_tool_calls=0)  # the loop's own checks hold for evaluation too

@@ -23,7 +23,6 @@ import torch
 from trl_tree.rewards import exact_match_score, extract_answer, f1_score, is_well_formed
 from trl_tree.rollout.engine import Continuation, _cut_at_eos, rollout_session
 from trl_tree.rollout.prefix_cache import PrefixKVStore, left_padded, supports_reuse
-from trl_tree.rollout.tools import MAX_OBSERVATION_CHARS
 from trl_tree.rollout.turn_loop import Branch, SamplerSettings, TurnLoop
 
 
@@ -183,21 +182,24 @@ class GreedyEngine:
 
 
 @dataclass
-class AgentSettings:
-    """The agent's limits: keep them equal to training's (``TreeConfig``) for comparable numbers."""
+class AgentSettings(SamplerSettings):
+    """The agent's limits: the turn loop's own (`SamplerSettings`: turns, budgets, tools) and what only evaluation
+    has (greedy batch size, prefix reuse, the chat template's). Build it from a training config with `from_config`, so
+    evaluation runs the limits the trainer optimised under, read in the one place the trainers read them."""
 
     max_turns: int = 5
     max_completion_length: int = 512
-    max_turn_tokens: int | None = None
-    max_observation_chars: int | None = MAX_OBSERVATION_CHARS
-    tool_timeout: float | None = 30.0
-    tool_execution: str = "thread"  # or "main": see TreeConfig.tool_execution
-    max_concurrent_tool_calls: int = 64  # TreeConfig.max_concurrent_tool_calls
     batch_size: int = 64
     reuse_prefixes: bool = True  # encode each history once (GreedyEngine); False: re-encode it every turn
-    chunk_tokens: int | None = None  # tokens per generate call (TreeConfig.generation_chunk_tokens)
     chat_template_kwargs: dict[str, Any] | None = None
     observation_special_tokens: str = "neutralize"  # TreeConfig.observation_special_tokens
+
+    @classmethod
+    def from_config(cls, args, max_completion_length: int | None = None, **evaluation) -> AgentSettings:
+        """A trainer config's limits (`SamplerSettings.from_config`) and its chat template's, with the
+        evaluation-only fields (`batch_size`, `reuse_prefixes`) as keywords."""
+        return super().from_config(args, max_completion_length, chat_template_kwargs=args.chat_template_kwargs,
+                                   observation_special_tokens=args.observation_special_tokens, **evaluation)
 
 
 def run_agent(
@@ -220,16 +222,7 @@ def run_agent(
         ),
         parse=template.parse,
         observation_ids=template.observation_ids,
-        settings=SamplerSettings(
-            max_turns=settings.max_turns,
-            max_completion_length=settings.max_completion_length,
-            tool_timeout=settings.tool_timeout,
-            max_observation_chars=settings.max_observation_chars,
-            tool_execution=settings.tool_execution,
-            max_concurrent_tool_calls=settings.max_concurrent_tool_calls,
-            max_turn_tokens=settings.max_turn_tokens,
-            chunk_tokens=settings.chunk_tokens,
-        ),
+        settings=settings,
     )
     tool_map = {tool.__name__: tool for tool in tools}
     branches = []

@@ -205,9 +205,10 @@ class SamplerSettings:
         check_max_concurrent_tool_calls(self.max_concurrent_tool_calls)
 
     @classmethod
-    def from_config(cls, args, max_completion_length: int | None = None) -> SamplerSettings:
+    def from_config(cls, args, max_completion_length: int | None = None, **extra) -> SamplerSettings:
         """The settings a trainer config (`TreeTrainerConfig`) gives, read in one place so every user of the loop
-        (the trainers, the agent evaluation, the HotpotQA script) runs tools and budgets alike."""
+        (the trainers, the agent evaluation's `AgentSettings`, the HotpotQA script) runs tools and budgets alike;
+        `extra`: a subclass's own fields."""
         return cls(
             max_turns=args.max_turns,
             max_completion_length=max_completion_length or args.max_completion_length,
@@ -220,6 +221,7 @@ class SamplerSettings:
             chunk_tokens=args.generation_chunk_tokens,
             max_tool_calls_per_turn=args.max_tool_calls_per_turn,
             max_concurrent_tool_calls=args.max_concurrent_tool_calls,
+            **extra,
         )
 
     @property

@@ -402,17 +402,7 @@ def agent_settings(script_args: HotpotScriptArguments, training_args):
     """Evaluation limits equal to training's, so before/after numbers measure the policy the trainer optimises."""
     from trl_tree.envs.agent_eval import AgentSettings
 
-    return AgentSettings(
-        max_turns=training_args.max_turns,
-        max_completion_length=training_args.max_completion_length,
-        max_observation_chars=training_args.max_observation_chars,
-        tool_timeout=training_args.tool_timeout,
-        tool_execution=training_args.tool_execution,
-        max_concurrent_tool_calls=training_args.max_concurrent_tool_calls,
-        observation_special_tokens=training_args.observation_special_tokens,
-        batch_size=script_args.eval_batch_size,
-        chat_template_kwargs=training_args.chat_template_kwargs,
-    )
+    return AgentSettings.from_config(training_args, batch_size=script_args.eval_batch_size)
 
 
 def reward_curve(log_history: list[dict[str, Any]]) -> list[float]:
