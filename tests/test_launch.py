@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.scripted import assert_moves_with_credit
+from trl_tree import methods
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPECTED_METRICS = {
@@ -62,7 +63,8 @@ def _check(reports, world, method="treeopsd"):
         "treeflex": {"reward", "reward_std"},  # searches of blocks, not one tree per prompt
         "treeflex_uneven": {"reward", "reward_std"},
     }.get(method, {"reward", "tree/leaves_per_tree", "tree/unique_tokens"})
-    expected = expected | GRPO_METRICS | (CLIP_RATIO if method != "treeopsd" else set())
+    clipped = methods.LOSSES[methods.METHODS[method.removesuffix("_uneven")].loss].clipped
+    expected = expected | GRPO_METRICS | (CLIP_RATIO if clipped else set())
     for r in reports:
         assert r["world"] == world
         assert r["all_changed"], r
@@ -73,9 +75,10 @@ def _check(reports, world, method="treeopsd"):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["treeopsd", "at2po", "treeadv", "treeflex", "treeflex_uneven"])
+@pytest.mark.parametrize("method", [*methods.METHODS, "treeflex_uneven"])
 def test_two_processes_on_cpu(tmp_path, method):
-    """Every method on two processes; "treeflex_uneven": the ranks return different numbers of searches."""
+    """Every registered method on two processes; "treeflex_uneven": the ranks return different numbers of
+    searches."""
     reports = _launch(tmp_path, ["--multi_gpu", "--num_processes", "2", "--num_machines", "1"], method)
     _check(reports, world=2, method=method)
 
