@@ -1,6 +1,6 @@
 """A prompt longer than the model's positions deep in a dataset (issue 41, item 7) is refused when the trainer is
 built, naming its row, instead of when its batch comes up mid-run; the check bounds rows without rendering them, so a
-dataset of short prompts costs no tokenization (`PromptRendering._check_dataset_prompt_lengths`)."""
+dataset of short prompts costs no tokenization (`PromptRenderer.check_dataset_prompt_lengths`)."""
 
 import random
 
@@ -76,4 +76,4 @@ def test_the_bound_is_never_below_the_rendered_token_count(built, texts, roles, 
     texts = [t.encode("utf-8", "ignore").decode() for t in texts]
     prompt = texts[0] if standard else [{"role": r, "content": t} for r, t in zip(roles, texts)]
     (ids,), _, _ = trl_internals.tokenize_prompts(built, [prompt])
-    assert built._prompt_token_bound(prompt, {}) >= len(ids)
+    assert built.prompt_renderer._prompt_token_bound(prompt, {}) >= len(ids)

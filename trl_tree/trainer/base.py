@@ -12,10 +12,11 @@ accelerate / DeepSpeed, vLLM, logging, checkpoints, Hub):
 The pipeline knows no TRL: this class is the adapter that gives it narrow ports (`pipeline_ports`: GRPOTrainer's
 prompt rendering and environments, TRL's reward computation, the model's forward, the credit) and its unit
 (`rollout_unit`; TreeFlex's group is another), and logs what comes back. The TRL-side jobs behind those ports are
-mixins of their own, each reaching TRL's private names only through `trl_internals`: `prompts` (render and check the
-prompts, parse a turn after them), `environments` (the environment pool, resets, a root's tools), `scoring` (TRL's
-reward computation on every leaf, padded per rank) and `generation_logging` (the generation metrics); the generation
-backends get their ports from `engine_ports`.
+collaborators built in `__init__` from what they read (TRL's private names reached only through `trl_internals`,
+here): `prompts.PromptRenderer` (render and check the prompts, parse a turn after them),
+`environments.RootEnvironments` (the environment pool, resets, a root's tools) and `scoring.LeafScorer` (TRL's
+reward computation on every leaf, padded per rank; this class sets `environments` for TRL); `generation_logging`
+(the generation metrics) is still a mixin; the generation backends get their ports from `engine_ports`.
 
 The configuration chooses the sampler, the credit and the loss independently from the method table
 (`trl_tree.methods`); the named trainers (`TreeOPSDTrainer`, `TreePOTrainer`, `AT2POTrainer`, `TreeAdvTrainer`) are
@@ -41,16 +42,14 @@ from ..packing import kernel_for_tree_rows, unwrap_model
 from ..rollout.engine import HFEngine
 from ..rollout.samplers import TreeRoot
 from ..rollout.turn_loop import SamplerSettings, TurnLoop
-from ..text import plural
 from ..tree import RolloutTree
 from ..tree_unit import TreeUnits
-from . import completions_table, components, engine_ports, model_card, resume
+from . import collaborators, components, engine_ports, model_card, resume
 from . import metrics as tree_metrics
 from .config import TreeConfig, TreeTrainerConfig
-from .environments import EnvironmentHandling
+from .environments import hide_fork
 from .generation_logging import GenerationLogging
-from .prompts import PromptRendering
-from .scoring import RewardScoring
+from .scoring import check_completion_formats, guarded_reward_funcs
 from .tree_view_logging import TreeViewRecorder, at_global_step
 
 
@@ -78,7 +77,7 @@ def _switched_off(obj, flag: str, when: bool):
         setattr(obj, flag, True)
 
 
-class TreeTrainer(PromptRendering, EnvironmentHandling, RewardScoring, GenerationLogging, GRPOTrainer):
+class TreeTrainer(GenerationLogging, GRPOTrainer):
     """A GRPOTrainer that grows rollout trees and trains unique turns with a turn-level loss.
 
     Use it directly with a `TreeConfig` to compose a sampler, a credit and a loss, or use a named preset
@@ -107,24 +106,27 @@ class TreeTrainer(PromptRendering, EnvironmentHandling, RewardScoring, Generatio
                 "`environment_factory=` for tool use."
             )
         trl_internals.check_installed()  # a TRL release that renamed what we build on fails here, with the names
-        self._check_completion_formats(
-            reward_funcs, [("train_dataset", kwargs.get("train_dataset")), ("eval_dataset", kwargs.get("eval_dataset"))]
-        )
+        datasets = [("train_dataset", kwargs.get("train_dataset")), ("eval_dataset", kwargs.get("eval_dataset"))]
+        check_completion_formats(type(self).__name__, reward_funcs, datasets)
         super().__init__(model, reward_funcs, args=args, **kwargs)
         self._attend_tree_rows_by_chains()
         # The dataloader yields prompts, one tree each: a micro-batch of per_device_train_batch_size trajectories of
         # budget is per_device_train_batch_size / G trees (GRPO's micro-batch holds the same prompts, G times each).
         trl_internals.set_train_batch_size(self, args.trees_per_micro_batch)
-        self._check_enough_prompts()
+        components.check_enough_prompts(args, self.train_dataset)
         self._resize_completion_logs(args.prompts_per_generation * args.leaves_per_tree)
-        self._hide_fork_from_tools()
-        self._guard_reward_funcs()
+        if self.environment_factories is not None:
+            self.tools = hide_fork(self.tools, trl_internals.environment_tools_by_name(self))
+        self.reward_funcs = guarded_reward_funcs(self.reward_funcs, self.reward_func_names)
+        self.scorer = collaborators.leaf_scorer(self)
+        self.prompt_renderer = collaborators.prompt_renderer(self)
         self.generation_engine = self._build_engine()
         self._turn_loop = self._build_turn_loop()
         self.sampler = self.build_sampler(self._turn_loop)
-        self.environment_pool = self._build_environment_pool()
-        self._print_effective_batch()
-        self._warn_if_budget_exceeds_positions()
+        self.root_environments = collaborators.root_environments(self, self._turn_loop.run_call)
+        self.environment_pool = self.root_environments.pool
+        self.accelerator.print(components.effective_batch(args, type(self).__name__))
+        self.prompt_renderer.warn_if_budget_exceeds_positions()
         self._check_dataset_prompt_lengths(self.train_dataset)
         evals = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"": self.eval_dataset}
         for name, dataset in evals.items():
@@ -149,33 +151,6 @@ class TreeTrainer(PromptRendering, EnvironmentHandling, RewardScoring, Generatio
     def _forwards_tree_rows(self) -> bool:
         """Whether training forwards packed tree rows (with `subtree_end`): every `packing` but "paths"."""
         return self.args.packing != "paths"
-
-    def _check_enough_prompts(self):
-        """A dataset smaller than one generation batch would train 0 steps and exit as if it had succeeded."""
-        dataset, needed = self.train_dataset, self.args.prompts_per_generation
-        if dataset is None or isinstance(dataset, IterableDataset) or len(dataset) >= needed:
-            return
-        raise ValueError(
-            f"train_dataset has {len(dataset)} prompts, but one generation batch needs {needed} "
-            f"(generation_batch_size {self.args.generation_batch_size} / num_generations {self.args.num_generations}"
-            f" = per_device_train_batch_size / num_generations × processes × steps_per_generation). Lower "
-            "per_device_train_batch_size, steps_per_generation or generation_batch_size, or use more prompts."
-        )
-
-    def _print_effective_batch(self):
-        """What a step costs, in the user's terms, once at start-up (main process)."""
-        a = self.args
-        per_step = a.trees_per_micro_batch * a.world_size * a.gradient_accumulation_steps
-        trajectories = per_step * float(components.trajectory_budget(a))
-        self.accelerator.print(
-            f"{type(self).__name__}: num_generations G = {plural(a.num_generations, 'trajectory', 'trajectories')} "
-            f"of budget per prompt; {plural(a.prompts_per_generation, 'prompt')} per generation batch; "
-            f"{plural(a.trees_per_micro_batch, 'tree')} per micro-batch per process; K = "
-            f"{plural(a.leaves_per_tree, 'leaf', 'leaves')} per tree"
-            + (" (at most)" if methods.SAMPLERS[a.sampler].variable_leaves else "")
-            + f"; {plural(per_step, 'prompt')} and {plural(trajectories, 'expected trajectory', 'expected trajectories')}"
-            f" per optimizer step; E = {plural(a.num_optimizer_blocks, 'optimizer block')} per generation batch."
-        )
 
     def get_total_train_batch_size(self, args) -> int:
         """transformers' samples per optimizer step (`train_samples_per_second` and the start-up "Total train batch
@@ -212,22 +187,6 @@ class TreeTrainer(PromptRendering, EnvironmentHandling, RewardScoring, Generatio
             sampler_fn=self._get_train_sampler, is_training=True,
         )
 
-    def _resize_completion_logs(self, maxlen: int):
-        """GRPOTrainer keeps one generation batch of completions for `log_completions`; a tree batch has K leaves
-        per prompt."""
-        from collections import defaultdict, deque
-
-        logs = {
-            "images": deque(maxlen=maxlen),
-            "prompt": deque(maxlen=maxlen),
-            "completion": deque(maxlen=maxlen),
-            "rewards": defaultdict(lambda: deque(maxlen=maxlen)),
-            "advantages": deque(maxlen=maxlen),
-            "extra": defaultdict(lambda: deque(maxlen=maxlen)),
-        }
-        trl_internals.set_completion_logs(self, logs)
-        self._completion_meta = deque(maxlen=maxlen)  # each logged row's group, for the console's table
-
     def _build_engine(self):
         """The generation backend, given narrow ports of this trainer (`engine_ports`), not the trainer itself."""
         if self.use_vllm:
@@ -260,6 +219,12 @@ class TreeTrainer(PromptRendering, EnvironmentHandling, RewardScoring, Generatio
         """The configured sampler (`trl_tree.methods.SAMPLERS`), seeded per process."""
         seed = self.args.seed + 1000 * self.accelerator.process_index
         return methods.SAMPLERS[self.args.sampler].build(self.args, loop, seed)
+
+    def _parse_action(self, ids: list[int], prefix: list[int]) -> dict:
+        return self.prompt_renderer.parse_action(ids, prefix)
+
+    def _check_dataset_prompt_lengths(self, dataset, name: str = "train_dataset") -> None:
+        self.prompt_renderer.check_dataset_prompt_lengths(dataset, name)
 
     def _any_rank_active(self, flag: bool) -> bool:
         return tree_metrics.any_rank(self.accelerator, flag)
@@ -351,18 +316,26 @@ class TreeTrainer(PromptRendering, EnvironmentHandling, RewardScoring, Generatio
         )
 
     def _prepare_roots(self, inputs):
-        """The pipeline's `prepare` port: per row, its prompt (`prompts.PromptRendering`), its environment reset
-        (`environments.EnvironmentHandling`; its tools and state are the tree's root) and the rendered prompt ids."""
-        prompts = self._dataset_prompts(inputs)
+        """The pipeline's `prepare` port: per row, its prompt (`prompts.PromptRenderer`), its environment reset
+        (`environments.RootEnvironments`; its tools and state are the tree's root) and the rendered prompt ids."""
+        prompts = self.prompt_renderer.dataset_prompts(inputs)
         if self._tree_view is not None:  # the tree view shows each prompt's question and gold answer from its row
             self._tree_view.note_rows(inputs)
-        envs, handles = self._reset_environments(inputs, prompts)
-        prompt_ids = self._render_prompts(prompts)
+        envs, handles = self.root_environments.reset(inputs, prompts)
+        prompt_ids = self.prompt_renderer.render_prompts(prompts)
         roots = [
-            TreeRoot(prompt_ids=list(ids), env=env, tools=self._root_tools(env), environment=handle)
+            TreeRoot(prompt_ids=list(ids), env=env, tools=self.root_environments.root_tools(env), environment=handle)
             for ids, env, handle in zip(prompt_ids, envs, handles)
         ]
         return prompts, roots
+
+    def _score_leaves(self, inputs, prompts, branches_per_tree) -> pipeline.LeafScores:
+        """The pipeline's `score` port (`scoring.LeafScorer`): TRL's reward functions on every leaf, with the leaves'
+        environments as TRL reads them (`self.environments`)."""
+        rows = self.scorer.leaf_rows(inputs, prompts, branches_per_tree)
+        self.environments = rows.envs if self.environment_factories is not None else None
+        mode = "train" if self.model.training else "eval"
+        return self.scorer.score(rows, branches_per_tree, mode)
 
     def turn_credit(self, unit) -> TurnCredit:
         """The credit of one unit (a tree, over `tree.turns`; TreeFlex: a group) with everything its loss reads
@@ -418,33 +391,6 @@ class TreeTrainer(PromptRendering, EnvironmentHandling, RewardScoring, Generatio
                 self._tree_view.write_ready()
         if table is not None:
             self._print_completions(table)
-
-    def _console_completions(self) -> completions_table.Table | None:
-        """The rows of the buffered completions that the console shows (`args.num_completions_to_print` of them,
-        drawn as TRL draws them), prepared for it; None where TRL would print nothing (not the main process, no
-        `rich`, nothing buffered)."""
-        from transformers.utils import is_rich_available
-
-        logs = trl_internals.completion_logs(self)
-        num_rows = len(logs["prompt"])
-        if not (self.accelerator.is_main_process and is_rich_available() and num_rows):
-            return None
-        meta = list(self._completion_meta)[-num_rows:]
-        meta = [None] * (num_rows - len(meta)) + meta
-        rows = completions_table.chosen_rows(num_rows, self.num_completions_to_print)
-        return completions_table.console_table(
-            list(logs["prompt"]), list(logs["completion"]), {k: list(v) for k, v in logs["rewards"].items()},
-            list(logs["advantages"]), {k: list(v) for k, v in logs["extra"].items()}, meta, rows,
-        )
-
-    def _print_completions(self, table: completions_table.Table) -> None:
-        """TRL's table printer on the prepared rows (looked up on TRL's GRPO module, where GRPOTrainer calls it)."""
-        import trl.trainer.grpo_trainer as grpo_module
-
-        grpo_module.print_prompt_completions_sample(
-            table.prompts, table.completions, table.rewards, table.advantages, self.state.global_step, None,
-            extra=table.extra,
-        )
 
     # ---------------------------------------------------------------- checkpoints
 

@@ -8,6 +8,8 @@ module answers, from that table, what a configuration costs and how many leaves 
   its error messages);
 - `tree_size` / `check_tree_size` / `check_generations_fit`: the most a tree may hold, refused up front (with the
   arithmetic and the memory it implies) when no machine could hold it;
+- `check_enough_prompts` / `effective_batch`: a dataset too small for one generation batch refused, and what a
+  step costs, said once at start-up;
 - `aggregate_leaf_rewards`: GRPO's `multi_objective_aggregation` with a tree's leaves as the group.
 """
 
@@ -23,6 +25,7 @@ import torch
 from trl.trainer.utils import nanstd
 
 from .. import methods
+from ..text import plural
 
 # Sanity bounds on one tree, checked up front by every configuration (`check_tree_size`): a tree is sampled, scored
 # and packed whole on one process, so a tree past these is a typo or a unit mix-up that would otherwise die of
@@ -224,3 +227,33 @@ def aggregate_leaf_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor
         std = nanstd(rewards_per_func, dim=0, keepdim=True) if len(rewards_per_func) > 1 else torch.zeros_like(mean)
         return ((rewards_per_func - mean) / (std + 1e-4) * weights.unsqueeze(0)).nansum(dim=1)
     raise ValueError(f"multi_objective_aggregation must be one of {MULTI_OBJECTIVE_AGGREGATIONS}; got {mode!r}.")
+
+
+def check_enough_prompts(args, dataset) -> None:
+    """A dataset smaller than one generation batch would train 0 steps and exit as if it had succeeded."""
+    from datasets import IterableDataset
+
+    needed = args.prompts_per_generation
+    if dataset is None or isinstance(dataset, IterableDataset) or len(dataset) >= needed:
+        return
+    raise ValueError(
+        f"train_dataset has {len(dataset)} prompts, but one generation batch needs {needed} "
+        f"(generation_batch_size {args.generation_batch_size} / num_generations {args.num_generations}"
+        f" = per_device_train_batch_size / num_generations × processes × steps_per_generation). Lower "
+        "per_device_train_batch_size, steps_per_generation or generation_batch_size, or use more prompts."
+    )
+
+
+def effective_batch(args, owner: str) -> str:
+    """What a step costs, in the user's terms: the line a trainer prints once at start-up (main process)."""
+    per_step = args.trees_per_micro_batch * args.world_size * args.gradient_accumulation_steps
+    trajectories = per_step * float(trajectory_budget(args))
+    return (
+        f"{owner}: num_generations G = {plural(args.num_generations, 'trajectory', 'trajectories')} "
+        f"of budget per prompt; {plural(args.prompts_per_generation, 'prompt')} per generation batch; "
+        f"{plural(args.trees_per_micro_batch, 'tree')} per micro-batch per process; K = "
+        f"{plural(args.leaves_per_tree, 'leaf', 'leaves')} per tree"
+        + (" (at most)" if methods.SAMPLERS[args.sampler].variable_leaves else "")
+        + f"; {plural(per_step, 'prompt')} and {plural(trajectories, 'expected trajectory', 'expected trajectories')}"
+        f" per optimizer step; E = {plural(args.num_optimizer_blocks, 'optimizer block')} per generation batch."
+    )

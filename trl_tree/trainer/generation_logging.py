@@ -1,7 +1,8 @@
 """The generation metrics of the tree trainers, under GRPOTrainer's names (docs/design.md §2, "Layers").
 
 A mixin of `TreeTrainer`: what one generation batch (`trl_tree.pipeline.GenerationBatch`) logs, reduced over the
-ranks (`trainer.metrics`), the completions table of `log_completions` and the tree view's page. Its own file so that
+ranks (`trainer.metrics`), the completions table of `log_completions` (its buffer sized for a tree batch, the rows
+the console shows) and the tree view's page. Its own file so that
 the trainer module is the adapter from GRPOTrainer to the pipeline only; TreeFlex overrides `_log_generation`.
 """
 
@@ -13,6 +14,7 @@ from trl.trainer.utils import nanstd
 from .. import credit, methods, pipeline, trl_internals
 from ..batch import TurnCredit
 from ..tree import render_tree
+from . import completions_table
 from . import metrics as tree_metrics
 from .completions_table import TREE_COLUMN, RowMeta
 
@@ -172,6 +174,49 @@ class GenerationLogging:
         logs["advantages"].extend(gather_object(advantages))
         for column, rows in extra.items():  # GRPOTrainer.log prints and saves the table
             logs["extra"][column].extend(gather_object(rows))
+
+    def _resize_completion_logs(self, maxlen: int):
+        """GRPOTrainer keeps one generation batch of completions for `log_completions`; a tree batch has K leaves
+        per prompt."""
+        from collections import defaultdict, deque
+
+        logs = {
+            "images": deque(maxlen=maxlen),
+            "prompt": deque(maxlen=maxlen),
+            "completion": deque(maxlen=maxlen),
+            "rewards": defaultdict(lambda: deque(maxlen=maxlen)),
+            "advantages": deque(maxlen=maxlen),
+            "extra": defaultdict(lambda: deque(maxlen=maxlen)),
+        }
+        trl_internals.set_completion_logs(self, logs)
+        self._completion_meta = deque(maxlen=maxlen)  # each logged row's group, for the console's table
+
+    def _console_completions(self) -> completions_table.Table | None:
+        """The rows of the buffered completions that the console shows (`args.num_completions_to_print` of them,
+        drawn as TRL draws them), prepared for it; None where TRL would print nothing (not the main process, no
+        `rich`, nothing buffered)."""
+        from transformers.utils import is_rich_available
+
+        logs = trl_internals.completion_logs(self)
+        num_rows = len(logs["prompt"])
+        if not (self.accelerator.is_main_process and is_rich_available() and num_rows):
+            return None
+        meta = list(self._completion_meta)[-num_rows:]
+        meta = [None] * (num_rows - len(meta)) + meta
+        rows = completions_table.chosen_rows(num_rows, self.num_completions_to_print)
+        return completions_table.console_table(
+            list(logs["prompt"]), list(logs["completion"]), {k: list(v) for k, v in logs["rewards"].items()},
+            list(logs["advantages"]), {k: list(v) for k, v in logs["extra"].items()}, meta, rows,
+        )
+
+    def _print_completions(self, table: completions_table.Table) -> None:
+        """TRL's table printer on the prepared rows (looked up on TRL's GRPO module, where GRPOTrainer calls it)."""
+        import trl.trainer.grpo_trainer as grpo_module
+
+        grpo_module.print_prompt_completions_sample(
+            table.prompts, table.completions, table.rewards, table.advantages, self.state.global_step, None,
+            extra=table.extra,
+        )
 
 
 def _tree_summary(tree) -> str:

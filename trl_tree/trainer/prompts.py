@@ -1,9 +1,9 @@
 """Prompt rendering of the tree trainers: dataset rows to prompt token ids, as GRPOTrainer's (docs/design.md §2).
 
-A mixin of `TreeTrainer`. GRPOTrainer renders prompts inside the generation step the tree trainers replace, so they
+A collaborator of `TreeTrainer` (`PromptRenderer`, built with what it reads). GRPOTrainer renders prompts inside the generation step the tree trainers replace, so they
 redo its part here: read each row's `prompt`, tokenize it with TRL's chat template and tool schemas (through
 `trl_internals`), and check it against the model's positions, which TRL 1.16 does not (its GRPOConfig has no
-max_prompt_length). A plain-text prompt is remembered for the response parser (`_parse_action`), which would read it
+max_prompt_length). A plain-text prompt is remembered for the response parser (`parse_action`), which would read it
 as the start of the assistant's message otherwise. Its own file so that the trainer module is the adapter from
 GRPOTrainer to the pipeline only.
 """
@@ -17,57 +17,68 @@ from datasets import Dataset
 from trl.chat_template_utils import parse_response
 from trl.data_utils import is_conversational
 
-from .. import trl_internals
 from ..packing import unwrap_model
 
 logger = logging.getLogger(__name__)
 
 
-class PromptRendering:
-    """Prompts read, rendered and checked; mixed into `TreeTrainer` (reads its args, model, tools, environments)."""
+class PromptRenderer:
+    """Prompts read, rendered and checked; held by `TreeTrainer` as `prompts`.
 
-    def _dataset_prompts(self, inputs: list[dict]) -> list:
+    `tokenize` is TRL's `_tokenize_prompts` (prompts → (ids, ..., ...)), `tokenizer` the processing class's tokenizer,
+    `tools` the trainer's tools, `model` the policy (its config's positions are read at each check), `owner` the
+    trainer's class name (for errors), `owns_prompts` whether an environment's reset may supply the prompt."""
+
+    def __init__(self, *, tokenize, tokenizer, tools, model, max_completion_length: int,
+                 owner: str, owns_prompts: bool):
+        self._tokenize = tokenize
+        self._chat_tokenizer = tokenizer
+        self.tools = tools
+        self._model = model
+        self._budget = max_completion_length
+        self._owner = owner
+        self._owns_prompts = owns_prompts
+        self._text_prompt_ids: list = []
+        self._warned_prompt_room = False
+
+    def dataset_prompts(self, inputs: list[dict]) -> list:
         """Each row's `prompt` (a string or chat messages). As in GRPOTrainer, it may be missing only when an
         environment owns the data (its `reset()` supplies the prompt); otherwise a dataset without it is an error,
         not a batch of empty prompts."""
-        if self.environment_factories is None and any("prompt" not in x for x in inputs):
+        if not self._owns_prompts and any("prompt" not in x for x in inputs):
             raise KeyError(
-                f"{type(self).__name__}: the dataset has no 'prompt' column (an example has the keys "
+                f"{self._owner}: the dataset has no 'prompt' column (an example has the keys "
                 f"{sorted(next(x for x in inputs if 'prompt' not in x))}). As GRPOTrainer does, the tree trainers read "
                 "each example's prompt from 'prompt' (a string, or a list of chat messages): rename the column, or "
                 "pass environment_factory= when an environment's reset() provides the prompt."
             )
         return [x.get("prompt", [{"role": "user", "content": ""}]) for x in inputs]
 
-    def _render_prompts(self, prompts: list) -> list:
+    def render_prompts(self, prompts: list) -> list:
         """The prompts' token ids (TRL's `_tokenize_prompts`: chat template and tool schemas), checked against the
-        model's positions; plain-text prompts are remembered for `_parse_action`."""
-        prompt_ids, _, _ = trl_internals.tokenize_prompts(self, prompts)
+        model's positions; plain-text prompts are remembered for `parse_action`."""
+        prompt_ids, _, _ = self._tokenize(prompts)
         self._check_prompt_lengths(prompt_ids)
         # a plain-text prompt is no chat turn: the response parser must not read it as the assistant's message
         conversational = is_conversational({"prompt": prompts[0]})
         self._text_prompt_ids = [] if conversational else sorted((list(p) for p in prompt_ids), key=len, reverse=True)
         return prompt_ids
 
-    def _parse_action(self, ids: list[int], prefix: list[int]) -> dict:
+    def parse_action(self, ids: list[int], prefix: list[int]) -> dict:
         """One generated turn as an assistant message (TRL's response parser; tool calls parsed when there are
         tools), read after the prompt when the prompt is plain text."""
         if not self.tools:
-            return {"role": "assistant", "content": trl_internals.tokenizer(self).decode(ids, skip_special_tokens=True)}
-        prefix = _after_text_prompt(prefix, getattr(self, "_text_prompt_ids", ()))
-        return parse_response(trl_internals.tokenizer(self), ids, prefix=prefix, tools=self.tools)
+            return {"role": "assistant", "content": self._chat_tokenizer.decode(ids, skip_special_tokens=True)}
+        prefix = _after_text_prompt(prefix, self._text_prompt_ids)
+        return parse_response(self._chat_tokenizer, ids, prefix=prefix, tools=self.tools)
 
     def _position_limit(self) -> int | None:
-        """The model's `max_position_embeddings` (a multimodal model's text config), what GRPOTrainer's tool loop
-        caps sequences at; None when the config has none."""
-        config = unwrap_model(self.model).config
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        return getattr(config, "max_position_embeddings", None)
+        return position_limit(self._model)
 
-    def _warn_if_budget_exceeds_positions(self):
+    def warn_if_budget_exceeds_positions(self):
         """A completion budget the model's positions cannot hold even after a one-token prompt: said once here, since
         GRPOTrainer does not refuse it either (transformers' generate runs on past the positions)."""
-        limit, budget = self._position_limit(), self.args.max_completion_length
+        limit, budget = self._position_limit(), self._budget
         if limit is not None and budget >= limit:
             logger.warning(
                 f"max_completion_length ({budget}) is not below the model's max_position_embeddings ({limit}): no "
@@ -76,7 +87,7 @@ class PromptRendering:
                 "prompt."
             )
 
-    def _check_dataset_prompt_lengths(self, dataset, name: str = "train_dataset") -> None:
+    def check_dataset_prompt_lengths(self, dataset, name: str = "train_dataset") -> None:
         """Every prompt of the dataset checked against the model's positions when the trainer is built, so that a
         prompt too long to continue (a 20,000-character row deep in the data) fails now, naming its row, and not when
         its batch comes up hours into the run (`_check_prompt_lengths` still checks each batch: streaming datasets and
@@ -90,7 +101,7 @@ class PromptRendering:
         above take 0.4 s. Streaming datasets, environments (whose reset supplies the prompt and the tools) and
         multimodal content are left to the per-batch check."""
         limit = self._position_limit()
-        if limit is None or self.environment_factories is not None or not isinstance(dataset, Dataset):
+        if limit is None or self._owns_prompts or not isinstance(dataset, Dataset):
             return
         if "prompt" not in dataset.column_names:
             return
@@ -99,15 +110,15 @@ class PromptRendering:
         suspects = [i for i, prompt in enumerate(prompts) if self._prompt_token_bound(prompt, overheads) >= limit]
         for start in range(0, len(suspects), 64):
             rows = suspects[start : start + 64]
-            prompt_ids, _, _ = trl_internals.tokenize_prompts(self, [prompts[i] for i in rows])
+            prompt_ids, _, _ = self._tokenize([prompts[i] for i in rows])
             for i, ids in zip(rows, prompt_ids):
                 if len(ids) >= limit:
-                    message = _too_long_message(f"{name} row {i}", len(ids), limit, self.args.max_completion_length)
+                    message = _too_long_message(f"{name} row {i}", len(ids), limit, self._budget)
                     raise ValueError(f"{message} Checked when the trainer is built, so that it does not stop the run "
                                      "when the row's batch comes up.")
 
     def _prompt_token_bound(self, prompt, overheads: dict) -> float:
-        """An upper bound of the prompt's rendered tokens (`_check_dataset_prompt_lengths`), inf where none is cheap."""
+        """An upper bound of the prompt's rendered tokens (`check_dataset_prompt_lengths`), inf where none is cheap."""
         if isinstance(prompt, str):
             key, size = (), len(prompt.encode("utf-8", "surrogatepass"))
         elif isinstance(prompt, list) and all(isinstance(m, dict) and isinstance(m.get("content", ""), str)
@@ -126,7 +137,7 @@ class PromptRendering:
         with empty contents; a plain-text prompt's special tokens. inf when the template refuses empty messages."""
         empty = "" if not roles else [{"role": role, "content": ""} for role in roles]
         try:
-            (ids,), _, _ = trl_internals.tokenize_prompts(self, [empty])
+            (ids,), _, _ = self._tokenize([empty])
         except Exception:  # noqa: BLE001 - a template that rejects these messages: tokenize such rows exactly
             return float("inf")
         return len(ids) + 8  # and a few tokens of slack for merges across the template's edges
@@ -139,12 +150,12 @@ class PromptRendering:
         limit = self._position_limit()
         if limit is None:
             return
-        budget = self.args.max_completion_length
+        budget = self._budget
         for i, ids in enumerate(prompt_ids):
             if len(ids) >= limit:
                 raise ValueError(_too_long_message(f"Prompt {i} of this batch", len(ids), limit, budget))
             # budget ≥ limit: every prompt is short of room, which start-up has said already
-            if len(ids) + budget > limit and budget < limit and not getattr(self, "_warned_prompt_room", False):
+            if len(ids) + budget > limit and budget < limit and not self._warned_prompt_room:
                 self._warned_prompt_room = True
                 logger.warning(
                     f"Prompt {i} of this batch has {len(ids)} tokens and leaves fewer than max_completion_length "
@@ -152,6 +163,14 @@ class PromptRendering:
                     "budget runs past the model's positions. Filter the dataset to prompts below "
                     f"{limit - budget} tokens or lower max_completion_length (said once per run)."
                 )
+
+
+def position_limit(model) -> int | None:
+    """The model's `max_position_embeddings` (a multimodal model's text config), what GRPOTrainer's tool loop caps
+    sequences at; None when the config has none."""
+    config = unwrap_model(model).config
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(config, "max_position_embeddings", None)
 
 
 def _too_long_message(which: str, length: int, limit: int, budget: int) -> str:

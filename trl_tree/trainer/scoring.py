@@ -1,6 +1,6 @@
 """The reward computation of the tree trainers: TRL's reward functions on every leaf (docs/design.md §2).
 
-A mixin of `TreeTrainer`, the pipeline's `score` port. GRPOTrainer scores completions inside the generation step the
+A collaborator of `TreeTrainer` (`LeafScorer`, built with what it reads), behind the pipeline's `score` port. GRPOTrainer scores completions inside the generation step the
 tree trainers replace; here a completion is a leaf (a tree's trajectory; TreeFlex: a complete search), scored by
 TRL's own `_calculate_rewards` (through `trl_internals`) so reward functions see what they see under GRPOTrainer.
 Three things differ and live here: ranks may hold different numbers of leaves, which TRL's gather cannot take (each
@@ -11,39 +11,69 @@ file so that the trainer module is the adapter from GRPOTrainer to the pipeline 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from trl.data_utils import is_conversational
 
-from .. import pipeline, trl_internals
+from .. import pipeline
 from ..rewards import completion_format_problem, dataset_is_conversational, guard_reward_func
 from . import components
 from . import metrics as tree_metrics
 
 
-class RewardScoring:
-    """Leaves scored by the reward functions; mixed into `TreeTrainer` (reads its accelerator, reward functions and
-    weights, environments)."""
+def check_completion_formats(owner: str, reward_funcs, datasets: list[tuple[str, object]]) -> None:
+    """Refuse, before the model loads, reward functions that read chat messages on a dataset of plain-string
+    prompts (`rewards.completion_format_problem`): as under GRPOTrainer they would get plain-string completions
+    and fail on the first batch. Each dataset (train, eval, a dict of evals) is judged by its first row."""
+    funcs = reward_funcs if isinstance(reward_funcs, list | tuple) else [reward_funcs]
+    names = [getattr(f, "__name__", type(f).__name__) for f in funcs]
+    for name, dataset in datasets:
+        for one in dataset.values() if isinstance(dataset, dict) else [dataset]:
+            problem = completion_format_problem(funcs, names, dataset_is_conversational(one) is not False)
+            if problem is not None:
+                raise ValueError(f"{owner}: {name}: {problem}")
 
-    def _check_completion_formats(self, reward_funcs, datasets: list[tuple[str, object]]) -> None:
-        """Refuse, before the model loads, reward functions that read chat messages on a dataset of plain-string
-        prompts (`rewards.completion_format_problem`): as under GRPOTrainer they would get plain-string completions
-        and fail on the first batch. Each dataset (train, eval, a dict of evals) is judged by its first row."""
-        funcs = reward_funcs if isinstance(reward_funcs, list | tuple) else [reward_funcs]
-        names = [getattr(f, "__name__", type(f).__name__) for f in funcs]
-        for name, dataset in datasets:
-            for one in dataset.values() if isinstance(dataset, dict) else [dataset]:
-                problem = completion_format_problem(funcs, names, dataset_is_conversational(one) is not False)
-                if problem is not None:
-                    raise ValueError(f"{type(self).__name__}: {name}: {problem}")
 
-    def _guard_reward_funcs(self) -> None:
-        """Each reward function wrapped by `rewards.guard_reward_func` (its values checked, named in errors)."""
-        self.reward_funcs = [guard_reward_func(f, n) for f, n in zip(self.reward_funcs, self.reward_func_names)]
+def guarded_reward_funcs(funcs: list, names: list[str]) -> list:
+    """Each reward function wrapped by `rewards.guard_reward_func` (its values checked, named in errors)."""
+    return [guard_reward_func(f, n) for f, n in zip(funcs, names)]
 
-    def _score_leaves(self, inputs, prompts, branches_per_tree) -> pipeline.LeafScores:
-        """TRL's reward functions on every leaf (`trl_tree.pipeline.Leaf`: a branch; TreeFlex: a search): the
-        completion is the whole multi-turn conversation after the prompt; dataset columns are passed through
-        (repeated per leaf), environments as `environments`."""
+
+@dataclasses.dataclass
+class LeafRows:
+    """Every leaf of a batch as TRL's `_calculate_rewards` reads it, padded to the widest rank (`n` are this
+    rank's own rows, `width` every rank's padded count); `envs` is what TRL reads as the trainer's `environments`."""
+
+    inputs: list
+    prompts: list
+    completions: list
+    completion_ids: list
+    envs: list
+    n: int
+    width: int
+
+
+class LeafScorer:
+    """Leaves scored by the reward functions; held by `TreeTrainer` as `scorer`.
+
+    `calculate_rewards` is TRL's `_calculate_rewards` (inputs, prompts, completions, completion ids → per function),
+    `reward_weights` and `aggregation` GRPO's `reward_weights` and `multi_objective_aggregation`, `pending_logs`,
+    `completion_logs` and `metrics` (mode → dict) TRL's buffers that reward functions' logs are flushed into."""
+
+    def __init__(self, *, accelerator, calculate_rewards, reward_weights: torch.Tensor, aggregation: str,
+                 pending_logs, completion_logs, metrics):
+        self.accelerator = accelerator
+        self._rewards_per_func = calculate_rewards
+        self.reward_weights = reward_weights
+        self.multi_objective_aggregation = aggregation
+        self._pending_logs = pending_logs
+        self._completion_logs = completion_logs
+        self._metric_buffers = metrics
+
+    def leaf_rows(self, inputs, prompts, branches_per_tree) -> LeafRows:
+        """Every leaf (`trl_tree.pipeline.Leaf`: a branch; TreeFlex: a search) as a row: the completion is the whole
+        multi-turn conversation after the prompt; dataset columns are passed through (repeated per leaf)."""
         leaf_inputs, leaf_prompts, completions, completion_ids, envs = [], [], [], [], []
         for x, prompt, branches in zip(inputs, prompts, branches_per_tree):
             for b in branches:
@@ -58,11 +88,15 @@ class RewardScoring:
         width = tree_metrics.max_over_ranks(self.accelerator, n)
         for column in (leaf_inputs, leaf_prompts, completions, completion_ids, envs):
             column.extend(column[-1:] * (width - n))
-        self.environments = envs if self.environment_factories is not None else None
-        per_func = trl_internals.calculate_rewards(self, leaf_inputs, leaf_prompts, completions, completion_ids)
-        self._flush_reward_logs(n)
-        start = self.accelerator.process_index * width
-        per_func = per_func[start : start + n].cpu()
+        return LeafRows(leaf_inputs, leaf_prompts, completions, completion_ids, envs, n, width)
+
+    def score(self, rows: LeafRows, branches_per_tree, mode: str) -> pipeline.LeafScores:
+        """TRL's reward functions on `rows` (the trainer has set its `environments` to `rows.envs`), this rank's
+        rows kept, with the weighted rewards and each tree's rewards for its credit."""
+        per_func = self._rewards_per_func(rows.inputs, rows.prompts, rows.completions, rows.completion_ids)
+        self._flush_reward_logs(rows.n, mode)
+        start = self.accelerator.process_index * rows.width
+        per_func = per_func[start : start + rows.n].cpu()
         return pipeline.LeafScores(
             per_func, self._weighted_rewards(per_func),
             self._leaf_rewards_for_credit(per_func, [len(b) for b in branches_per_tree]),
@@ -85,7 +119,7 @@ class RewardScoring:
         rewards = (per_func * self.reward_weights.to(per_func.device).unsqueeze(0)).nansum(dim=1)
         return rewards.masked_fill(torch.isnan(per_func).all(dim=1), float("nan"))
 
-    def _flush_reward_logs(self, num_rows: int) -> None:
+    def _flush_reward_logs(self, num_rows: int, mode: str) -> None:
         """What reward functions passed to TRL's `log_metric` / `log_extra` callbacks, flushed as GRPOTrainer's
         `_generate_and_score_completions` (which the tree trainers replace) does: each metric averaged over the values
         of all ranks into `_metrics`, each extra column (one value per leaf) into the completions table. Values of the
@@ -93,14 +127,13 @@ class RewardScoring:
         gathers them in the same order."""
         from accelerate.utils import gather_object
 
-        mode = "train" if self.model.training else "eval"
-        pending_metrics, pending_extra = trl_internals.pending_reward_logs(self)
+        pending_metrics, pending_extra = self._pending_logs()
         for column in sorted(set(gather_object(list(pending_extra)))):
             values = pending_extra.get(column, [None] * num_rows)[:num_rows]
-            trl_internals.completion_logs(self)["extra"][column].extend(gather_object(values))
+            self._completion_logs()["extra"][column].extend(gather_object(values))
         pending_extra.clear()
         for name in sorted(set(gather_object(list(pending_metrics)))):
-            trl_internals.metrics(self, mode)[name].append(
+            self._metric_buffers(mode)[name].append(
                 tree_metrics.mean_over_ranks(self.accelerator, pending_metrics.get(name, []))
             )
         pending_metrics.clear()
