@@ -20,59 +20,25 @@ stays 1: the repeated optimisation on one batch *is* the E blocks.
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import ClassVar
 
 from trl import GRPOConfig
 
 from .. import methods
 from ..rollout.tools import MAX_OBSERVATION_CHARS
-from . import config_checks
-
-logger = logging.getLogger(__name__)
-
-_GRPO_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
-# GRPO's completions per micro-batch when unset (8 in TRL 1.x): the tree configs default to the same prompts per step
-GRPO_DEFAULT_BATCH_SIZE = _GRPO_DEFAULTS["per_device_train_batch_size"]
-# GRPO options without an effect on any tree trainer, and what to use instead
-# (`TreeTrainerConfig.unused_grpo_options`)
-_REJECTED_ADVICE = {
-    "loss_type": "the aggregation is the chosen `loss`'s own (treeopsd/treepo: token mean per tree; atpo/grpo/"
-    "gspo_token: GRPO's mean over root-to-leaf paths; TreeFlex: `aggregation`): choose it with `loss`.",
-    "scale_rewards": "leaves are always standardised over their tree: choose the std with reward_std ('sample' or "
-    "'population').",
-    "delta": "no tree loss has the two-sided upper clip; the clipped losses take epsilon and epsilon_high.",
-    "importance_sampling_level": "the ratio's level is the loss's: loss='gspo_token' (GSPO-token over paths), "
-    "'atpo' (one ratio per turn) or 'grpo' (per token).",
-    "beta": "the tree losses bound each update themselves (a frozen teacher or a clip) and train without a "
-    "reference-model KL: set beta=0.0.",
-    "num_iterations": "repeated optimisation on one generation batch is done by sequential optimizer blocks: set "
-    "steps_per_generation = E × gradient_accumulation_steps and keep num_iterations = 1.",
-    "top_entropy_quantile": "every unique turn is trained; the turn-level loss has no token entropy mask.",
-    "entropy_coef": "the tree losses have no entropy bonus.",
-    "use_adaptive_entropy": "the tree losses have no entropy bonus.",
-    "off_policy_mask_threshold": "π_old is recomputed per micro-batch in the packed forward (the first block's "
-    "log-ratio is exactly 0); there is no off-policy sequence mask.",
-    "use_transformers_continuous_batching": "tree sampling continues token-id prefixes with model.generate or vLLM: set "
-    "use_vllm=True for throughput, or leave it off.",
-}
-
-
-def _as_grpo_reads(name: str, value):
-    """GRPOConfig's own mapping of a legacy value (scale_rewards=True is "group", False is "none")."""
-    if name == "scale_rewards" and isinstance(value, bool):
-        return "group" if value else "none"
-    return value
-
+from . import config_budget, config_checks
 
 # The allowed values, with the checks that enforce them (`config_checks`); re-exported for existing importers
 PACKING_LAYOUTS = config_checks.PACKING_LAYOUTS
 MALFORMED_TOOL_CALL_POLICIES = config_checks.MALFORMED_TOOL_CALL_POLICIES
 ANCHOR_RULES = methods.ANCHOR_RULES  # the init_expand sampler's own (`methods.Sampler.check`)
 GENERATION_CACHES = config_checks.GENERATION_CACHES
+harnesses = config_checks.harnesses  # TreeFlex's built-in harnesses, the samplers TreeFlexConfig takes
+# GRPO options without an effect on any tree trainer, and what to use instead (`TreeTrainerConfig.unused_grpo_options`;
+# the CLI's help reads it under this name)
+_REJECTED_ADVICE = config_checks.UNUSED_GRPO_OPTION_ADVICE
+GRPO_DEFAULT_BATCH_SIZE = config_budget.GRPO_DEFAULT_BATCH_SIZE
 
 
 def component_choices(kind: str, unit: str = "tree") -> str:
@@ -335,19 +301,15 @@ class TreeTrainerConfig(GRPOConfig):
         self._check_composition()
         self._check_tree_fields()
         check_tree_size(self)  # the tree's leaves and tokens, from the resolved fields, for every sampler
-        self._reject_unused_grpo_options()
-        self._check_micro_batch()
+        config_checks.reject_unused_grpo_options(self)
+        config_budget.resolve_micro_batch(self)
         # GRPOConfig's checks and mappings (scale_rewards, pad_to_multiple_of, generation batch, …) run unchanged:
         # with the batch sizes counting trajectories of budget, its divisibility by G is that of whole trees.
         from .quiet import without_trl_default_checkpointing_warning
 
         with without_trl_default_checkpointing_warning(self):  # GRPOConfig's default, under transformers' old name
             super().__post_init__()
-        if self.steps_per_generation % self.gradient_accumulation_steps != 0:
-            raise ValueError(
-                f"steps_per_generation ({self.steps_per_generation}) must be a multiple of gradient_accumulation_steps "
-                f"({self.gradient_accumulation_steps}): each optimizer block is a whole number of micro-batches."
-            )
+        config_budget.check_optimizer_blocks(self)
 
     @property
     def trees_per_micro_batch(self) -> int:
@@ -359,22 +321,28 @@ class TreeTrainerConfig(GRPOConfig):
         """B, prompts (= trees) in one generation batch over all processes: generation_batch_size / G."""
         return self.generation_batch_size // self.num_generations
 
+    @property
+    def num_optimizer_blocks(self) -> int:
+        """E: optimizer steps taken on one generation batch."""
+        return self.steps_per_generation // self.gradient_accumulation_steps
+
+    @property
+    def leaves_per_tree(self) -> int:
+        """K: leaves per tree (at most, for a sampler with a variable K); TreeFlex: searches per task."""
+        from .components import leaves_per_tree
+
+        return leaves_per_tree(self)
+
     @classmethod
     def num_generations_for(cls, **fields) -> int:
         """G that a config of this class built with `fields` has, without building it (e.g. to size
         per_device_train_batch_size = trees × G)."""
-        from .components import budget_field, num_generations_of
+        return config_budget.num_generations_for(cls, fields)
 
-        if fields.get("num_generations") is not None:
-            return fields["num_generations"]
-        args = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
-        probe = SimpleNamespace(**{**args, **fields})
-        cls._check_sampler_kind(probe.sampler)  # another kind's sampler reads fields this class does not have
-        cls._probe_defaults(probe)
-        field_name = budget_field(probe)
-        if getattr(probe, field_name) is None:
-            setattr(probe, field_name, cls._default_budget(field_name))
-        return num_generations_of(probe)
+    def unused_grpo_options(self) -> dict[str, str]:
+        """GRPO options that would change nothing here, set to something other than GRPOConfig's default, with what
+        to use instead. "Set" compares with GRPOConfig's own default (`scale_rewards=True` is "group")."""
+        return config_checks.unused_grpo_options(self)
 
     @classmethod
     def _check_sampler_kind(cls, sampler: str) -> None:
@@ -390,170 +358,16 @@ class TreeTrainerConfig(GRPOConfig):
         """The value of the sampler's budget field (`Sampler.budget_field`) when neither it nor G is set."""
         raise NotImplementedError
 
-    def _resolve_budget(self):
-        """num_generations ↔ the sampler's budget: derive whichever is unset, or check that the two agree."""
-        from .components import budget_field, budget_for_generations, budget_formula, num_generations_of, valid_budgets
-
-        name = budget_field(self)
-        G = self.num_generations
-        if G is not None and (not isinstance(G, int) or G < 1):
-            raise ValueError(f"num_generations must be a whole number of trajectories ≥ 1; got {G!r}.")
-        if getattr(self, name) is None:
-            setattr(self, name, self._default_budget(name) if G is None else budget_for_generations(self, G))
-        if getattr(self, name) is not None and G in (None, num_generations_of(self)):
-            self.num_generations = num_generations_of(self)
-            return
-        options = valid_budgets(self, G)
-        given = f"{name}={getattr(self, name)} costs {num_generations_of(self)}" if getattr(self, name) else (
-            f"no {name} ≥ 1 costs exactly that")
-        raise ValueError(
-            f"num_generations={G} is the rollout budget per prompt in complete trajectories; for sampler="
-            f"{self.sampler!r} a tree costs {budget_formula(self.sampler)} (rounded up), and {given}. "
-            + (f"Settings that give G = {G}: {'; '.join(options)}. " if options else
-               f"No setting of {name} gives G = {G} with the other sampler fields as they are. ")
-            + f"Set those, or leave num_generations unset to derive it from {name}."
-        )
-
-    def _check_micro_batch(self):
-        """Trees stay whole in a micro-batch: per_device_train_batch_size must be a multiple of G (and so must
-        per_device_eval_batch_size when evaluating: GRPO's loader gives each evaluation prompt G rows)."""
-        if self.per_device_train_batch_size is None:
-            # GRPO's default 8 completions per micro-batch, i.e. the same 8 / G prompts per step as GRPO, wherever
-            # that holds whole trees; otherwise one tree (GRPO's 8 with such a G fails its own generation-batch check)
-            G = self.num_generations
-            self.per_device_train_batch_size = GRPO_DEFAULT_BATCH_SIZE if GRPO_DEFAULT_BATCH_SIZE % G == 0 else G
-        G, size = self.num_generations, self.per_device_train_batch_size
-        if self.num_generations_eval not in (None, G):
-            raise ValueError(
-                f"num_generations_eval ({self.num_generations_eval}) differs from num_generations ({G}): evaluation "
-                "grows the same trees as training (the sampler fields set their size), so leave num_generations_eval "
-                "unset."
-            )
-        evaluates = getattr(self.eval_strategy, "value", self.eval_strategy) != "no"
-        if evaluates and self.per_device_eval_batch_size % G != 0:
-            raise ValueError(
-                f"per_device_eval_batch_size ({self.per_device_eval_batch_size}) counts trajectories, as in GRPO: it "
-                f"must be a multiple of num_generations ({G}) so that evaluation batches hold whole trees."
-            )
-        if size >= G and size % G == 0:
-            return
-        accumulation = self.gradient_accumulation_steps
-        per_generation = self.steps_per_generation or accumulation
-        if self.generation_batch_size is None and (size * accumulation) % G == 0 and (size * per_generation) % G == 0:
-            # GRPO accepts this: a group of G completions spans micro-batches as long as the optimizer step and the
-            # generation batch hold whole groups. A tree is trained in one packed forward and cannot be split, so the
-            # same prompts per optimizer step and per generation batch train as one whole tree per micro-batch with
-            # proportionally less accumulation: the same optimizer steps, schedule and logs; the micro-batch (and its
-            # memory) is one tree.
-            self.per_device_train_batch_size = G
-            self.gradient_accumulation_steps = size * accumulation // G
-            if self.steps_per_generation is not None:
-                self.steps_per_generation = size * per_generation // G
-            logger.warning(
-                f"per_device_train_batch_size={size} is below num_generations={G}: GRPO spreads a group over "
-                f"micro-batches, a tree cannot be split, so each micro-batch is one whole tree "
-                f"(per_device_train_batch_size={G}, gradient_accumulation_steps={self.gradient_accumulation_steps}"
-                + (f", steps_per_generation={self.steps_per_generation}" if self.steps_per_generation else "")
-                + f"): the same {size * accumulation // G} prompt(s) per optimizer step and "
-                f"{size * per_generation // G} per generation batch as GRPO's settings."
-            )
-            return
-        below, above = (size // G) * G, (size // G + 1) * G
-        nearest = f"{above}" if below == 0 else f"{below} or {above}"
-        divisors = [d for d in range(2, size + 1) if size % d == 0]
-        raise ValueError(
-            f"per_device_train_batch_size ({size}) counts trajectories, as in GRPO: a micro-batch holds "
-            f"per_device_train_batch_size / num_generations whole trees, so it must be a multiple of num_generations "
-            f"({G}). Set per_device_train_batch_size to {nearest}"
-            + (f", or choose sampler fields whose num_generations divides {size} (one of {divisors})." if divisors
-               else ".")
-        )
-
-    def _apply_tool_calling_iterations(self):
-        """TRL's tool loop runs at most k = max_tool_calling_iterations rounds of tool execution, each followed by one
-        more generation, so a trajectory has at most k + 1 assistant turns: exactly `max_turns` = k + 1 (a tool call
-        in the last allowed turn ends the trajectory unexecuted, as TRL leaves it)."""
-        k = self.max_tool_calling_iterations
-        if k is None or not self.maps_tool_calling_iterations:
-            if self.max_turns is None:
-                self.max_turns = self.default_max_turns
-            return
-        if not isinstance(k, int) or k < 0:
-            raise ValueError(f"max_tool_calling_iterations must be a whole number ≥ 0; got {k!r}.")
-        if self.max_turns is not None and self.max_turns != k + 1:
-            raise ValueError(
-                f"max_tool_calling_iterations={k} allows {k + 1} assistant turns per trajectory (k tool rounds and the "
-                f"answer), but max_turns={self.max_turns}: set only one of them (max_turns = k + 1)."
-            )
-        self.max_turns = k + 1
-
-    def unused_grpo_options(self) -> dict[str, str]:
-        """GRPO options that would change nothing here, set to something other than GRPOConfig's default, with what
-        to use instead. "Set" compares with GRPOConfig's own default (`scale_rewards=True` is "group")."""
-        found = {
-            name: advice for name, advice in sorted(_REJECTED_ADVICE.items())
-            if _as_grpo_reads(name, getattr(self, name)) != _GRPO_DEFAULTS[name]
-        }
-        if not methods.choice("loss", self.loss).clipped:
-            clipped = [name for name, loss in methods.LOSSES.items() if loss.clipped and loss.unit == "tree"]
-            for name in ("epsilon", "epsilon_high"):
-                if getattr(self, name) != _GRPO_DEFAULTS[name]:
-                    found[name] = (
-                        f"the {self.loss!r} loss has no ratio clip (its teacher / fixed credit bounds the update); the "
-                        f"clipped losses {', '.join(map(repr, clipped))} read it."
-                    )
-        if self.max_tool_calling_iterations is not None and not self.maps_tool_calling_iterations:
-            found["max_tool_calling_iterations"] = (
-                "a search is several causal blocks here: cap tool use per block with max_turns and the blocks with "
-                "max_blocks."
-            )
-        if self.use_vllm and self.vllm_importance_sampling_correction:
-            found["vllm_importance_sampling_correction"] = (
-                "π_old is recomputed by the training model in the packed forward and vLLM's sampling log-probs are not "
-                "used, so no correction is applied: set it to False."
-            )
-        return found
-
-    def _reject_unused_grpo_options(self):
-        found = self.unused_grpo_options()
-        if found:
-            lines = "\n".join(f"  - {name}={getattr(self, name)!r}: {advice}" for name, advice in found.items())
-            raise ValueError(
-                f"{type(self).__name__} does not use these GRPO options (they would change nothing); unset them:\n"
-                f"{lines}"
-            )
-
-    @property
-    def num_optimizer_blocks(self) -> int:
-        """E: optimizer steps taken on one generation batch."""
-        return self.steps_per_generation // self.gradient_accumulation_steps
-
-    @property
-    def leaves_per_tree(self) -> int:
-        """K: leaves per tree (at most, for a sampler with a variable K); TreeFlex: searches per task."""
-        from .components import leaves_per_tree
-
-        return leaves_per_tree(self)
-
-    def _check_components(self) -> None:
-        """sampler, credit and loss are registered in `trl_tree.methods` and train the same kind of unit."""
-        methods.components_of(self)
-        methods.check_units(self)
-
     def _check_composition(self):
         """The chosen components, checked and resolved: the subclass's own (a tree's sampler fields, TreeFlex's
-        fixed credit and loss), ending with `_resolve_budget`."""
+        fixed credit and loss), ending with `config_budget.resolve_budget`."""
         raise NotImplementedError
 
     def _check_tree_fields(self):
-        self._apply_tool_calling_iterations()
+        """The rollout fields every config shares (`max_turns` from GRPO's `max_tool_calling_iterations` first),
+        then the generation kwargs; a subclass adds its own fields' checks."""
+        config_checks.apply_tool_calling_iterations(self)
         config_checks.check_tree_fields(self)
-        self._check_generation_kwargs()
-
-    def _check_generation_kwargs(self):
-        """A tree grows by continuing each prefix with one sampled (or greedy) sequence: beam search and several
-        returned sequences per prefix give rows that belong to no branch (and a KV cache expanded per beam, which the
-        prefix store cannot splice), so they are refused here rather than failing mid-rollout."""
         config_checks.check_generation_kwargs(self)
 
 
@@ -647,10 +461,7 @@ class TreeConfig(TreeTrainerConfig):
 
     @classmethod
     def _check_sampler_kind(cls, sampler: str) -> None:
-        if methods.choice("sampler", sampler).unit != "tree":
-            raise ValueError(
-                f"sampler={sampler!r} is TreeFlex's harness: use TreeFlexConfig and TreeFlexTrainer for it."
-            )
+        config_checks.check_tree_sampler(sampler)
 
     @classmethod
     def _probe_defaults(cls, probe) -> None:
@@ -661,46 +472,8 @@ class TreeConfig(TreeTrainerConfig):
     def _default_budget(cls, field_name: str) -> int:
         return cls.default_num_initial_rollouts
 
-    def _resolve_branches(self):
-        """N unset: the preset's N, unless G alone is given (M unset too), the sampler lets N be derived
-        (`methods.Sampler.derived`) and no M reaches G with it; then the N ≥ 1 nearest to it that does
-        (`components.shape_for_generations`), so that a G GRPO accepts (3, 5, 7) is not refused for a default the user
-        never chose. A user-given N is kept, and `_resolve_budget` checks it."""
-        from .components import budget_field, budget_for_generations, budget_formula, shape_for_generations
-
-        if self.num_branches is not None:
-            return
-        preferred, G = self.default_num_branches, self.num_generations
-        self.num_branches = preferred
-        derives_n = "num_branches" in methods.SAMPLERS[self.sampler].derived
-        if (not derives_n or getattr(self, budget_field(self)) is not None or not isinstance(G, int) or G < 1
-                or budget_for_generations(self, G) is not None):
-            return
-        chosen = shape_for_generations(self, G, "num_branches", preferred)
-        if chosen is None:
-            return  # no (M, N) gives G: `_resolve_budget` raises, listing the settings that do
-        M, self.num_branches = chosen
-        logger.warning(
-            f"num_generations={G} → M={M}, N={self.num_branches}: no M gives G = {G} with the default N = {preferred} "
-            f"(a tree costs {budget_formula(self.sampler)} trajectories), so N = {self.num_branches} (K = "
-            f"{M * (self.num_branches + 1)} leaves per tree)."
-            " Set num_initial_rollouts and num_branches to choose another split."
-        )
-
     def _check_composition(self):
-        self._check_components()
-        self._check_sampler_kind(self.sampler)
-        sampler = methods.SAMPLERS[self.sampler]
-        self._resolve_branches()
-        methods.check_fields(self)  # before the budget arithmetic, which needs valid shapes
-        self._resolve_budget()
-        if self.num_initial_rollouts < 1:
-            raise ValueError(f"num_initial_rollouts (M) must be ≥ 1; got {self.num_initial_rollouts}.")
-        if self.leaves_per_tree < 2:
-            raise ValueError(
-                f"A tree needs K ≥ 2 leaves to standardise rewards; this configuration gives K = {self.leaves_per_tree}"
-                f" (sampler={self.sampler!r}: K = {sampler.leaves_formula}, M = {self.num_initial_rollouts})."
-            )
+        config_checks.check_tree_composition(self)
 
     def _check_tree_fields(self):
         super()._check_tree_fields()
@@ -741,11 +514,6 @@ class AT2POConfig(TreeConfig):
                                 "10 gives G = 16; or from num_generations)."}
     )
     default_num_initial_rollouts: ClassVar[int] = 2
-
-
-def harnesses() -> tuple[str, ...]:
-    """TreeFlex's built-in harnesses: the samplers of the method table that grow groups of complete searches."""
-    return tuple(name for name, s in methods.SAMPLERS.items() if s.unit == "group")
 
 
 PENALTY_MODES = methods.PENALTY_MODES  # the search credit's own (`methods.Credit.check`)
@@ -822,25 +590,7 @@ class TreeFlexConfig(TreeTrainerConfig):
 
     @classmethod
     def _check_sampler_kind(cls, sampler: str) -> None:
-        if sampler not in harnesses():
-            raise ValueError(f"sampler must be one of {harnesses()}; got {sampler!r}.")
+        config_checks.check_harness(sampler)
 
     def _check_composition(self):
-        preset = methods.METHODS["treeflex"]
-        fixed = {"credit": (preset.credit, self.credit), "loss": (preset.loss, self.loss)}
-        for name, (want, value) in fixed.items():
-            if value != want:
-                raise ValueError(
-                    f"TreeFlexConfig.{name} is fixed to {want!r} (got {value!r}): TreeFlex's credit and loss are F1–F3;"
-                    " vary them with penalty_mode, aggregation, role_lambda and dual_clip_c."
-                )
-        self._check_sampler_kind(self.sampler)
-        self._check_components()
-        methods.check_fields(self)  # the harness's, the search credit's and the dual clip's own fields
-        self._resolve_budget()
-        if self.num_searches < 2:
-            raise ValueError(
-                f"num_searches (K) must be ≥ 2: the group compares complete searches; got {self.num_searches}."
-            )
-        if self.tool_failure_penalty > 0:
-            raise ValueError(f"tool_failure_penalty is a process penalty Q ≤ 0; got {self.tool_failure_penalty}.")
+        config_checks.check_flex_composition(self)
