@@ -8,6 +8,8 @@ the trainer module is the adapter from GRPOTrainer to the pipeline only; TreeFle
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from trl.trainer.utils import nanstd
 
@@ -17,6 +19,31 @@ from ..tree import render_tree
 from . import completions_table
 from . import metrics as tree_metrics
 from .completions_table import TREE_COLUMN, RowMeta
+from .tree_view_logging import at_global_step
+
+
+@contextlib.contextmanager
+def _set_for_the_block(obj, name: str, value):
+    """`obj.name` is `value` inside the block, and restored after it."""
+    saved = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, saved)
+
+
+@contextlib.contextmanager
+def _switched_off(obj, flag: str, when: bool):
+    """`obj.flag` is False inside the block if `when`, and restored after it."""
+    if not when:
+        yield
+        return
+    setattr(obj, flag, False)
+    try:
+        yield
+    finally:
+        setattr(obj, flag, True)
 
 
 class GenerationLogging:
@@ -27,6 +54,25 @@ class GenerationLogging:
 
     def _mean_over_ranks(self, values: list[float] | torch.Tensor) -> float:
         return tree_metrics.mean_over_ranks(self.accelerator, values)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """GRPOTrainer's `log` (metrics, and the completions table with `log_completions`), then the rollout-tree view
+        of the last finished generation batch, saved and logged to the trackers (`trl_tree.tree_view`).
+
+        The completions table is shown once per step: GRPOTrainer prints (and logs) it again with the end-of-training
+        summary, which transformers logs at the last step's number, the same rows a second time."""
+        shown_already = self.log_completions and self.state.global_step == self._completions_shown_at
+        self._completions_shown_at = self.state.global_step
+        # the console's table is trl-tree's (`completions_table`): taken before W&B's logging turns the rows into JSON
+        table = self._console_completions() if self.log_completions and not shown_already else None
+        with (at_global_step(self), _switched_off(self, "log_completions", shown_already),
+              _set_for_the_block(self, "num_completions_to_print", 0)):  # TRL's own table: logged, not printed
+            # Trackio files everything of this log at the trainer's step, not at its own count
+            super().log(logs, start_time)
+            if self._tree_view is not None:
+                self._tree_view.write_ready()
+        if table is not None:
+            self._print_completions(table)
 
     def _log_rollout_metrics(self, mode, group_sizes: list[int], lengths: list[int], clipped: list[bool],
                              tool_calls: list[int], tool_failures: list[int], scores: pipeline.LeafScores) -> None:
