@@ -15,7 +15,7 @@ The trainer (`trl_tree.trainer.base.TreeTrainer`) is an adapter: it builds the p
 (TRL's reward computation, the chat template, the accelerator, the training model) and the unit from its
 configuration, calls `generation_batch`, and logs what it returns. Everything it needs comes back as a value
 (`GenerationBatch`, `LeafScores`), nothing through the trainer's attributes. A unit kind (`RolloutUnit`) is what
-differs between the tree trainers (`trl_tree.tree_unit.TreeUnits`) and TreeFlex (`trainer.treeflex.FlexUnits`): what
+differs between the tree trainers (`trl_tree.tree_unit.TreeUnits`) and TreeFlex (`trl_tree.flex_unit.FlexUnits`): what
 it grows, what its leaves are, how it packs, and whether π_old goes back into it.
 """
 
