@@ -26,17 +26,44 @@ model on the synthetic search task, whose `search` tool is a client of the proje
 row says how long the loop stood still waiting for tools (`wait_seconds`) against the tools' own time, i.e. how
 much of the tool time generation hid.
 
+`--overlap` measures how much tool time chunked generation hides when turns end at different times, which neither
+mode above shows (`ScriptedEngine` does not resume turns, so chunking never applies to it; in the `--real` trees every
+searching branch called in the same round). TreeOPSD's trees as above on `--overlap_prompts` prompts, generation a
+paced script (`PacedEngine`): each engine call is one batched decode of its rows that sleeps per_token_seconds × the
+most tokens any row gets in the call, and resumes a turn cut short by a chunk. A long turn (`--long_turn_tokens`, 128)
+takes one tool latency (per_token_seconds = latency / 128); a short one is the call alone (24 tokens). Workloads
+(`UnevenTurns`): `staggered`, every trajectory a short and a long call turn in opposite orders (half short first),
+then the answer; `mixed`, half the trajectories two short call turns, the others one long call turn, then the answer.
+Variants: `concurrent` (a turn per engine call), `chunked` (`generation_chunk_tokens` = `--chunk_tokens`, 8) and
+`serial` (max_concurrent_tool_calls=1). Per row, after an untimed first batch without pace or latency: the batch's
+seconds; the same batch (same anchors, same trees) with instant tools, `generation_only_seconds` (its floor, were all
+tool time hidden), and what the tools added beyond it (`added_seconds`); the engine's sleeps (`generation_seconds`);
+the calls' own seconds summed (`tool_seconds`) and the time during which at least one call ran (`tool_busy_seconds`,
+the union of the calls' spans); how long the turn loop stood still waiting for tools (`wait_seconds`, its
+`tool_stats` over the batch); and
+
+    hidden_fraction = 1 - min(wait_seconds, tool_busy_seconds) / tool_busy_seconds
+
+the share of the tools' running time during which the loop did not stand still (it generated, or did its own work):
+0 when the loop waited through every call (its waits then cover the calls' spans, plus the pool's hand-off, hence the
+min), 1 when it never waited while a tool ran. `tools_under_generation`, a stricter reading: the share of
+tool_busy_seconds during which the engine was decoding (its sleeps).
+
 Usage:
     python benchmarks/bench_tools.py --output benchmarks/results/tools_latency.json --plot benchmarks/results/tools_latency.png
     python benchmarks/bench_tools.py --real smollm2 --latencies 0,0.25 --output benchmarks/results/tools_server_smollm2.json
+    python benchmarks/bench_tools.py --overlap --output benchmarks/results/tools_overlap.json
     python benchmarks/bench_tools.py --latencies 0,0.05 --quick      (seconds: checks the pipeline)
+    python benchmarks/bench_tools.py --overlap --quick               (seconds: 2 prompts at 0.1 s)
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
+import re
 import tempfile
 import threading
 import time
@@ -48,6 +75,7 @@ from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_tree import TreeOPSDConfig, TreeOPSDTrainer
+from trl_tree.rollout.engine import Continuation
 from trl_tree.rollout.turn_loop import Branch
 from trl_tree.testing import ScriptedEngine, tiny_model_and_tokenizer
 
@@ -63,6 +91,7 @@ class Latency:
         self.seconds, self.jitter = seconds, jitter
         self.rng, self.lock = random.Random(seed), threading.Lock()
         self.calls = 0
+        self.spans: list[tuple[float, float]] = []  # (start, end) of each call's sleep, perf_counter seconds
 
     def __call__(self) -> float:
         with self.lock:
@@ -77,7 +106,9 @@ def lookup_tool(latency: Latency):
         Args:
             query: what to look up
         """
+        start = time.perf_counter()
         time.sleep(latency())
+        latency.spans.append((start, time.perf_counter()))
         return f"The record for {query} says 42."
 
     return lookup
@@ -169,13 +200,14 @@ class CriticalPath:
         return max(self.seconds.values(), default=0.0)
 
 
-def tree_trainer(output_dir: str, prompts: int, latency: Latency, concurrent: bool):
+def tree_trainer(output_dir: str, prompts: int, latency: Latency, concurrent: bool, **config):
+    """TreeOPSD on the scripted agent (`config`: further TreeOPSDConfig fields, e.g. generation_chunk_tokens)."""
     model, tokenizer = tiny_model_and_tokenizer()
     args = TreeOPSDConfig(
-        output_dir=output_dir, num_initial_rollouts=M, num_branches=N, max_turns=3, max_completion_length=256,
+        output_dir=output_dir, num_initial_rollouts=M, num_branches=N, max_turns=3,
         per_device_train_batch_size=prompts * G, max_steps=1, report_to="none", use_cpu=True, bf16=False,
         gradient_checkpointing=False, save_strategy="no", tool_timeout=60.0,
-        max_concurrent_tool_calls=64 if concurrent else 1,
+        max_concurrent_tool_calls=64 if concurrent else 1, **{"max_completion_length": 256, **config},
     )
     trainer = TreeOPSDTrainer(model=model, reward_funcs=answered, args=args, train_dataset=dataset(prompts),
                               processing_class=tokenizer, tools=[lookup_tool(latency)])
@@ -390,19 +422,197 @@ def real_batch(path: str, task, url: str, latency: float, variant: str, prompts:
             "hidden_fraction": 1 - stats.wait_seconds / search.seconds if search.seconds else None}
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Overlap: turns that end at different times, with and without chunked generation
+# ---------------------------------------------------------------------------------------------------------------------
+
+OVERLAP_VARIANTS = ("concurrent", "chunked", "serial")
+OVERLAP_ARGS = ("overlap", "workloads", "overlap_prompts", "long_turn_tokens", "chunk_tokens")  # --overlap's own
+
+
+WORKLOADS = ("staggered", "mixed")
+
+
+class UnevenTurns:
+    """The overlap benchmark's agent: `TwoLookups`' tool calls and answer, with call turns of two lengths. A short turn
+    is the call alone (24 tokens of the tiny tokenizer); a long one is `long_tokens` tokens: thinking out loud, then
+    the call. The answer is short. Which trajectory does what follows its question i (the plan depends only on the
+    history, so a resumed turn continues exactly):
+
+        staggered  two calls, then the answer; the first call turn short and the second long when i is even, the
+                   other way round when i is odd (every trajectory generates as much and calls as often as any other)
+        mixed      i even: two short call turns, then the answer; i odd: one long call turn, then the answer
+    """
+
+    FILLER = "Let me think about which record to look up next. "
+
+    def __init__(self, tokenizer, long_tokens: int, workload: str = "staggered"):
+        if workload not in WORKLOADS:
+            raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
+        self.tokenizer, self.script, self.workload = tokenizer, TwoLookups(tokenizer), workload
+        self.eos = self.script.eos
+        self.short_tokens = len(self.script([]))
+        if long_tokens <= self.short_tokens:
+            raise ValueError(f"long turns must be longer than a short one ({self.short_tokens} tokens)")
+        filler = tokenizer.encode(self.FILLER, add_special_tokens=False)
+        self.filler = (filler * (long_tokens // len(filler) + 1))[: long_tokens - self.short_tokens]
+        self.long_tokens = long_tokens
+        self.answer = self.script(tokenizer.encode("<tool_response>" * 2, add_special_tokens=False))
+
+    def __call__(self, prefix: list[int]) -> list[int]:
+        text = self.tokenizer.decode(prefix)
+        seen, question = text.count("<tool_response>"), int(re.search(r"Question (\d+)", text).group(1))
+        if self.workload == "mixed" and question % 2 == 1:
+            return self.filler + self.script(prefix) if seen == 0 else self.answer
+        reply = self.script(prefix)
+        return self.filler + reply if self.workload == "staggered" and seen < 2 and (question + seen) % 2 == 1 \
+            else reply
+
+
+class PacedEngine:
+    """A batched decoder's pace, with scripted turns: each `generate` call is one batched decode of its rows and sleeps
+    `per_token_seconds` × the most tokens any row gets in the call (a step costs the same for one row or all of them),
+    and it resumes a turn cut short by a chunk (`resumes_turns`): a prefix that ends inside a planned turn continues it
+    where it left off. `plan(prefix at a turn's start) -> the turn's ids` (ending with EOS). Log-probs and entropies are
+    0.0 placeholders, as in `ScriptedEngine`. Keeps the (start, end) of its sleeps."""
+
+    resumes_turns = True
+
+    def __init__(self, plan, eos_ids, per_token_seconds: float = 0.0):
+        self.plan, self.eos_ids, self.per_token_seconds = plan, set(eos_ids), per_token_seconds
+        self.turns: dict[tuple[int, ...], tuple[list[int], int]] = {}  # prefix cut inside a turn -> (turn, sampled)
+        self.calls, self.spans = 0, []
+
+    def generate(self, prefixes: list[list[int]], max_new_tokens: list[int]) -> list[Continuation]:
+        self.calls += 1
+        results, longest = [], 0
+        for prefix, budget in zip(prefixes, max_new_tokens):
+            key = tuple(prefix)
+            turn, sampled = self.turns.get(key) or (self.plan(list(prefix)), 0)  # identical prefixes: the same turn
+            ids = turn[sampled : sampled + budget]
+            finished = bool(ids) and ids[-1] in self.eos_ids
+            if not finished:
+                self.turns[key + tuple(ids)] = (turn, sampled + len(ids))
+            results.append(Continuation(ids, [0.0] * len(ids), [0.0] * len(ids), finished))
+            longest = max(longest, len(ids))
+        if self.per_token_seconds > 0 and longest:
+            start = time.perf_counter()
+            time.sleep(self.per_token_seconds * longest)
+            self.spans.append((start, time.perf_counter()))
+        return results
+
+
+def merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of time spans, as disjoint sorted spans."""
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def covered(spans: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in merged(spans))
+
+
+def shared(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Seconds that lie in both unions of spans."""
+    a, b = merged(a), merged(b)
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def timed_batch(trainer, rows: list[dict], engine: PacedEngine, latency: Latency) -> dict:
+    """One timed `generate_batch`: wall seconds, the engine's sleeps, the tools' time and the loop's waits."""
+    stats = trainer._turn_loop.tool_stats  # cumulative over the trainer's batches: count this batch's difference
+    waited, calls = stats.wait_seconds, stats.calls
+    engine.spans, engine.calls, latency.spans, latency.calls = [], 0, [], 0
+    trainer.sampler.rng.seed(0)  # the same anchors every timed batch: the same trees with and without latency
+    start = time.perf_counter()
+    trainer.generate_batch(rows)
+    seconds = time.perf_counter() - start
+    wait = stats.wait_seconds - waited
+    busy = covered(latency.spans)
+    return {"seconds": seconds, "generation_seconds": sum(end - start for start, end in engine.spans),
+            "engine_calls": engine.calls, "tool_calls": stats.calls - calls,
+            "tool_seconds": sum(end - start for start, end in latency.spans), "tool_busy_seconds": busy,
+            "wait_seconds": wait, "hidden_fraction": 1 - min(wait, busy) / busy if busy else None,
+            "tools_under_generation": shared(latency.spans, engine.spans) / busy if busy else None}
+
+
+def overlap_batch(workload: str, variant: str, prompts: int, latency_seconds: float, long_tokens: int,
+                  chunk_tokens: int) -> dict:
+    """`variant`'s batch with turns of uneven lengths at one tool latency, the long turn's generation taking as long as a
+    call (per-token cost = latency / long_tokens). The trainer's first batch (one-off costs) runs untimed with neither
+    pace nor latency; then, timed, the same batch at the pace with instant tools (`generation_only_seconds`, the floor
+    the batch would reach if generation hid all the tool time), then at the latency."""
+    latency = Latency(0.0, False)
+    config = {"max_completion_length": 512}
+    if variant == "chunked":
+        config["generation_chunk_tokens"] = chunk_tokens
+    with tempfile.TemporaryDirectory() as out:
+        trainer = tree_trainer(out, prompts, latency, concurrent=variant != "serial", **config)
+        plan = UnevenTurns(trainer.processing_class, long_tokens, workload)
+        trainer.generation_engine = engine = PacedEngine(plan, [plan.eos])
+        rows = list(trainer.train_dataset)
+        trainer.generate_batch(rows)
+        engine.per_token_seconds = latency_seconds / long_tokens
+        floor = timed_batch(trainer, rows, engine, latency)
+        latency.seconds = latency_seconds
+        row = timed_batch(trainer, rows, engine, latency)
+    return {"workload": workload, "variant": variant, "latency": latency_seconds, "per_token_seconds": latency_seconds / long_tokens,
+            "chunk_tokens": chunk_tokens if variant == "chunked" else None, **row,
+            "generation_only_seconds": floor["seconds"], "generation_only_tool_calls": floor["tool_calls"],
+            "added_seconds": row["seconds"] - floor["seconds"],
+            "short_turn_tokens": plan.short_tokens, "long_turn_tokens": plan.long_tokens}
+
+
+def overlap_rows(workloads: list[str], latencies: list[float], prompts: int, long_tokens: int,
+                 chunk_tokens: int) -> list[dict]:
+    rows = []
+    for workload, latency, variant in itertools.product(workloads, latencies, OVERLAP_VARIANTS):
+        rows.append(overlap_batch(workload, variant, prompts, latency, long_tokens, chunk_tokens))
+        r = rows[-1]
+        print(f"{workload:>9} {variant:>10} latency {latency:.2f} s: {r['seconds']:6.2f} s (instant tools "
+              f"{r['generation_only_seconds']:.2f} s), {r['tool_calls']} calls ({r['tool_seconds']:.1f} s, busy "
+              f"{r['tool_busy_seconds']:.2f} s), loop waited {r['wait_seconds']:.2f} s, hidden "
+              f"{r['hidden_fraction']:.2f}", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--latencies", default="0,0.05,0.25,1.0", help="seconds per call, comma-separated")
+    parser.add_argument("--latencies", default=None,
+                        help="seconds per call, comma-separated (default 0,0.05,0.25,1.0; --overlap: 0.25,1.0)")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--repeats", type=int, default=5, help="zero-latency batches per variant (the least disturbed counts)")
     parser.add_argument("--quick", action="store_true", help="2 prompts, no jitter: checks the pipeline")
-    parser.add_argument("--output", default="benchmarks/results/tools_latency.json")
+    parser.add_argument("--output", default=None,
+                        help="default benchmarks/results/tools_latency.json (--overlap: tools_overlap.json)")
     parser.add_argument("--plot", default=None, help="a PNG of wall time per leaf against latency")
     parser.add_argument("--real", choices=["tiny", "smollm2"], default=None,
                         help="real generation against the project's retrieval server (see above)")
     parser.add_argument("--real_prompts", type=int, default=2, help="prompts per batch with --real")
+    parser.add_argument("--overlap", action="store_true",
+                        help="turns of uneven lengths: how much tool time chunked generation hides (see above)")
+    parser.add_argument("--overlap_prompts", type=int, default=4, help="prompts per batch with --overlap")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="--overlap's agents (UnevenTurns)")
+    parser.add_argument("--long_turn_tokens", type=int, default=128, help="a long turn's tokens with --overlap")
+    parser.add_argument("--chunk_tokens", type=int, default=8, help="generation_chunk_tokens of --overlap's chunked")
     args = parser.parse_args()
+    if args.latencies is None:
+        args.latencies = ("0.1" if args.quick else "0.25,1.0") if args.overlap else "0,0.05,0.25,1.0"
+    if args.output is None:
+        args.output = f"benchmarks/results/tools_{'overlap' if args.overlap else 'latency'}.json"
     # one intra-op thread, as the test suite runs: the tiny model's kernels are too small for two, and OpenMP's
     # spinning threads then made a batch's CPU time (and wall time) vary 2-3x between identical batches
     torch.set_num_threads(1)
@@ -411,6 +621,20 @@ def main() -> None:
         print(markdown_table(rows, list(rows[0])))
         write_json(args.output, {"command": f"python benchmarks/bench_tools.py --real {args.real} --latencies "
                                  f"{args.latencies}", "model": args.real, "rows": rows, "environment": environment()})
+        return
+    if args.overlap:
+        prompts = 2 if args.quick else args.overlap_prompts
+        rows = overlap_rows(args.workloads.split(","), [float(x) for x in args.latencies.split(",")], prompts,
+                            args.long_turn_tokens, args.chunk_tokens)
+        print(markdown_table(rows, ["workload", "variant", "latency", "seconds", "generation_only_seconds",
+                                    "added_seconds", "generation_seconds", "engine_calls", "tool_calls",
+                                    "tool_seconds", "tool_busy_seconds", "wait_seconds", "hidden_fraction",
+                                    "tools_under_generation"]))
+        write_json(args.output, {
+            "command": f"python benchmarks/bench_tools.py --overlap --workloads {args.workloads} --latencies "
+                       f"{args.latencies} --overlap_prompts {prompts} --long_turn_tokens {args.long_turn_tokens} --chunk_tokens {args.chunk_tokens}"
+                       + (" --quick" if args.quick else ""),
+            "prompts": prompts, "trees": {"M": M, "N": N}, "rows": rows, "environment": environment()})
         return
     latencies = [float(x) for x in args.latencies.split(",")]
     variants = args.variants.split(",")
@@ -446,7 +670,7 @@ def main() -> None:
         plot(rows, args.plot)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     write_json(args.output, {"command": "python benchmarks/bench_tools.py " + " ".join(
-        f"--{k} {v}" for k, v in vars(args).items() if k != "quick") + (" --quick" if args.quick else ""),
+        f"--{k} {v}" for k, v in vars(args).items() if k != "quick" and k not in OVERLAP_ARGS) + (" --quick" if args.quick else ""),
         "prompts": prompts, "trees": {"M": M, "N": N}, "grpo_group": G, "rows": rows, "targets": verdict,
         "environment": environment()})
 

@@ -452,3 +452,30 @@ def test_bench_tools_quick_times_each_variant_against_its_limit(tmp_path):
         span = row["limit_seconds"] - rows[row["variant"], 0.0]["seconds"]
         assert span >= row["critical_path_calls"] * row["latency"] * 0.99
     assert set(result["targets"]) >= {"zero_latency_concurrent_over_serial_cpu"}
+
+
+def test_bench_tools_overlap_quick_hides_tool_time_only_with_chunks(tmp_path):
+    """`bench_tools.py --overlap --quick`: turns of uneven lengths on a paced engine that resumes turns. With chunked
+    generation the engine goes on while tools run and the loop waits less for them; with a turn per engine call, or
+    one call at a time, the loop stands still through every call (nothing hidden). Only properties of the run's
+    structure, and one ratio within the run, are asserted, never a time."""
+    result = run_benchmark("bench_tools.py", "--overlap", "--quick", tmp_path=tmp_path)
+    rows = {(r["workload"], r["variant"]): r for r in result["rows"]}
+    workloads, variants = ("staggered", "mixed"), ("concurrent", "chunked", "serial")
+    assert set(rows) == {(w, v) for w in workloads for v in variants}
+    for workload in workloads:
+        concurrent, chunked, serial = (rows[workload, v] for v in variants)
+        # the same trees whatever the variant, with or without latency
+        calls = {r[key] for r in (concurrent, chunked, serial) for key in ("tool_calls", "generation_only_tool_calls")}
+        assert len(calls) == 1 and calls.pop() > 0
+        assert chunked["engine_calls"] > concurrent["engine_calls"] == serial["engine_calls"]
+        for row in (concurrent, chunked, serial):
+            assert 0 <= row["hidden_fraction"] <= 1 and 0 <= row["tools_under_generation"] <= 1
+            assert row["tool_busy_seconds"] <= row["tool_seconds"] + 1e-6
+        # a turn per engine call: the engine never runs while a tool does; one at a time, the loop runs every call
+        assert concurrent["tools_under_generation"] == serial["tools_under_generation"] == 0
+        assert serial["hidden_fraction"] == 0
+        # chunked: ready branches generate while the others' tools run, so the loop stands still less
+        assert chunked["tools_under_generation"] > 0
+        assert chunked["wait_seconds"] < concurrent["wait_seconds"]
+        assert chunked["hidden_fraction"] > concurrent["hidden_fraction"]
