@@ -119,6 +119,17 @@ def kernel_for_tree_rows(attn_implementation: str | None) -> str | None:
     return kernel.tree_rows_with if kernel else None
 
 
+
+def attend_tree_rows_by_chains(model) -> None:
+    """Switch a policy that forwards tree rows to its kernel for them (`kernel_for_tree_rows`): an sdpa policy then
+    computes only the visible pairs of a tree row (tree_sdpa: chain by chain, no [T, T] mask), so the tree layout
+    stays cheaper than path rows at any length. Every other forward (generation, causal rows) is transformers' sdpa
+    itself, and the setting is not saved with the model (`trl_tree.tree_attention`)."""
+    base = unwrap_model(model)
+    kernel = kernel_for_tree_rows(getattr(base.config, "_attn_implementation", None))
+    if kernel is not None:
+        base.set_attn_implementation(kernel)
+
 @dataclass
 class PackedTrees:
     """N packed trees; every tensor is [N, R, T] except `valid` ([N, R]).

@@ -27,23 +27,20 @@ from __future__ import annotations
 
 import functools
 import gc
-import os
 from typing import Any
 
 import torch
-from datasets import IterableDataset
 from trl import GRPOTrainer
-from trl.trainer.utils import RepeatSampler, repeat_iterable_dataset
 
 from .. import methods, pipeline, trl_internals
 from ..batch import LossInputs, TurnCredit
-from ..packing import kernel_for_tree_rows, unwrap_model
+from ..packing import attend_tree_rows_by_chains, unwrap_model
 from ..rollout.engine import HFEngine
 from ..rollout.samplers import TreeRoot
 from ..rollout.turn_loop import SamplerSettings, TurnLoop
 from ..tree import RolloutTree
 from ..tree_unit import TreeUnits
-from . import collaborators, components, engine_ports, model_card, resume
+from . import collaborators, components, engine_ports, model_card, prompt_loading, resume
 from . import metrics as tree_metrics
 from .config import TreeConfig, TreeTrainerConfig
 from .environments import hide_fork
@@ -84,7 +81,8 @@ class TreeTrainer(GenerationLogging, GRPOTrainer):
         datasets = [("train_dataset", kwargs.get("train_dataset")), ("eval_dataset", kwargs.get("eval_dataset"))]
         check_completion_formats(type(self).__name__, reward_funcs, datasets)
         super().__init__(model, reward_funcs, args=args, **kwargs)
-        self._attend_tree_rows_by_chains()
+        if self._forwards_tree_rows():  # sdpa -> tree_sdpa: a tree row's visible pairs only
+            attend_tree_rows_by_chains(self.model)
         # The dataloader yields prompts, one tree each: a micro-batch of per_device_train_batch_size trajectories of
         # budget is per_device_train_batch_size / G trees (GRPO's micro-batch holds the same prompts, G times each).
         trl_internals.set_train_batch_size(self, args.trees_per_micro_batch)
@@ -114,15 +112,6 @@ class TreeTrainer(GenerationLogging, GRPOTrainer):
 
     # ---------------------------------------------------------------- set-up
 
-    def _attend_tree_rows_by_chains(self):
-        """An sdpa policy computes only the visible pairs of a tree row (tree_sdpa: chain by chain, no [T, T] mask),
-        so the tree layout stays cheaper than path rows at any length. Every other forward (generation, causal rows)
-        is transformers' sdpa itself, and the setting is not saved with the model (`trl_tree.tree_attention`)."""
-        base = unwrap_model(self.model)
-        kernel = kernel_for_tree_rows(getattr(base.config, "_attn_implementation", None))
-        if self._forwards_tree_rows() and kernel is not None:
-            base.set_attn_implementation(kernel)
-
     def _forwards_tree_rows(self) -> bool:
         """Whether training forwards packed tree rows (with `subtree_end`): every `packing` but "paths"."""
         return self.args.packing != "paths"
@@ -135,32 +124,12 @@ class TreeTrainer(GenerationLogging, GRPOTrainer):
         return super().get_total_train_batch_size(args) * self.args.leaves_per_tree
 
     def _get_train_sampler(self, dataset=None):
-        """GRPO's sampler, drawing each prompt once: the tree is the prompt's whole group."""
-        return RepeatSampler(
-            data_source=self.train_dataset if dataset is None else dataset,
-            mini_repeat_count=1,
-            batch_size=self.args.prompts_per_generation,
-            repeat_count=self.num_iterations * self.args.steps_per_generation,
-            shuffle=self.shuffle_dataset,
-            seed=self.args.seed,
-        )
+        """GRPO's sampler, each prompt drawn once (`prompt_loading.prompt_sampler`)."""
+        return prompt_loading.prompt_sampler(self, self.train_dataset if dataset is None else dataset)
 
     def get_train_dataloader(self):
-        """GRPOTrainer's loader (a generation batch per step) without its G copies of each prompt."""
-        dataset = self.train_dataset
-        if isinstance(dataset, IterableDataset):
-            if self.shuffle_dataset:
-                dataset = dataset.shuffle(seed=self.args.seed)
-            dataset = repeat_iterable_dataset(
-                dataset, mini_repeat_count=1, batch_size=self.args.prompts_per_generation,
-                repeat_count=self.num_iterations * self.args.steps_per_generation,
-            )
-        return trl_internals.get_dataloader(
-            self,
-            dataset=dataset, description="Training",
-            batch_size=trl_internals.train_batch_size(self) * self.args.steps_per_generation,
-            sampler_fn=self._get_train_sampler, is_training=True,
-        )
+        """GRPOTrainer's loader without its G copies of each prompt (`prompt_loading.prompt_dataloader`)."""
+        return prompt_loading.prompt_dataloader(self)
 
     def _build_engine(self):
         """The generation backend, given narrow ports of this trainer (`engine_ports`), not the trainer itself."""
@@ -221,15 +190,7 @@ class TreeTrainer(GenerationLogging, GRPOTrainer):
         return trl_internals.buffered_inputs(self)[step % self.args.steps_per_generation]
 
     def _one_row_per_prompt(self, batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """GRPO's evaluation loader repeats each prompt G times in a row (per_device_eval_batch_size counts
-        completions, as in training); a tree is the prompt's whole group, so keep one row of each group."""
-        G = self.num_generations_eval
-        if len(batch) % G != 0:
-            raise ValueError(
-                f"An evaluation batch of {len(batch)} rows does not hold whole groups of num_generations ({G}) copies "
-                "of its prompts: make per_device_eval_batch_size a multiple of num_generations."
-            )
-        return batch[::G]
+        return prompt_loading.one_row_per_prompt(batch, self.num_generations_eval)
 
     def generate_batch(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         """Grow, score and credit one tree per dataset row of `inputs` and return them as one micro-batch: exactly
@@ -351,15 +312,9 @@ class TreeTrainer(GenerationLogging, GRPOTrainer):
     # ---------------------------------------------------------------- checkpoints
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
-        """transformers' `train`, but `resume_from_checkpoint=True` resumes from the newest *complete* checkpoint
-        (`resume.last_complete_checkpoint`): transformers takes the newest folder, which a crash during a save leaves
-        partial, and then fails on it; a checkpoint given by path whose trainer state is cut short is an error naming
-        the file before anything loads (`resume.check_trainer_state`)."""
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = resume.last_complete_checkpoint(self.args.output_dir)
-        elif isinstance(resume_from_checkpoint, str | os.PathLike):
-            resume.check_trainer_state(os.fspath(resume_from_checkpoint))  # before transformers loads the weights
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        """transformers' `train`, resuming only from a complete checkpoint (`resume.checkpoint_to_resume`)."""
+        checkpoint = resume.checkpoint_to_resume(resume_from_checkpoint, self.args.output_dir)
+        return super().train(checkpoint, *args, **kwargs)
 
     def end(self) -> None:
         """transformers' `end` (finish the trackers, destroy the process group), in order: every process waits for

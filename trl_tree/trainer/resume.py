@@ -304,6 +304,18 @@ _WEIGHTS = (SAFE_WEIGHTS_NAME, WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_IN
             ADAPTER_WEIGHTS_NAME)
 
 
+def checkpoint_to_resume(resume_from_checkpoint, output_dir: str):
+    """What `TreeTrainer.train` hands transformers: `True` becomes the newest *complete* checkpoint
+    (`last_complete_checkpoint`; transformers takes the newest folder, which a crash during a save leaves partial, and
+    then fails on it); a checkpoint given by path whose trainer state is cut short is an error naming the file before
+    anything loads (`check_trainer_state`); anything else passes through."""
+    if resume_from_checkpoint is True:
+        return last_complete_checkpoint(output_dir)
+    if isinstance(resume_from_checkpoint, str | os.PathLike):
+        check_trainer_state(os.fspath(resume_from_checkpoint))  # before transformers loads the weights
+    return resume_from_checkpoint
+
+
 def last_complete_checkpoint(output_dir: str) -> str:
     """The newest `checkpoint-N` folder of `output_dir` that holds everything a resume reads (`missing_parts`), for
     `resume_from_checkpoint=True`. transformers takes the newest folder, and a crash during a save leaves that one
