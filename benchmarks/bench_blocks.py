@@ -509,9 +509,14 @@ def map_report(args) -> None:
     plot_map(cells, args.plot or str(Path(args.output).with_suffix(".png")), caption)
 
 
+MAP_LABELS = {"treeopsd": "TreeOPSD", "treepo": "TreePO", "clip": "GRPO's clip",
+              "treeopsd_no_anchor": "TreeOPSD without its q = 1/2 pull", "treepo_anchor": "TreePO with that pull"}
+
+
 def plot_map(cells: dict, path: str, caption: str) -> None:
-    """Two rows (held-out KL, mean |s| after E blocks) × one column per E; a line per method through the seeds' mean,
-    each seed a dot; log-log, the thresholds dashed."""
+    """Two rows (held-out KL, mean |s| after E blocks) × one column per E, rows on one shared log scale so the
+    columns compare at a glance; a line per method through the seeds' mean, each seed a dot; the KL thresholds
+    dashed; one legend for the figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -520,28 +525,43 @@ def plot_map(cells: dict, path: str, caption: str) -> None:
     colours = {"treeopsd": "tab:blue", "treepo": "tab:orange", "clip": "tab:green", "treeopsd_no_anchor": "tab:purple",
                "treepo_anchor": "tab:red"}
     columns = sorted(cells)
-    figure, axes = plt.subplots(2, len(columns), figsize=(4.2 * len(columns), 6.4), squeeze=False)
+    scales = sorted({s for by_method in cells.values() for by_scale in by_method.values() for s in by_scale})
+    figure, axes = plt.subplots(2, len(columns), figsize=(3.6 * len(columns) + 1.0, 6.0), squeeze=False,
+                                sharex=True, sharey="row")
+    floor = 1e-3  # a KL or |s| of exactly 0 (nothing moved) is drawn at the floor of the log scale
     for col, blocks in enumerate(columns):
         for row, (key, label) in enumerate((("heldout_kl", "held-out KL per token"), ("abs_s_mean", "mean |s_i|"))):
             ax = axes[row][col]
-            for method, by_scale in cells[blocks].items():
-                scales = sorted(by_scale)
-                means = [sum(p[key] for p in by_scale[s]) / len(by_scale[s]) for s in scales]
-                ax.plot(scales, means, color=colours.get(method), marker="o", markersize=3, label=method)
-                for s in scales:
-                    ax.scatter([s] * len(by_scale[s]), [p[key] for p in by_scale[s]], color=colours.get(method), s=8,
-                               alpha=0.5)
+            for method in colours:
+                by_scale = cells[blocks].get(method)
+                if not by_scale:
+                    continue
+                present = sorted(by_scale)
+                means = [max(floor, sum(p[key] for p in by_scale[s]) / len(by_scale[s])) for s in present]
+                ax.plot(present, means, color=colours[method], marker="o", markersize=4, label=MAP_LABELS[method])
+                for s in present:
+                    ax.scatter([s] * len(by_scale[s]), [max(floor, p[key]) for p in by_scale[s]],
+                               color=colours[method], s=10, alpha=0.45)
             if key == "heldout_kl":
                 for t in MAP_THRESHOLDS:
                     ax.axhline(t, color="grey", linestyle="--", linewidth=0.8)
             ax.set_xscale("log", base=2)
-            ax.set_yscale("symlog", linthresh=LOG_PANELS[key])  # 0 stays drawable
-            ax.set_title(f"E = {blocks}: {label}", fontsize=9)
-            ax.set_xlabel("learning-rate scale", fontsize=8)
+            ax.set_yscale("log")
+            ax.set_xticks(scales, [f"{s:g}×" for s in scales])
+            ax.set_xlim(min(scales) / 1.5, max(scales) * 1.5)
+            ax.set_title(f"E = {blocks} blocks: {label}", fontsize=9)
+            if row == 1:
+                ax.set_xlabel("learning-rate scale (× 2e-4)", fontsize=8)
             ax.tick_params(labelsize=7)
-    axes[0][0].legend(fontsize=7)
-    figure.suptitle(caption, fontsize=8, wrap=True)
-    figure.tight_layout(rect=(0, 0, 1, 0.92))
+            ax.grid(alpha=0.25, which="major")
+    handles = {}
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    figure.legend(handles.values(), handles.keys(), loc="upper center", ncol=min(5, len(handles)), fontsize=8,
+                  frameon=False, bbox_to_anchor=(0.5, 0.95))
+    figure.suptitle(caption, fontsize=8, wrap=True, y=0.995)
+    figure.tight_layout(rect=(0, 0, 1, 0.91))
     figure.savefig(path, dpi=110)
     print(f"wrote {path}", flush=True)
 
