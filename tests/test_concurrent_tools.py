@@ -235,9 +235,19 @@ def test_a_fatal_tool_error_stops_the_run_with_other_calls_in_flight():
 def test_ctrl_c_stops_the_run_without_waiting_for_the_calls_in_flight(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent(f"""
-        import sys, time
+        import signal, sys, time
         sys.path.insert(0, {os.getcwd()!r})
         from tests.test_concurrent_tools import SamplingEngine, grow
+
+        # Ctrl-C as a terminal delivers it, whatever this child inherited from the test process (an ignored or
+        # blocked SIGINT: earlier tests' launchers and background jobs leave one); the handler notes when it ran, so
+        # the child reports how long stopping took
+        interrupted = []
+        def on_interrupt(signum, frame):
+            interrupted.append(time.monotonic())
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGINT, on_interrupt)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGINT}})
 
         def stuck(key: str) -> str:
             '''Hangs.
@@ -253,7 +263,7 @@ def test_ctrl_c_stops_the_run_without_waiting_for_the_calls_in_flight(tmp_path):
         try:
             grow(stuck, n=6, engine=SamplingEngine(turns_with_calls=1), tool_timeout=120.0)
         except KeyboardInterrupt:
-            print("stopped", flush=True)
+            print(f"stopped {{time.monotonic() - interrupted[0]:.3f}}", flush=True)
             sys.exit(3)
     """))
     process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
@@ -262,12 +272,13 @@ def test_ctrl_c_stops_the_run_without_waiting_for_the_calls_in_flight(tmp_path):
         time.sleep(0.3)
         sent = time.monotonic()
         process.send_signal(signal.SIGINT)
-        # The property: the run stops without waiting for the hung call (60 s) or its deadline (120 s). The bound is
-        # far from both so that a loaded machine, where exiting a torch process alone takes seconds, cannot fail it;
-        # uncontended it stops within about a second (the issue's figure).
+        # The run stops without waiting for the hung call (60 s) or its deadline (120 s): the process exits well before
+        # either (its exit alone can take seconds on a loaded machine), and inside it the interrupt reached the caller,
+        # in-flight calls cancelled, within the issue's "about a second" (a poll of the waits, not the tools' time).
         assert process.wait(timeout=30) == 3
         assert time.monotonic() - sent < 30.0
-        assert "stopped" in process.stdout.read()
+        stopped = [line.split() for line in process.stdout.read().splitlines() if line.startswith("stopped")]
+        assert stopped and float(stopped[0][1]) < 1.5, stopped
     finally:
         process.kill()
 

@@ -129,7 +129,7 @@ class TreeTrainer(GenerationLogging, GRPOTrainer):
 
     def get_train_dataloader(self):
         """GRPOTrainer's loader without its G copies of each prompt (`prompt_loading.prompt_dataloader`)."""
-        return prompt_loading.prompt_dataloader(self)
+        return prompt_loading.prompt_dataloader(self, self._get_train_sampler)
 
     def _build_engine(self):
         """The generation backend, given narrow ports of this trainer (`engine_ports`), not the trainer itself."""

@@ -28,9 +28,9 @@ def prompt_sampler(trainer, dataset) -> RepeatSampler:
     )
 
 
-def prompt_dataloader(trainer):
+def prompt_dataloader(trainer, sampler_fn):
     """GRPOTrainer's loader (a generation batch per step) without its G copies of each prompt; a streaming dataset
-    is shuffled and repeated as GRPO repeats it, once per prompt."""
+    is shuffled and repeated as GRPO repeats it, once per prompt. `sampler_fn` is the trainer's `_get_train_sampler`."""
     dataset, args = trainer.train_dataset, trainer.args
     if isinstance(dataset, IterableDataset):
         if trainer.shuffle_dataset:
@@ -43,7 +43,7 @@ def prompt_dataloader(trainer):
         trainer,
         dataset=dataset, description="Training",
         batch_size=trl_internals.train_batch_size(trainer) * args.steps_per_generation,
-        sampler_fn=trainer._get_train_sampler, is_training=True,
+        sampler_fn=sampler_fn, is_training=True,
     )
 
 
