@@ -479,3 +479,14 @@ def test_bench_tools_overlap_quick_hides_tool_time_only_with_chunks(tmp_path):
         assert chunked["tools_under_generation"] > 0
         assert chunked["wait_seconds"] < concurrent["wait_seconds"]
         assert chunked["hidden_fraction"] > concurrent["hidden_fraction"]
+
+
+def test_bench_eval_cache_quick_times_both_settings_on_the_same_answers(tmp_path):
+    """`bench_eval_cache.py --quick`: the greedy evaluation with and without prefix KV reuse, each timed, on the same
+    questions; reuse changes how histories are encoded, not which answer greedy decoding picks."""
+    result = run_benchmark("bench_eval_cache.py", "--quick", "--repeats", "2", tmp_path=tmp_path)
+    rows = {r["kv_reuse"]: r for r in result["rows"]}
+    assert set(rows) == {"none", "prefix"} and all(r["repeats"] == 2 for r in rows.values())
+    assert result["answers_differing"] == 0 and result["questions"] == 4
+    assert rows["none"]["exact_match"] == rows["prefix"]["exact_match"]
+    assert rows["none"]["cpu_ratio"] == 1.0 and rows["prefix"]["speedup"] == 1 / rows["prefix"]["cpu_ratio"]
