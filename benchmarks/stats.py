@@ -209,7 +209,13 @@ TABLES = {
     "e4_lr2e-3": "smollm2_learning_e4_lr2e-3.runs",
     "e1_lr2e-3": "smollm2_learning_e1_lr2e-3.runs",
     "e4_lr2e-3_ablation": "smollm2_learning_e4_lr2e-3_ablation.runs",
+    "e4_lr4e-4": "smollm2_learning_e4_lr4e-4.runs",
+    "e4_lr8e-4": "smollm2_learning_e4_lr8e-4.runs",
 }
+
+# best against best (issue 40): the E = 4 tables that differ only in the learning rate, by its multiple of 2e-4
+SCALES = {1: "e4", 2: "e4_lr4e-4", 4: "e4_lr8e-4", 10: "e4_lr2e-3"}
+SCREEN_SEEDS = (0, 1)  # a method's best scale is chosen on these seeds, which every scale it ran has
 
 
 # pairs are reported as (earlier in this order) − (later): TreeOPSD first
@@ -285,6 +291,70 @@ def cross_reports(results: Path) -> dict:
     return {"pairs": pairs}
 
 
+def efficiency(runs: dict[int, dict]) -> dict:
+    """Held-out EM gained per 10k rollout tokens and per CPU hour of training, means over seeds. Training CPU is the
+    last evaluation point's `train_cpu_seconds` (the process's CPU seconds with the evaluations' taken out: greedy
+    answers to 128 questions cost 6-8 CPU minutes a point, the same for every method); runs that predate it have none."""
+    def mean(values):
+        values = [v for v in values if v is not None]
+        return sum(values) / len(values) if values else None
+
+    gain = {s: final_point(r)["exact_match"] - r["heldout_before"] for s, r in runs.items()}
+    cpu_hours = {s: final_point(r).get("train_cpu_seconds", None) for s, r in runs.items()}
+    cpu_hours = {s: v / 3600 if v else None for s, v in cpu_hours.items()}
+    return {"gain_per_10k_tokens": mean([gain[s] / r["rollout_tokens"] * 1e4 for s, r in runs.items()]),
+            "gain_per_cpu_hour": mean([gain[s] / h if h else None for s, h in cpu_hours.items()]),
+            "rollout_tokens": mean([r["rollout_tokens"] for r in runs.values()]),
+            "train_cpu_minutes": mean([h * 60 if h else None for h in cpu_hours.values()])}
+
+
+def best_against_best(results: Path, scales: dict[int, str] = SCALES, screen: tuple[int, ...] = SCREEN_SEEDS) -> dict:
+    """Each method at each learning-rate scale it ran (`scales`: multiple -> table): EM per seed, efficiency and
+    collapses; its best scale, the highest mean EM on the `screen` seeds (a scale that lacks one of them is not
+    eligible; a tie goes to the lower rate); and each pair of bests, paired over their common seeds.
+
+    The screen picks on the same seeds it reports, so a best's EM is biased upward (more so with more scales tried):
+    the pairs are a screen, and confirming one needs new seeds."""
+    grid: dict[str, dict[int, dict]] = {}
+    for scale, table in sorted(scales.items()):
+        folder = results / TABLES[table]
+        for method, runs in (load_runs(folder).items() if folder.is_dir() else ()):
+            grid.setdefault(method, {})[scale] = {"runs": runs, **method_summary(runs), **efficiency(runs)}
+    best = {}
+    for method, cells in grid.items():
+        eligible = {scale: sum(cell["exact_match"][s] for s in screen) / len(screen)
+                    for scale, cell in cells.items() if all(s in cell["exact_match"] for s in screen)}
+        if eligible:
+            best[method] = max(sorted(eligible), key=lambda scale: eligible[scale])  # first max: the lowest rate
+    names = sorted(best, key=_order)
+    pairs = {}
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            pair = comparison(grid[b][best[b]]["runs"], grid[a][best[a]]["runs"])
+            if pair is not None:
+                pairs[f"{a}@{best[a]}x - {b}@{best[b]}x"] = pair
+    for cells in grid.values():
+        for cell in cells.values():
+            del cell["runs"]
+    return {"scales": {str(k): v for k, v in scales.items()}, "screen_seeds": list(screen), "grid": grid,
+            "best_scale": best, "pairs": pairs}
+
+
+def best_markdown(report: dict) -> str:
+    lines = ["| method | scale × 2e-4 | seeds | final EM per seed | mean EM [95 % t] | collapsed | rollout tokens "
+             "| train CPU min | EM gain / 10k tokens | EM gain / CPU hour | best |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for method in sorted(report["grid"], key=_order):
+        for scale, c in sorted(report["grid"][method].items()):
+            em = ", ".join(f"{c['exact_match'][k]:.3f}" for k in c["seeds"])
+            cpu = f"{c['train_cpu_minutes']:.0f}" if c["train_cpu_minutes"] is not None else "—"
+            per_cpu = f"{c['gain_per_cpu_hour']:+.3f}" if c["gain_per_cpu_hour"] is not None else "—"
+            lines.append(f"| {method} | {scale}× | {','.join(map(str, c['seeds']))} | {em} | "
+                         f"{_text(c['em_interval'], signed=False)} | {c['collapsed_count']} of {len(c['seeds'])} | "
+                         f"{c['rollout_tokens']:,.0f} | {cpu} | {c['gain_per_10k_tokens']:+.3f} | {per_cpu} | "
+                         f"{'**best**' if report['best_scale'].get(method) == scale else ''} |")
+    return "\n".join(lines) + "\n" + pairs_markdown({"best against best": report})
+
+
 def _text(interval: dict, signed: bool = True) -> str:
     return Interval(**interval).text(signed=signed)
 
@@ -300,12 +370,15 @@ def main(argv=None) -> None:
         if path.is_dir() and any(path.glob("*-seed*.json")):
             reports[table] = table_report(path)
     cross = cross_reports(Path(args.results))
+    best = best_against_best(Path(args.results))
     text = markdown(reports) + ("\nAcross tables (same warm start, settings and seeds but the one compared):\n"
                                 + pairs_markdown({"across": cross}) if cross["pairs"] else "")
+    text += (f"\nBest against best at E = 4 (each method's best scale on seeds {best['screen_seeds']}; a screen: "
+             "chosen on the seeds it reports):\n\n" + best_markdown(best))
     print(text)
     if args.output:
         out = {"collapse": {"format_rate_below": COLLAPSE_FORMAT_RATE, "exact_match_below": COLLAPSE_EXACT_MATCH},
-               "tables": reports, "across_tables": cross["pairs"]}
+               "tables": reports, "across_tables": cross["pairs"], "best_against_best": best}
         Path(args.output).write_text(json.dumps(out, indent=1, default=str) + "\n")
         Path(args.output).with_suffix(".md").write_text(text)
 

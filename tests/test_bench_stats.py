@@ -92,3 +92,39 @@ def test_fisher_exact_of_collapse_counts(stats):
     assert stats.collapse_count_p_value(5, 5, 0, 5) == pytest.approx(2 / 252)
     # [[3, 1], [1, 5]]: the tables with its margins as or less likely than it: 15/210 + 24/210 + 1/210 (as scipy.stats.fisher_exact)
     assert stats.collapse_count_p_value(3, 4, 1, 6) == pytest.approx(40 / 210)
+
+
+def test_best_against_best_picks_each_methods_best_screened_scale_and_pairs_the_bests(stats, tmp_path):
+    """A method's best scale is the highest mean EM on the screen seeds among the scales that ran all of them (a
+    tie goes to the lower rate); the bests are paired over their common seeds; efficiency is the gain per token and
+    per training CPU hour."""
+    tables = {1: "one", 2: "two", 4: "four"}
+
+    def run(scale, method, seed, em, cpu_seconds=1800.0):
+        folder = tmp_path / stats.TABLES[tables[scale]]
+        folder.mkdir(exist_ok=True)
+        (folder / f"{method}-seed{seed}.json").write_text(json.dumps(
+            {"method": method, "seed": seed, "heldout_before": 0.25, "rollout_tokens": 20_000,
+             "curve": [{"exact_match": 0.25}, {"exact_match": em, "format_rate": 1.0,
+                                               "train_cpu_seconds": cpu_seconds}]}))
+
+    stats.TABLES.update({name: f"{name}.runs" for name in tables.values()})
+    try:
+        for seed, em in enumerate([0.35, 0.45]):
+            run(1, "treeopsd", seed, em)
+            run(2, "treeopsd", seed, em)  # the same mean as 1x: the tie goes to the lower rate
+            run(1, "treepo", seed, em - 0.05)
+        run(4, "treeopsd", 0, 0.9)  # the best single run, but seed 1 is missing: not eligible
+        run(2, "treepo", 0, 0.9)
+        run(2, "treepo", 1, 0.0)  # mean 0.45 > 0.35: the best, collapsed run and all
+        report = stats.best_against_best(tmp_path, scales=tables)
+    finally:
+        for name in tables.values():
+            del stats.TABLES[name]
+    assert report["best_scale"] == {"treeopsd": 1, "treepo": 2}
+    pair = report["pairs"]["treeopsd@1x - treepo@2x"]
+    assert pair["differences"] == {0: pytest.approx(0.35 - 0.9), 1: pytest.approx(0.45)}
+    cell = report["grid"]["treeopsd"][1]
+    assert cell["gain_per_10k_tokens"] == pytest.approx(0.15 / 2)  # mean gain 0.15 over 20k tokens
+    assert cell["gain_per_cpu_hour"] == pytest.approx(0.3)  # 0.15 in half a CPU hour
+    assert "**best**" in stats.best_markdown(report)
