@@ -68,10 +68,12 @@ class CountingEngine(GreedyEngine):
         return out
 
 
-def run_variant(model, tokenizer, task, args, chunk: int | None) -> dict:
+def run_variant(model, tokenizer, task, args, chunk: int | None, reuse_prefixes: bool = True) -> dict:
+    """One timed greedy pass over the first `args.num_questions` held-out questions: CPU and wall seconds, the
+    engine's counts, and each question's whole history (to check that variants give the same answers)."""
     settings = AgentSettings(max_turns=args.max_turns, max_completion_length=args.max_completion_length,
                              max_turn_tokens=args.max_turn_tokens, batch_size=args.batch_size, chunk_tokens=chunk)
-    engine = CountingEngine(model, tokenizer, batch_size=args.batch_size)
+    engine = CountingEngine(model, tokenizer, batch_size=args.batch_size, reuse_prefixes=reuse_prefixes)
     prompts = [row["prompt"] for row in task.test_rows[: args.num_questions]]
     cpu, wall = time.process_time(), time.perf_counter()
     branches = run_agent(model, tokenizer, prompts, task.tools, settings, engine=engine)
