@@ -311,10 +311,11 @@ def efficiency(runs: dict[int, dict]) -> dict:
 def best_against_best(results: Path, scales: dict[int, str] = SCALES, screen: tuple[int, ...] = SCREEN_SEEDS) -> dict:
     """Each method at each learning-rate scale it ran (`scales`: multiple -> table): EM per seed, efficiency and
     collapses; its best scale, the highest mean EM on the `screen` seeds (a scale that lacks one of them is not
-    eligible; a tie goes to the lower rate); and each pair of bests, paired over their common seeds.
+    eligible; a tie goes to the lower rate); and each pair of bests, paired over their common seeds (`pairs`) and over
+    their common seeds outside the screen (`confirmation`).
 
-    The screen picks on the same seeds it reports, so a best's EM is biased upward (more so with more scales tried):
-    the pairs are a screen, and confirming one needs new seeds."""
+    The screen picks on the same seeds it reports, so a best's EM on them is biased upward (more so with more scales
+    tried): `pairs` mixes screen and new seeds, and only `confirmation`, on seeds the choice never saw, is unbiased."""
     grid: dict[str, dict[int, dict]] = {}
     for scale, table in sorted(scales.items()):
         folder = results / TABLES[table]
@@ -327,17 +328,22 @@ def best_against_best(results: Path, scales: dict[int, str] = SCALES, screen: tu
         if eligible:
             best[method] = max(sorted(eligible), key=lambda scale: eligible[scale])  # first max: the lowest rate
     names = sorted(best, key=_order)
-    pairs = {}
+    pairs, confirmation = {}, {}
     for i, a in enumerate(names):
         for b in names[i + 1:]:
-            pair = comparison(grid[b][best[b]]["runs"], grid[a][best[a]]["runs"])
-            if pair is not None:
-                pairs[f"{a}@{best[a]}x - {b}@{best[b]}x"] = pair
+            runs_a, runs_b = grid[a][best[a]]["runs"], grid[b][best[b]]["runs"]
+            name = f"{a}@{best[a]}x - {b}@{best[b]}x"
+            for found, (ra, rb) in ((pairs, (runs_a, runs_b)),
+                                    (confirmation, ({s: r for s, r in runs_a.items() if s not in screen},
+                                                    {s: r for s, r in runs_b.items() if s not in screen}))):
+                pair = comparison(rb, ra)
+                if pair is not None:
+                    found[name] = pair
     for cells in grid.values():
         for cell in cells.values():
             del cell["runs"]
     return {"scales": {str(k): v for k, v in scales.items()}, "screen_seeds": list(screen), "grid": grid,
-            "best_scale": best, "pairs": pairs}
+            "best_scale": best, "pairs": pairs, "confirmation": confirmation}
 
 
 def best_markdown(report: dict) -> str:
@@ -352,7 +358,8 @@ def best_markdown(report: dict) -> str:
                          f"{_text(c['em_interval'], signed=False)} | {c['collapsed_count']} of {len(c['seeds'])} | "
                          f"{c['rollout_tokens']:,.0f} | {cpu} | {c['gain_per_10k_tokens']:+.3f} | {per_cpu} | "
                          f"{'**best**' if report['best_scale'].get(method) == scale else ''} |")
-    return "\n".join(lines) + "\n" + pairs_markdown({"best against best": report})
+    return "\n".join(lines) + "\n" + pairs_markdown({"best against best": report, "confirmation (seeds outside the screen)":
+                                                    {"pairs": report["confirmation"]}})
 
 
 def _text(interval: dict, signed: bool = True) -> str:

@@ -96,8 +96,8 @@ def test_fisher_exact_of_collapse_counts(stats):
 
 def test_best_against_best_picks_each_methods_best_screened_scale_and_pairs_the_bests(stats, tmp_path):
     """A method's best scale is the highest mean EM on the screen seeds among the scales that ran all of them (a
-    tie goes to the lower rate); the bests are paired over their common seeds; efficiency is the gain per token and
-    per training CPU hour."""
+    tie goes to the lower rate); the bests are paired over their common seeds, and for the confirmation over those
+    outside the screen; efficiency is the gain per token and per training CPU hour."""
     tables = {1: "one", 2: "two", 4: "four"}
 
     def run(scale, method, seed, em, cpu_seconds=1800.0):
@@ -117,14 +117,18 @@ def test_best_against_best_picks_each_methods_best_screened_scale_and_pairs_the_
         run(4, "treeopsd", 0, 0.9)  # the best single run, but seed 1 is missing: not eligible
         run(2, "treepo", 0, 0.9)
         run(2, "treepo", 1, 0.0)  # mean 0.45 > 0.35: the best, collapsed run and all
+        run(1, "treeopsd", 2, 0.5)  # seed 2, outside the screen: the only seed the confirmation pairs
+        run(2, "treepo", 2, 0.3)
+        run(2, "treeopsd", 2, 0.9)  # would make 2x treeopsd's best if the screen looked past seeds 0 and 1
         report = stats.best_against_best(tmp_path, scales=tables)
     finally:
         for name in tables.values():
             del stats.TABLES[name]
     assert report["best_scale"] == {"treeopsd": 1, "treepo": 2}
     pair = report["pairs"]["treeopsd@1x - treepo@2x"]
-    assert pair["differences"] == {0: pytest.approx(0.35 - 0.9), 1: pytest.approx(0.45)}
-    cell = report["grid"]["treeopsd"][1]
-    assert cell["gain_per_10k_tokens"] == pytest.approx(0.15 / 2)  # mean gain 0.15 over 20k tokens
-    assert cell["gain_per_cpu_hour"] == pytest.approx(0.3)  # 0.15 in half a CPU hour
+    assert pair["differences"] == {0: pytest.approx(0.35 - 0.9), 1: pytest.approx(0.45), 2: pytest.approx(0.2)}
+    assert report["confirmation"]["treeopsd@1x - treepo@2x"]["differences"] == {2: pytest.approx(0.2)}
+    cell = report["grid"]["treepo"][1]
+    assert cell["gain_per_10k_tokens"] == pytest.approx(0.10 / 2)  # mean gain 0.10 over 20k tokens
+    assert cell["gain_per_cpu_hour"] == pytest.approx(0.2)  # 0.10 in half a CPU hour
     assert "**best**" in stats.best_markdown(report)
