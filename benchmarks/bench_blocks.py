@@ -608,7 +608,8 @@ def one_run(trainer, base_args, trees, method, scale, schedule, heldout, args, t
     points = train_blocks(trainer, base_args, trees, method, args.learning_rate * scale, schedule, heldout, args,
                           theta_old)
     if path is not None:
-        write_json(path, {"settings": settings, "points": points, "cpu_seconds": time.process_time() - started})
+        write_json(path, {"settings": settings, "points": points, "cpu_seconds": time.process_time() - started,
+                          "environment": environment()})
     return points
 
 

@@ -144,6 +144,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="tree methods: save each run's rollout-tree pages (log_completions) under DIR/METHOD-seedS/")
     p.add_argument("--plot", default=None, help="write the EM-vs-rollout-tokens plot here (PNG)")
     p.add_argument("--output", default=None, help="write the results as JSON here")
+    p.add_argument("--equivalent_warm_starts", default=None,
+                   help="comma-separated warm-start weight hashes (a run file's `warm_start_sha256`) to treat as one "
+                        "warm start: the same folder (data and recipe) built on machines whose kernels round "
+                        "differently (docs/design.md, section 7). Accepted only while every run of the table starts "
+                        "from the same held-out metrics; each run file keeps its own hash")
+    p.add_argument("--check_warm_start", default=None, metavar="FILE",
+                   help="train nothing: build (or read from the cache) this machine's warm start and write to FILE "
+                        "its weights hash, the machine's kernel fingerprint, its held-out point, and, for each run "
+                        "next to --output, whether that run started from the same weights or the same held-out point "
+                        "(can this machine extend that table?)")
     p.add_argument("--report_only", action="store_true",
                    help="train nothing: rewrite the table, plot and summary of --output from the run files present "
                         "for --methods and --seeds (an unfinished table, e.g. mid-way through the sittings)")
@@ -308,8 +318,10 @@ def run_file(output: str, method: str, seed: int) -> Path:
 # (and GRPO's micro-batch split: one tiny-model step with micro-batches of 4 against one of 16 differed by 8e-6 in
 # the parameters for an update of 1e-3, rounding; each run file still records it in its config)
 NOT_RESULT_ARGUMENTS = {"methods", "seeds", "output", "plot", "threads", "gradient_checkpointing", "report_only",
+                        "check_warm_start",
                         "tree_view",  # the pages cost one no-grad forward a batch and change no sample or step
-                        "grpo_micro_batch"}
+                        "grpo_micro_batch",
+                        "equivalent_warm_starts"}  # which tables a run may join, not how it trains
 
 
 def checked_run(path: Path, args) -> dict:
@@ -338,11 +350,21 @@ def warm_start_identity(model_path: str) -> dict:
     return {"warm_start": Path(model_path).name, "warm_start_sha256": digest.hexdigest()[:16]}
 
 
-def check_one_warm_start(runs: list[tuple[Path, dict]], current: dict | None = None) -> None:
+# the warm start's held-out point that every run records first: equal for warm starts that differ only in rounding
+START_METRICS = ("exact_match", "f1", "format_rate", "mean_turns", "mean_tool_calls", "reward")
+
+
+def check_one_warm_start(runs: list[tuple[Path, dict]], current: dict | None = None,
+                         equivalent: str | None = None, current_start: dict | None = None) -> None:
     """Every run of a table (and, with `current`, the warm start this sitting would train from) starts from the
     same model; otherwise an error that names the runs and what to do, before any training time is spent.
 
-    Run files written before the weights hash was recorded are compared by the warm start's folder name only."""
+    Run files written before the weights hash was recorded are compared by the warm start's folder name only.
+    `equivalent` (`--equivalent_warm_starts`): comma-separated weight hashes of one folder that count as one warm
+    start, as long as every run's first held-out point (and `current_start`, this sitting's warm start's) agrees on
+    `START_METRICS`."""
+    hashes_as_one = {h.strip() for h in (equivalent or "").split(",") if h.strip()}
+
     def identity(result: dict) -> dict:
         config = result.get("config", {})
         return {"warm_start": Path(config.get("model_path", "")).name,
@@ -350,7 +372,19 @@ def check_one_warm_start(runs: list[tuple[Path, dict]], current: dict | None = N
 
     def same(a: dict, b: dict) -> bool:
         hashes = a["warm_start_sha256"], b["warm_start_sha256"]
-        return a["warm_start"] == b["warm_start"] and (None in hashes or hashes[0] == hashes[1])
+        return a["warm_start"] == b["warm_start"] and (None in hashes or hashes[0] == hashes[1]
+                                                       or set(hashes) <= hashes_as_one)
+
+    if hashes_as_one:
+        starts = {path.name: {k: result["curve"][0].get(k) for k in START_METRICS}
+                  for path, result in runs if result.get("curve")}
+        if current_start is not None:
+            starts["this sitting's warm start"] = {k: current_start.get(k) for k in START_METRICS}
+        if len({json.dumps(start, sort_keys=True) for start in starts.values()}) > 1:
+            listed = "; ".join(f"{name}: {start}" for name, start in starts.items())
+            raise SystemExit(f"--equivalent_warm_starts {equivalent}: these runs start from other held-out metrics "
+                             f"({listed}), so their warm starts are other models, not one model rounded differently. "
+                             "Use another --output for runs from another warm start.")
 
     reference = current or (identity(runs[0][1]) if runs else None)
     others = [(path, identity(result), result) for path, result in runs if not same(identity(result), reference)]
@@ -359,10 +393,16 @@ def check_one_warm_start(runs: list[tuple[Path, dict]], current: dict | None = N
     listed = "; ".join(f"{path.name}: {who['warm_start']} (sha256 {who['warm_start_sha256'] or 'not recorded'}, "
                        f"held-out before {result.get('heldout_before')})" for path, who, result in others)
     here = "this sitting's warm start" if current else "the table's first run"
+    # the folder's name hashes the data and the recipe: the same name with other weights is other rounding
+    rounding = (" The same folder name with other weights is the same recipe on kernels that round differently (another"
+                " machine: `kernel_fingerprint` in a run file's environment says which): --equivalent_warm_starts"
+                f" {','.join(sorted({str(who['warm_start_sha256']) for _, who, _ in others}))},"
+                f"{reference['warm_start_sha256']} counts them as one warm start if their held-out metrics agree."
+                if any(who["warm_start"] == reference["warm_start"] for _, who, _ in others) else "")
     raise SystemExit(
         f"Runs trained from another warm start than {here} ({reference['warm_start']}, sha256 "
         f"{reference['warm_start_sha256'] or 'not recorded'}): {listed}. A table compares methods from one starting "
-        "model. Put that warm start's folder back under $TRL_TREE_CACHE/benchmarks (default "
+        f"model.{rounding} Put that warm start's folder back under $TRL_TREE_CACHE/benchmarks (default "
         "~/.cache/trl_tree/benchmarks) to complete the table, or use another --output to start a new one.")
 
 
@@ -372,6 +412,35 @@ def present_runs(args) -> list[tuple[Path, dict]]:
     if folder is None or not folder.is_dir():
         return []
     return [(path, json.loads(path.read_text())) for path in sorted(folder.glob("*-seed*.json"))]
+
+
+def warm_start_point(model_path: str, task, args) -> dict:
+    """The warm start's held-out metrics (cached: every run's first evaluation reads them back)."""
+    model, tokenizer = load_model(model_path)
+    return heldout_metrics(model, tokenizer, task, agent_settings(args), cached_as=model_path)
+
+
+def check_warm_start(args, task, model_path: str) -> None:
+    """`--check_warm_start FILE`: whether the runs next to --output started from this machine's warm start, bit for
+    bit or up to rounding (the same held-out point: `--equivalent_warm_starts`), before any training time is spent on
+    a sitting whose runs could not join that table."""
+    identity, start = warm_start_identity(model_path), warm_start_point(model_path, task, args)
+    point = {k: start.get(k) for k in START_METRICS}
+    rows = []
+    for path, result in present_runs(args):
+        config, first = result.get("config", {}), (result.get("curve") or [{}])[0]
+        rows.append({"run": path.name, "warm_start": Path(config.get("model_path", "")).name,
+                     "warm_start_sha256": config.get("warm_start_sha256"),
+                     "kernel_fingerprint": result.get("environment", {}).get("kernel_fingerprint"),
+                     "same_weights": config.get("warm_start_sha256") == identity["warm_start_sha256"],
+                     "same_heldout_point": {k: first.get(k) for k in START_METRICS} == point})
+    machine = environment()
+    print(f"This machine (kernel fingerprint {machine['kernel_fingerprint']}, {machine['cpu_capability']}) builds "
+          f"{identity['warm_start']} with weights {identity['warm_start_sha256']}; held-out point {point}", flush=True)
+    if rows:
+        print(markdown_table(rows, list(rows[0])), flush=True)
+    write_json(args.check_warm_start, {"config": vars(args), "environment": machine, **identity,
+                                       "heldout_point": point, "runs": rows})
 
 
 def warm_start_sweep(args, task, base: str | None) -> None:
@@ -542,7 +611,10 @@ def main(argv=None):
     model_path = warm_started_model(task, base, args.warm_start_steps, lr=args.warm_start_lr,
                                     batch_size=args.warm_start_batch_size, lora_rank=args.lora_rank)
     warm_start = warm_start_identity(model_path)
-    check_one_warm_start(present_runs(args), warm_start)
+    if args.check_warm_start:
+        return check_warm_start(args, task, model_path)
+    start = warm_start_point(model_path, task, args) if args.equivalent_warm_starts else None
+    check_one_warm_start(present_runs(args), warm_start, args.equivalent_warm_starts, start)
     runs: dict[str, list[dict]] = {m: [] for m in args.methods}
     for seed in args.seeds:  # seeds outermost: a slow machine still gets every method at every seed it ran
         for method in args.methods:
@@ -558,7 +630,8 @@ def main(argv=None):
                 # say whether the base model or the warm-start data differed
                 write_json(path, {**result, "config": {**vars(args), "model_path": model_path,
                                                         "warm_start_sha256": warm_start["warm_start_sha256"],
-                                                        "base_model": base, "task_fingerprint": task.fingerprint()}})
+                                                        "base_model": base, "task_fingerprint": task.fingerprint()},
+                                  "environment": environment()})
             runs[method].append(result)
     report(runs, args, model_path)
 
@@ -578,7 +651,8 @@ def report_present_runs(args) -> None:
     runs = {m: r for m, r in runs.items() if r}
     if not runs:
         raise SystemExit(f"No finished runs for {args.methods} x seeds {args.seeds} next to {args.output}.")
-    check_one_warm_start([(run_file(args.output, r["method"], r["seed"]), r) for rs in runs.values() for r in rs])
+    check_one_warm_start([(run_file(args.output, r["method"], r["seed"]), r) for rs in runs.values() for r in rs],
+                         equivalent=args.equivalent_warm_starts)
     report(runs, args, next(iter(runs.values()))[0]["config"]["model_path"])
 
 

@@ -707,9 +707,10 @@ def _jsonable(value):
     return str(value)
 
 
-def environment() -> dict[str, Any]:
+def environment(kernels: bool = True) -> dict[str, Any]:
     """The versions and hardware a result was measured on. TRL's version is read from its installed metadata (None
-    when it is not installed), so that the scripts that never use TRL (gpu_suite.py) do not import it."""
+    when it is not installed), so that the scripts that never use TRL (gpu_suite.py) do not import it; they pass
+    `kernels=False`, since the CPU kernel fingerprint trains the tiny model through `trl_tree`."""
     import importlib.metadata
     import platform
 
@@ -720,7 +721,12 @@ def environment() -> dict[str, Any]:
     except importlib.metadata.PackageNotFoundError:
         trl_version = None
     info = {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl_version,
-            "python": platform.python_version(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+            "python": platform.python_version(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    if kernels:  # which machines round alike: two that both report AVX512 trained other warm-start bits
+        from trl_tree.testing import kernel_fingerprint
+
+        info["kernel_fingerprint"] = kernel_fingerprint()
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info

@@ -396,7 +396,7 @@ def main(argv=None):
     model = packing_bench.build_model(packing_args(args)).to(getattr(torch, args.dtype))
     parameters = sum(p.numel() for p in model.parameters())
     print(f"model: {args.model}, {parameters / 1e6:.0f}M parameters, {args.dtype}, {device}", flush=True)
-    result = {"config": vars(args), "environment": environment(), "parameters": parameters, "seconds": {}}
+    result = {"config": vars(args), "environment": environment(kernels=False), "parameters": parameters, "seconds": {}}
     for section in args.sections:
         begin = time.perf_counter()
         if section == "packing":

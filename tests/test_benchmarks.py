@@ -223,6 +223,35 @@ def test_a_run_recorded_without_cpu_per_point_is_drawn_at_its_ends_only(bench_le
     assert [bench_learning._x_cpu_minutes(new, i) for i in (0, 1)] == [0.0, 2.0]
 
 
+def test_warm_starts_rounded_differently_join_one_table_only_when_named_and_their_start_agrees(bench_learning):
+    """The same warm-start folder built by other kernels has other weights: refused by default (naming the flag that
+    joins them), accepted under `--equivalent_warm_starts` while every run starts from the same held-out point, and
+    refused again when one start differs (another model, not another rounding), or when this sitting's does."""
+    start = {"exact_match": 0.34375, "f1": 0.34375, "format_rate": 0.9453125, "mean_turns": 2.98,
+             "mean_tool_calls": 1.98, "reward": 0.34375}
+
+    def run(sha, first_point):
+        return {"config": {"model_path": "/cache/warm-search-10steps-738fa2554d63", "warm_start_sha256": sha},
+                "curve": [first_point, {}], "heldout_before": first_point["exact_match"]}
+
+    runs = [(Path("grpo-seed0.json"), run("a" * 16, start)), (Path("grpo-seed1.json"), run("b" * 16, start))]
+    with pytest.raises(SystemExit, match=f"--equivalent_warm_starts {'b' * 16},{'a' * 16}"):
+        bench_learning.check_one_warm_start(runs)
+    bench_learning.check_one_warm_start(runs, equivalent=f"{'a' * 16},{'b' * 16}")
+    other_model = [*runs, (Path("grpo-seed2.json"), run("b" * 16, {**start, "exact_match": 0.35}))]
+    with pytest.raises(SystemExit, match="other models, not one model rounded differently"):
+        bench_learning.check_one_warm_start(other_model, equivalent=f"{'a' * 16},{'b' * 16}")
+    this_sitting = {"warm_start": "warm-search-10steps-738fa2554d63", "warm_start_sha256": "b" * 16}
+    bench_learning.check_one_warm_start(runs, this_sitting, f"{'a' * 16},{'b' * 16}", current_start=start)
+    with pytest.raises(SystemExit, match="this sitting's warm start"):
+        bench_learning.check_one_warm_start(runs, this_sitting, f"{'a' * 16},{'b' * 16}",
+                                            current_start={**start, "format_rate": 0.9})
+    # a hash outside the named ones is still another warm start
+    with pytest.raises(SystemExit, match="another warm start"):
+        bench_learning.check_one_warm_start([*runs, (Path("x.json"), run("c" * 16, start))],
+                                            equivalent=f"{'a' * 16},{'b' * 16}")
+
+
 def test_bench_learning_smollm2_path_writes_each_run_at_once_and_skips_it_later(tmp_path):
     """The `--model smollm2` code path (LoRA warm start and RL, per-turn cap, 128-question defaults, per-run files)
     at toy size, with the tiny model standing in for SmolLM2 (a SmolLM2 run is minutes, not seconds, on 2 cores)."""
@@ -268,13 +297,29 @@ def test_bench_learning_smollm2_path_writes_each_run_at_once_and_skips_it_later(
     # compared by the warm start's folder only
     saved = json.loads((runs / "grpo-seed0.json").read_text())
     assert len(saved["config"]["warm_start_sha256"]) == 16
+    # and says which machine's rounding made it: the key of bit-level comparisons between machines
+    from trl_tree.testing import kernel_fingerprint
+
+    assert saved["environment"]["kernel_fingerprint"] == kernel_fingerprint()
     (runs / "grpo-seed0.json").write_text(json.dumps({**saved, "config": {**saved["config"],
                                                                           "warm_start_sha256": "0" * 16}}))
     refused = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_learning.py"), *args,
                               "--output", str(tmp_path / "bench_learning.json")],
                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert refused.returncode != 0 and "grpo-seed0.json" in refused.stderr and "another --output" in refused.stderr
+    assert "kernels that round differently" in refused.stderr  # same folder name, other weights: say why
     assert not (runs / "treeopsd-seed0.json").exists()  # refused before training the missing run
+    # --check_warm_start says so before a sitting trains: that run's weights are not this machine's, its start is
+    check = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_learning.py"), *args,
+                            "--output", str(tmp_path / "bench_learning.json"),
+                            "--check_warm_start", str(tmp_path / "check.json")],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert check.returncode == 0, check.stderr[-3000:]
+    checked = json.loads((tmp_path / "check.json").read_text())
+    assert checked["warm_start_sha256"] == saved["config"]["warm_start_sha256"]
+    assert [(r["run"], r["same_weights"], r["same_heldout_point"]) for r in checked["runs"]] == [
+        ("grpo-seed0.json", False, True)]
+    assert not (runs / "treeopsd-seed0.json").exists()  # trained nothing
     legacy = {k: v for k, v in saved["config"].items() if k != "warm_start_sha256"}
     (runs / "grpo-seed0.json").write_text(json.dumps({**saved, "config": legacy}))
     report = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_learning.py"), *args, "--report_only",

@@ -20,6 +20,7 @@ code paths a real Qwen3 does:
 from __future__ import annotations
 
 import ast
+import hashlib
 import importlib.metadata
 import importlib.resources
 import importlib.util
@@ -351,6 +352,33 @@ def tiny_model_and_tokenizer(
     tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
     model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
     return model, tokenizer
+
+
+def kernel_fingerprint() -> str:
+    """A hash of what this machine's torch kernels compute: three AdamW steps of the tiny model on fixed random tokens,
+    on one thread.
+
+    Bit-level records (the golden training steps, a benchmark's cached warm start) hold only between machines that
+    round alike, and `torch.backends.cpu.get_cpu_capability()` does not say which those are: two machines that both
+    report AVX512 trained other warm-start bits (docs/design.md, section 7), and sampling turns a last-bit difference
+    into other tokens. Machines with equal fingerprints computed the same bits here."""
+    model, _ = tiny_model_and_tokenizer()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            tokens = torch.randint(0, model.config.vocab_size, (4, 48), generator=torch.Generator().manual_seed(0))
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            for _ in range(3):
+                model(input_ids=tokens, labels=tokens).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    finally:
+        torch.set_num_threads(threads)
+    digest = hashlib.sha256()
+    for parameter in model.parameters():
+        digest.update(parameter.detach().numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
