@@ -354,6 +354,11 @@ def warm_start_identity(model_path: str) -> dict:
 START_METRICS = ("exact_match", "f1", "format_rate", "mean_turns", "mean_tool_calls", "reward")
 
 
+def start_point(metrics: dict) -> dict:
+    """The fields of a held-out point that say which model was evaluated (`START_METRICS`)."""
+    return {k: metrics.get(k) for k in START_METRICS}
+
+
 def check_one_warm_start(runs: list[tuple[Path, dict]], current: dict | None = None,
                          equivalent: str | None = None, current_start: dict | None = None) -> None:
     """Every run of a table (and, with `current`, the warm start this sitting would train from) starts from the
@@ -376,10 +381,9 @@ def check_one_warm_start(runs: list[tuple[Path, dict]], current: dict | None = N
                                                        or set(hashes) <= hashes_as_one)
 
     if hashes_as_one:
-        starts = {path.name: {k: result["curve"][0].get(k) for k in START_METRICS}
-                  for path, result in runs if result.get("curve")}
+        starts = {path.name: start_point(result["curve"][0]) for path, result in runs if result.get("curve")}
         if current_start is not None:
-            starts["this sitting's warm start"] = {k: current_start.get(k) for k in START_METRICS}
+            starts["this sitting's warm start"] = start_point(current_start)
         if len({json.dumps(start, sort_keys=True) for start in starts.values()}) > 1:
             listed = "; ".join(f"{name}: {start}" for name, start in starts.items())
             raise SystemExit(f"--equivalent_warm_starts {equivalent}: these runs start from other held-out metrics "
@@ -425,7 +429,7 @@ def check_warm_start(args, task, model_path: str) -> None:
     bit or up to rounding (the same held-out point: `--equivalent_warm_starts`), before any training time is spent on
     a sitting whose runs could not join that table."""
     identity, start = warm_start_identity(model_path), warm_start_point(model_path, task, args)
-    point = {k: start.get(k) for k in START_METRICS}
+    point = start_point(start)
     rows = []
     for path, result in present_runs(args):
         config, first = result.get("config", {}), (result.get("curve") or [{}])[0]
@@ -433,7 +437,7 @@ def check_warm_start(args, task, model_path: str) -> None:
                      "warm_start_sha256": config.get("warm_start_sha256"),
                      "kernel_fingerprint": result.get("environment", {}).get("kernel_fingerprint"),
                      "same_weights": config.get("warm_start_sha256") == identity["warm_start_sha256"],
-                     "same_heldout_point": {k: first.get(k) for k in START_METRICS} == point})
+                     "same_heldout_point": start_point(first) == point})
     machine = environment()
     print(f"This machine (kernel fingerprint {machine['kernel_fingerprint']}, {machine['cpu_capability']}) builds "
           f"{identity['warm_start']} with weights {identity['warm_start_sha256']}; held-out point {point}", flush=True)

@@ -70,6 +70,11 @@ def test_the_quick_run_writes_every_block_of_every_schedule_method_and_rate_and_
             assert points[0]["abs_s_max"] == 0.0 and points[0]["heldout_kl"] == pytest.approx(0.0, abs=1e-6)
             assert all(key in points[-1] for key in ("gap_mean", "past_fraction", "abs_s_mean", "clip_fraction"))
     assert output.with_suffix(".png").is_file()
+    # each run file says which machine's rounding made it (docs/design.md, section 7)
+    from trl_tree.testing import kernel_fingerprint
+
+    run = json.loads((tmp_path / "blocks.runs" / "disjoint-clip-lr1x.json").read_text())
+    assert run["environment"]["kernel_fingerprint"] == kernel_fingerprint()
     again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
                            timeout=900)
     assert again.returncode == 0, again.stderr[-4000:]
