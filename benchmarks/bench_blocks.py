@@ -450,6 +450,13 @@ def largest_stable_scale(kl_by_scale: dict[float, list[float]], threshold: float
     return best
 
 
+def complete_scales(by_scale: dict[float, list[dict]], tree_seeds: list[int]) -> dict[float, list[float]]:
+    """Scale -> held-out KL per tree seed, for the scales every tree seed asked for has run: a scale run on one seed of
+    two would otherwise count as stable on "every seed" before the other seed could cross."""
+    return {scale: [p["heldout_kl"] for p in points] for scale, points in by_scale.items()
+            if {p["seed"] for p in points} >= set(tree_seeds)}
+
+
 def map_cells(args) -> dict:
     """E -> method -> scale -> [final point of each tree seed present] from the run files; missing ones named."""
     runs_dir = Path(args.output).with_name(Path(args.output).stem + ".runs")
@@ -489,9 +496,11 @@ def map_report(args) -> None:
                              "max |s|": ", ".join(f"{p['abs_s_max']:.3g}" for p in points),
                              "past q": ", ".join(f"{p['past_fraction']:.2f}" for p in points),
                              "CPU min": f"{sum(p['cpu_seconds'] for p in points) / 60 / len(points):.1f}"})
-            kl = {scale: [p["heldout_kl"] for p in points] for scale, points in by_scale.items()}
-            stable.setdefault(str(blocks), {})[method] = {f"{t:g}": largest_stable_scale(kl, t) for t in MAP_THRESHOLDS}
-            stable[str(blocks)][method]["measured"] = sorted(kl)
+            kl = complete_scales(by_scale, args.tree_seeds)
+            if kl:
+                stable.setdefault(str(blocks), {})[method] = {f"{t:g}": largest_stable_scale(kl, t)
+                                                              for t in MAP_THRESHOLDS}
+                stable[str(blocks)][method]["measured"] = sorted(kl)
     stable_rows = [{"E": blocks, "method": method, "scales measured": ", ".join(f"{s:g}" for s in by_t["measured"]),
                     **{f"largest scale, KL < {t:g}": (f"{by_t[f'{t:g}']:g}×" if by_t[f"{t:g}"] is not None
                                                        else f"< {by_t['measured'][0]:g}×") for t in MAP_THRESHOLDS}}

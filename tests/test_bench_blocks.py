@@ -100,6 +100,16 @@ def test_the_largest_stable_scale_stops_at_the_first_scale_that_crosses_on_any_s
     assert bench_blocks.largest_stable_scale(kl, 0.005) is None
 
 
+def test_a_scale_counts_toward_the_largest_stable_scale_only_once_every_tree_seed_has_run(bench_blocks):
+    by_scale = {1.0: [{"seed": 0, "heldout_kl": 0.01}, {"seed": 1, "heldout_kl": 0.02}],
+                2.0: [{"seed": 0, "heldout_kl": 0.03}]}  # seed 1 at 2x not run yet: it could still cross
+    kl = bench_blocks.complete_scales(by_scale, [0, 1])
+    assert kl == {1.0: [0.01, 0.02]}
+    assert bench_blocks.largest_stable_scale(kl, 0.1) == 1.0
+    by_scale[2.0].append({"seed": 1, "heldout_kl": 0.05})  # now run, and under
+    assert bench_blocks.largest_stable_scale(bench_blocks.complete_scales(by_scale, [0, 1]), 0.1) == 2.0
+
+
 def test_settings_added_later_leave_earlier_run_files_matching(bench_blocks):
     args = bench_blocks.parse_args(["--quick"])
     settings = bench_blocks.run_settings(args)
