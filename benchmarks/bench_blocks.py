@@ -45,6 +45,7 @@ import argparse
 import copy
 import json
 import random
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -477,11 +478,31 @@ def map_cells(args) -> dict:
     return cells
 
 
+MAP_RUN_FILE = re.compile(r"seed(\d+)-e(\d+)-(\w+)-lr([\d.]+)x\.json")
+
+
+def with_stored_grid(args):
+    """`args` with its map grid widened to every cell stored next to --output: one sitting runs a few cells, and its
+    report (which the map's files are) must still cover the cells of every other sitting, not only its own."""
+    runs_dir = Path(args.output).with_name(Path(args.output).stem + ".runs")
+    stored = [MAP_RUN_FILE.fullmatch(path.name) for path in runs_dir.glob("seed*-e*-*.json")]
+    stored = [(int(m[1]), int(m[2]), m[3], float(m[4])) for m in stored if m and m[3] in LOSS_OF]
+    out = copy.copy(args)
+    out.tree_seeds = sorted({*args.tree_seeds, *(seed for seed, *_ in stored)})
+    out.map_blocks = sorted({*args.map_blocks, *(blocks for _, blocks, *_ in stored)})
+    methods = {*args.methods, *(method for *_, method, _ in stored)}
+    out.methods = [method for method in LOSS_OF if method in methods]  # one order (and colour) in every report
+    out.lr_scales = sorted({*args.lr_scales, *(scale for *_, scale in stored)})
+    return out
+
+
 def map_report(args) -> None:
-    """The map's table (per E, method and scale: held-out KL and mean |s| after E blocks, per seed), per E and
-    method the largest stable scale at each of `MAP_THRESHOLDS`, JSON next to --output and one figure."""
+    """The map's table (per E, method and scale: held-out KL and mean |s| after E blocks, per seed) over every cell
+    stored next to --output (`with_stored_grid`), per E and method the largest stable scale at each of
+    `MAP_THRESHOLDS`, JSON next to --output and one figure."""
     if not args.output:
         raise SystemExit("the stability map reads and writes next to --output; pass --output.")
+    args = with_stored_grid(args)
     cells = map_cells(args)
     if not cells:
         raise SystemExit("No run files of the map yet.")

@@ -305,7 +305,10 @@ def efficiency(runs: dict[int, dict]) -> dict:
     return {"gain_per_10k_tokens": mean([gain[s] / r["rollout_tokens"] * 1e4 for s, r in runs.items()]),
             "gain_per_cpu_hour": mean([gain[s] / h if h else None for s, h in cpu_hours.items()]),
             "rollout_tokens": mean([r["rollout_tokens"] for r in runs.values()]),
-            "train_cpu_minutes": mean([h * 60 if h else None for h in cpu_hours.values()])}
+            "train_cpu_minutes": mean([h * 60 if h else None for h in cpu_hours.values()]),
+            "per_seed": {s: {"rollout_tokens": r["rollout_tokens"],
+                             "train_cpu_minutes": cpu_hours[s] * 60 if cpu_hours[s] else None}
+                         for s, r in runs.items()}}
 
 
 def best_against_best(results: Path, scales: dict[int, str] = SCALES, screen: tuple[int, ...] = SCREEN_SEEDS) -> dict:
@@ -362,6 +365,86 @@ def best_markdown(report: dict) -> str:
                                                     {"pairs": report["confirmation"]}})
 
 
+NAMES = {"treeopsd": "TreeOPSD", "treepo": "TreePO", "grpo": "GRPO (TRL)", "treeopsd_no_anchor": "TreeOPSD, no pull",
+         "treepo_anchor": "TreePO + pull"}
+
+
+def _pair_label(pair: str) -> str:
+    """'treeopsd@4x - treepo@1x' -> 'TreeOPSD 4× − TreePO 1×'."""
+    sides = [side.split("@") for side in pair.split(" - ")]
+    return " − ".join(f"{NAMES.get(m, m)} {scale.replace('x', '×')}" for m, scale in sides)
+
+
+def best_figure(report: dict, path: str | Path, base_rate: float = 2e-4) -> bool:
+    """The best-against-best picture: each method at its best scale, held-out EM after training against the run's
+    rollout tokens and its training CPU minutes (one dot a seed; the mean with its 95 % t-interval over seeds; a line
+    from the warm start to the mean, whose slope is the gain per token or per minute), and the bests' paired
+    differences on the confirmation seeds with their interval and the design's detectable difference. False (and
+    nothing written) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'trl-tree[plot]'): no figure written.", flush=True)
+        return False
+    figure, panels = plt.subplots(1, 3, figsize=(16, 4.6), gridspec_kw={"width_ratios": [1, 1, 0.9]})
+    warm = None
+    for method in sorted(report["best_scale"], key=_order):
+        scale = report["best_scale"][method]
+        cell = report["grid"][method][scale]
+        interval = cell["em_interval"]
+        label = (f"{NAMES.get(method, method)} {scale}× ({scale * base_rate:.0e}): {interval['mean']:.3f}, "
+                 f"{len(cell['seeds'])} seeds, {cell['collapsed_count']} collapsed")
+        color = None
+        for axes, x_key in zip(panels[:2], ("rollout_tokens", "train_cpu_minutes")):
+            seeds = [s for s in cell["seeds"] if cell["per_seed"][s][x_key] is not None]
+            if not seeds:
+                continue
+            xs = [cell["per_seed"][s][x_key] for s in seeds]
+            ys = [cell["exact_match"][s] for s in seeds]
+            dots = axes.scatter(xs, ys, s=14, alpha=0.45, color=color)
+            color = dots.get_facecolor()[0][:3]
+            x_mean = sum(xs) / len(xs)
+            low, high = interval["low"], interval["high"]
+            axes.errorbar([x_mean], [interval["mean"]], yerr=[[interval["mean"] - low], [high - interval["mean"]]],
+                          fmt="o", ms=8, capsize=4, color=color, label=label if axes is panels[0] else None)
+            warm = sum(cell["exact_match"][s] - cell["gain"][s] for s in seeds) / len(seeds)  # heldout_before
+            axes.plot([0, x_mean], [warm, interval["mean"]], color=color, lw=1, alpha=0.7)
+    for axes, x_label in zip(panels[:2], ("rollout tokens sampled in the run", "training CPU minutes (one thread)")):
+        if warm is not None:
+            axes.axhline(warm, color="grey", ls=":", lw=1)
+        axes.set_xlabel(x_label)
+        axes.set_xlim(left=0)
+    panels[0].set_ylabel("held-out exact match after training (greedy)")
+    panels[0].legend(fontsize=7, loc="lower right")
+    differences = report["confirmation"]
+    axes = panels[2]
+    for row, pair in enumerate(differences.values()):
+        values = list(pair["differences"].values())
+        axes.scatter(values, [row] * len(values), s=14, alpha=0.45)
+        interval = pair["interval"]
+        axes.errorbar([interval["mean"]], [row], xerr=[[interval["mean"] - interval["low"]],
+                                                      [interval["high"] - interval["mean"]]],
+                      fmt="o", ms=7, capsize=4, color="black")
+        detectable = pair["detectable_difference"]
+        if detectable is not None:
+            axes.plot([-detectable, detectable], [row - 0.3, row - 0.3], color="tab:red", lw=3, alpha=0.5)
+    axes.axvline(0, color="grey", lw=1)
+    axes.set_yticks(range(len(differences)))
+    axes.set_yticklabels([f"{_pair_label(n)}\n({len(p['differences'])} seeds)" for n, p in differences.items()],
+                         fontsize=7)
+    axes.set_xlabel("paired EM difference, seeds outside the screen\n"
+                    "(dots: seeds; black: mean, 95 % t; red: ± the smallest\ndifference the design detects)", fontsize=8)
+    figure.suptitle("Best against best at E = 4 (each method's best learning rate, chosen on seeds "
+                    f"{report['screen_seeds']}); dotted: the warm start", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    print(f"wrote {path}", flush=True)
+    return True
+
+
 def _text(interval: dict, signed: bool = True) -> str:
     return Interval(**interval).text(signed=signed)
 
@@ -388,6 +471,7 @@ def main(argv=None) -> None:
                "tables": reports, "across_tables": cross["pairs"], "best_against_best": best}
         Path(args.output).write_text(json.dumps(out, indent=1, default=str) + "\n")
         Path(args.output).with_suffix(".md").write_text(text)
+        best_figure(best, Path(args.output).with_name("best_against_best.png"))
 
 
 if __name__ == "__main__":

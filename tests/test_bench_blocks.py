@@ -147,3 +147,9 @@ def test_the_quick_stability_map_writes_every_cell_and_reads_them_back(tmp_path)
     again = subprocess.run([*command, "--report_only"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-4000:]
     assert "missing" not in again.stdout
+    # a sitting that runs (or reports) one cell rewrites the map's files: they must still hold every stored cell
+    part = [*command[:command.index("--map_blocks")], "--map_blocks", "1", "--tree_seeds", "0", "--methods", "treeopsd",
+            "--tree_choice", "sampled", "--measure", "last", "--output", str(output), "--report_only"]
+    partial = subprocess.run(part, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert partial.returncode == 0, partial.stderr[-4000:]
+    assert json.loads(output.read_text())["cells"] == result["cells"]

@@ -132,3 +132,20 @@ def test_best_against_best_picks_each_methods_best_screened_scale_and_pairs_the_
     assert cell["gain_per_10k_tokens"] == pytest.approx(0.10 / 2)  # mean gain 0.10 over 20k tokens
     assert cell["gain_per_cpu_hour"] == pytest.approx(0.2)  # 0.10 in half a CPU hour
     assert "**best**" in stats.best_markdown(report)
+    assert cell["per_seed"][0] == {"rollout_tokens": 20_000, "train_cpu_minutes": pytest.approx(30.0)}
+
+
+def test_the_best_against_best_figure_draws_every_best_and_the_confirmation(stats, tmp_path):
+    pytest.importorskip("matplotlib")
+    cell = {"seeds": [0, 1], "exact_match": {0: 0.4, 1: 0.5}, "gain": {0: 0.06, 1: 0.16}, "collapsed_count": 0,
+            "em_interval": dict(n=2, mean=0.45, sd=0.07, low=-0.19, high=1.09, confidence=0.95),
+            "per_seed": {0: {"rollout_tokens": 2e4, "train_cpu_minutes": 20.0},
+                         1: {"rollout_tokens": 2.2e4, "train_cpu_minutes": None}}}  # a run that predates CPU time
+    pair = {"differences": {2: 0.01, 3: -0.03}, "detectable_difference": 0.3,
+            "interval": dict(n=2, mean=-0.01, sd=0.03, low=-0.26, high=0.24, confidence=0.95)}
+    report = {"screen_seeds": [0, 1], "best_scale": {"treeopsd": 4, "treepo": 1},
+              "grid": {"treeopsd": {4: cell}, "treepo": {1: cell}}, "confirmation": {"treeopsd@4x - treepo@1x": pair}}
+    path = tmp_path / "best.png"
+    assert stats.best_figure(report, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert stats._pair_label("treeopsd@4x - treepo@1x") == "TreeOPSD 4× − TreePO 1×"

@@ -20,6 +20,7 @@ code paths a real Qwen3 does:
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import importlib.metadata
 import importlib.resources
@@ -354,6 +355,7 @@ def tiny_model_and_tokenizer(
     return model, tokenizer
 
 
+@functools.lru_cache(maxsize=1)  # a machine's kernels do not change within a process; each run file records it
 def kernel_fingerprint() -> str:
     """A hash of what this machine's torch kernels compute: three AdamW steps of the tiny model on fixed random tokens,
     on one thread.
