@@ -374,7 +374,7 @@ def main(argv=None):
         base = smollm2_path()
     model_path = warm_started_model(task, base, args.warm_start_steps or 0, lr=args.warm_start_lr or 3e-3,
                                     batch_size=args.warm_start_batch_size or 8, lora_rank=args.lora_rank)
-    runs_dir = Path(args.output).with_name(Path(args.output).stem + ".runs") if args.output else None
+    runs_dir = runs_dir_of(args.output) if args.output else None
     if args.map_blocks is not None:
         return stability_map(args, task, model_path, runs_dir)
     model, tokenizer = load_model(model_path)
@@ -405,6 +405,11 @@ def prepared_batch(args, task, model, tokenizer, output_dir: str, runs_dir: Path
 # ---------------------------------------------------------------------------------------------------------------------
 # The stability map: learning-rate scale × E × method, over independent generation batches
 # ---------------------------------------------------------------------------------------------------------------------
+
+
+def runs_dir_of(output: str) -> Path:
+    """Where the run files of `--output FILE` live: `FILE` without `.json`, + `.runs/`."""
+    return Path(output).with_name(Path(output).stem + ".runs")
 
 
 def map_args(args, seed: int, blocks: int):
@@ -460,7 +465,7 @@ def complete_scales(by_scale: dict[float, list[dict]], tree_seeds: list[int]) ->
 
 def map_cells(args) -> dict:
     """E -> method -> scale -> [final point of each tree seed present] from the run files; missing ones named."""
-    runs_dir = Path(args.output).with_name(Path(args.output).stem + ".runs")
+    runs_dir = runs_dir_of(args.output)
     cells: dict = {}
     for blocks in args.map_blocks:
         for method in args.methods:
@@ -484,7 +489,7 @@ MAP_RUN_FILE = re.compile(r"seed(\d+)-e(\d+)-(\w+)-lr([\d.]+)x\.json")
 def with_stored_grid(args):
     """`args` with its map grid widened to every cell stored next to --output: one sitting runs a few cells, and its
     report (which the map's files are) must still cover the cells of every other sitting, not only its own."""
-    runs_dir = Path(args.output).with_name(Path(args.output).stem + ".runs")
+    runs_dir = runs_dir_of(args.output)
     stored = [MAP_RUN_FILE.fullmatch(path.name) for path in runs_dir.glob("seed*-e*-*.json")]
     stored = [(int(m[1]), int(m[2]), m[3], float(m[4])) for m in stored if m and m[3] in LOSS_OF]
     out = copy.copy(args)
@@ -600,7 +605,7 @@ def report_present_runs(args) -> None:
     """`--report_only`: the report of the run files present for the requested grid, saying which are missing."""
     if not args.output:
         raise SystemExit("--report_only reads the run files next to --output; pass --output.")
-    runs_dir = Path(args.output).with_name(Path(args.output).stem + ".runs")
+    runs_dir = runs_dir_of(args.output)
     cache = runs_dir / f"trees-seed{args.seed}.pt"
     if not cache.is_file():
         raise SystemExit(f"No sampled trees at {cache}: run without --report_only first.")

@@ -15,7 +15,8 @@ The detectable difference uses the usual normal-shift approximation of the t-tes
 δ = (t_{1−α/2, ν} + t_{power, ν}) · SE, with SE = sd/√n and ν = n − 1 for a paired (or one-sample) design, and
 SE = sd·√(2/n), ν = 2n − 2 for two independent groups of n runs each (sd: the between-run SD of one group).
 
-Usage (the report of every learning table's stored runs, `results/stats.{json,md}`):
+Usage (the report of every learning table's stored runs, `results/stats.{json,md}`, and the best-against-best
+figure, `results/best_against_best.png`):
     python benchmarks/stats.py --output benchmarks/results/stats.json
 """
 
@@ -215,6 +216,7 @@ TABLES = {
 
 # best against best (issue 40): the E = 4 tables that differ only in the learning rate, by its multiple of 2e-4
 SCALES = {1: "e4", 2: "e4_lr4e-4", 4: "e4_lr8e-4", 10: "e4_lr2e-3"}
+BASE_RATE = 2e-4  # the learning rate of scale 1
 SCREEN_SEEDS = (0, 1)  # a method's best scale is chosen on these seeds, which every scale it ran has
 
 
@@ -375,7 +377,7 @@ def _pair_label(pair: str) -> str:
     return " − ".join(f"{NAMES.get(m, m)} {scale.replace('x', '×')}" for m, scale in sides)
 
 
-def best_figure(report: dict, path: str | Path, base_rate: float = 2e-4) -> bool:
+def best_figure(report: dict, path: str | Path, base_rate: float = BASE_RATE) -> bool:
     """The best-against-best picture: each method at its best scale, held-out EM after training against the run's
     rollout tokens and its training CPU minutes (one dot a seed; the mean with its 95 % t-interval over seeds; a line
     from the warm start to the mean, whose slope is the gain per token or per minute), and the bests' paired
