@@ -423,6 +423,14 @@ def map_run_name(seed: int, blocks: int) -> str:
     return f"seed{seed}-e{blocks}"
 
 
+def run_file_name(prefix: str, method: str, scale: float) -> str:
+    """The run file of one (schedule or map cell, method, scale); `MAP_RUN_FILE` parses the map's."""
+    return f"{prefix}-{method}-lr{scale:g}x.json"
+
+
+MAP_RUN_FILE = re.compile(r"seed(\d+)-e(\d+)-(\w+)-lr([\d.]+)x\.json")  # run_file_name(map_run_name(...), ...)
+
+
 def stability_map(args, task, model_path: str, runs_dir: Path | None) -> None:
     """Every (tree seed, E, scale, method) of the map, in the order of the arguments' lists, each written as it
     finishes and skipped when present; the trees of each seed sampled once (cached); then `map_report`."""
@@ -471,7 +479,7 @@ def map_cells(args) -> dict:
         for method in args.methods:
             for scale in args.lr_scales:
                 for seed in args.tree_seeds:
-                    path = runs_dir / f"{map_run_name(seed, blocks)}-{method}-lr{scale:g}x.json"
+                    path = runs_dir / run_file_name(map_run_name(seed, blocks), method, scale)
                     if not path.is_file():
                         print(f"[map E = {blocks} {method} {scale:g}x seed {seed}] missing", flush=True)
                         continue
@@ -481,9 +489,6 @@ def map_cells(args) -> dict:
                     last = {**run["points"][-1], "seed": seed, "cpu_seconds": run["cpu_seconds"]}
                     cells.setdefault(blocks, {}).setdefault(method, {}).setdefault(scale, []).append(last)
     return cells
-
-
-MAP_RUN_FILE = re.compile(r"seed(\d+)-e(\d+)-(\w+)-lr([\d.]+)x\.json")
 
 
 def with_stored_grid(args):
@@ -614,7 +619,7 @@ def report_present_runs(args) -> None:
     for schedule in args.schedules:
         for method in args.methods:
             for scale in args.lr_scales:
-                path = runs_dir / f"{schedule}-{method}-lr{scale:g}x.json"
+                path = runs_dir / run_file_name(schedule, method, scale)
                 if not path.is_file():
                     print(f"[{schedule} {method} {scale:g}x] missing: {path}", flush=True)
                     continue
@@ -629,8 +634,7 @@ def report_present_runs(args) -> None:
 
 def one_run(trainer, base_args, trees, method, scale, schedule, heldout, args, theta_old, runs_dir, prefix=None):
     """One (schedule, method, learning rate): from its run file when a sitting made it with these settings."""
-    name = f"{prefix or schedule}-{method}-lr{scale:g}x.json"
-    path = runs_dir / name if runs_dir else None
+    path = runs_dir / run_file_name(prefix or schedule, method, scale) if runs_dir else None
     settings = run_settings(args)
     if path is not None and path.is_file():
         saved = json.loads(path.read_text())

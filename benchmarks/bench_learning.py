@@ -221,6 +221,14 @@ class HeldOutEvaluation(TrainerCallback):
             self.evaluate(state.global_step // self.meter.steps_per_batch)
 
 
+def heldout_cache(model_path: str, task, settings) -> Path:
+    """Where the held-out metrics of the unchanged weights in `model_path` are cached (`heldout_metrics`)."""
+    # chunking changes how greedy answers are computed, not which: it is not part of the key
+    fields = {k: v for k, v in vars(settings).items() if k != "chunk_tokens"}
+    key = json.dumps([model_path, task.fingerprint(), task.test_rows, fields], sort_keys=True, default=str)
+    return cache_root() / "heldout" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
 def heldout_metrics(model, tokenizer, task, settings, cached_as: str | None = None) -> dict:
     """Greedy answers to the task's held-out questions: EM, F1, format rate, and the task's own reward (mean).
 
@@ -230,14 +238,9 @@ def heldout_metrics(model, tokenizer, task, settings, cached_as: str | None = No
     method, seed and warm-start sweep."""
     from trl_tree.envs.agent_eval import evaluate_agent
 
-    cache = None
-    if cached_as is not None:
-        # chunking changes how greedy answers are computed, not which: it is not part of the key
-        fields = {k: v for k, v in vars(settings).items() if k != "chunk_tokens"}
-        key = json.dumps([cached_as, task.fingerprint(), task.test_rows, fields], sort_keys=True, default=str)
-        cache = cache_root() / "heldout" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-        if cache.is_file():
-            return json.loads(cache.read_text())
+    cache = None if cached_as is None else heldout_cache(cached_as, task, settings)
+    if cache is not None and cache.is_file():
+        return json.loads(cache.read_text())
     result = evaluate_agent(model, tokenizer, task.test_rows, task.tools, settings)
     records = result.records
     task_reward = task.reward_funcs[0](  # TRL's reward signature, keywords only
@@ -419,9 +422,14 @@ def present_runs(args) -> list[tuple[Path, dict]]:
 
 
 def warm_start_point(model_path: str, task, args) -> dict:
-    """The warm start's held-out metrics (cached: every run's first evaluation reads them back)."""
+    """The warm start's held-out metrics (cached: every run's first evaluation reads them back, and a cached point
+    does not load the model)."""
+    settings = agent_settings(args)
+    cache = heldout_cache(model_path, task, settings)
+    if cache.is_file():
+        return json.loads(cache.read_text())
     model, tokenizer = load_model(model_path)
-    return heldout_metrics(model, tokenizer, task, agent_settings(args), cached_as=model_path)
+    return heldout_metrics(model, tokenizer, task, settings, cached_as=model_path)
 
 
 def check_warm_start(args, task, model_path: str) -> None:

@@ -110,6 +110,14 @@ def test_a_scale_counts_toward_the_largest_stable_scale_only_once_every_tree_see
     assert bench_blocks.largest_stable_scale(bench_blocks.complete_scales(by_scale, [0, 1]), 0.1) == 2.0
 
 
+def test_the_map_reads_back_every_run_file_name_it_writes(bench_blocks):
+    for seed, blocks, method, scale in ((0, 4, "treeopsd", 1.0), (12, 8, "treeopsd_no_anchor", 16.0),
+                                        (1, 2, "treepo_anchor", 0.5), (3, 16, "clip", 2.5)):
+        name = bench_blocks.run_file_name(bench_blocks.map_run_name(seed, blocks), method, scale)
+        match = bench_blocks.MAP_RUN_FILE.fullmatch(name)
+        assert match and (int(match[1]), int(match[2]), match[3], float(match[4])) == (seed, blocks, method, scale)
+
+
 def test_settings_added_later_leave_earlier_run_files_matching(bench_blocks):
     args = bench_blocks.parse_args(["--quick"])
     settings = bench_blocks.run_settings(args)

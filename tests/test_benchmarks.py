@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -535,3 +536,23 @@ def test_bench_eval_cache_quick_times_both_settings_on_the_same_answers(tmp_path
     assert result["questions"] == 4 and rows["prefix"]["same_answers"] == rows["none"]["same_answers"] == 4
     assert rows["none"]["generated_tokens"] == rows["prefix"]["generated_tokens"] > 0
     assert rows["none"]["cpu_ratio"] == 1.0 and rows["prefix"]["speedup"] == pytest.approx(1 / rows["prefix"]["cpu_ratio"])
+
+
+def test_a_cached_warm_start_point_is_read_without_loading_the_model(bench_learning, monkeypatch, tmp_path):
+    """Greedy answers of unchanged weights are cached; reading them back must not pay the model's load."""
+    monkeypatch.setenv("TRL_TREE_CACHE", str(tmp_path))
+    task = SimpleNamespace(fingerprint=lambda: "task", test_rows=[{"prompt": "q", "answer": "a"}])
+    settings = SimpleNamespace(max_turns=2, chunk_tokens=64)
+    monkeypatch.setattr(bench_learning, "agent_settings", lambda args: settings)
+
+    def load_model(path):
+        raise AssertionError("a cached point loaded the model")
+
+    monkeypatch.setattr(bench_learning, "load_model", load_model)
+    cache = bench_learning.heldout_cache("/cache/warm", task, settings)
+    cache.parent.mkdir(parents=True)
+    cache.write_text(json.dumps({"exact_match": 0.25}))
+    assert bench_learning.warm_start_point("/cache/warm", task, None) == {"exact_match": 0.25}
+    # chunking changes how answers are computed, not which: the same cache entry
+    assert bench_learning.heldout_cache("/cache/warm", task, SimpleNamespace(max_turns=2, chunk_tokens=8)) == cache
+    assert bench_learning.heldout_cache("/cache/other", task, settings) != cache
