@@ -10,6 +10,8 @@ n runs the t-interval has n − 1 degrees of freedom; with 2 or 3 runs it is wid
     detectable_difference(sd, n)  the smallest true difference a design of n runs detects with power 0.8 at α = 0.05
     collapsed(point)              whether a run's held-out point has lost the agent (format or EM under a threshold)
     collapse_count_p_value(...)   Fisher's exact test of two collapse counts (3 of 3 against 0 of 3: p = 0.10)
+    sign_flip_p_value(diffs)      the exact randomization test of no paired difference (no normality assumed)
+    equivalence_p_value(v, m)     TOST: the p-value that the true mean lies inside ±m (equivalence, not "no evidence")
 
 The detectable difference uses the usual normal-shift approximation of the t-test's power,
 δ = (t_{1−α/2, ν} + t_{power, ν}) · SE, with SE = sd/√n and ν = n − 1 for a paired (or one-sample) design, and
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,6 +36,9 @@ from pathlib import Path
 # of the held-out questions exactly (the warm starts answer 32-35 %): the agent no longer searches and answers.
 COLLAPSE_FORMAT_RATE = 0.5
 COLLAPSE_EXACT_MATCH = 0.05
+# The equivalence margin of the paired comparisons: the difference in held-out EM the best-against-best design aims to
+# detect (issue 40). Smaller differences are not worth a user's choosing between methods on this task.
+EQUIVALENCE_MARGIN = 0.04
 
 
 def t_pdf(x: float, df: float) -> float:
@@ -136,6 +142,38 @@ def runs_needed(sd: float, delta: float, alpha: float = 0.05, power: float = 0.8
     return most + 1
 
 
+def sign_flip_p_value(differences: list[float], exact_up_to: int = 20, draws: int = 1 << 20) -> float:
+    """Two-sided randomization test of a zero mean paired difference, over runs: with no difference between the
+    methods each seed's difference is as likely with either sign, so p is the share of the 2^n sign assignments whose
+    |sum| reaches the observed |sum|. It assumes no normality, so a few heavy-tailed seeds cannot bend its level as they
+    can the t-interval's; its smallest p-value is 2/2^n (0.25 with 3 seeds: a few seeds cannot reject by it). Exact up to `exact_up_to` seeds (2^20 sums); beyond, `draws` random assignments (seeded, so
+    reproducible)."""
+    magnitudes = [abs(float(d)) for d in differences]
+    if not magnitudes:
+        raise ValueError("sign_flip_p_value needs at least one difference")
+    observed = abs(sum(float(d) for d in differences)) - 1e-12  # the observed assignment counts as reaching itself
+    if len(magnitudes) <= exact_up_to:
+        sums = [0.0]
+        for m in magnitudes:
+            sums = [x + m for x in sums] + [x - m for x in sums]
+        return sum(abs(x) >= observed for x in sums) / len(sums)
+    rng = random.Random(0)
+    hits = sum(abs(sum(m if rng.random() < 0.5 else -m for m in magnitudes)) >= observed for _ in range(draws))
+    return (hits + 1) / (draws + 1)
+
+
+def equivalence_p_value(values: list[float], margin: float) -> float | None:
+    """Two one-sided t-tests (TOST) over runs that the true mean lies inside (−margin, +margin): the larger of the
+    p-values against "mean ≤ −margin" and against "mean ≥ +margin". p < α exactly when the (1 − 2α) t-interval lies
+    inside the margin; a small p says the methods are equivalent within it, which a wide interval around 0 does not.
+    None with fewer than two runs or no spread (no interval)."""
+    interval = t_interval(values)
+    if interval.n < 2 or interval.sd == 0:
+        return None
+    se, df = interval.sd / math.sqrt(interval.n), interval.n - 1
+    return max(1 - t_cdf((interval.mean + margin) / se, df), t_cdf((interval.mean - margin) / se, df))
+
+
 def collapse_count_p_value(a: int, n_a: int, b: int, n_b: int) -> float:
     """Fisher's exact test, two-sided, of a collapsed runs of n_a against b of n_b: the probability, with the
     collapses spread over the runs at random (margins fixed), of a split at most as likely as the one seen."""
@@ -188,8 +226,9 @@ def method_summary(runs: dict[int, dict]) -> dict:
 
 
 def comparison(a: dict[int, dict], b: dict[int, dict]) -> dict | None:
-    """b − a: per common seed, the t-interval of the paired differences and the detectable difference of that
-    design (paired, from the differences' SD); None without a common seed."""
+    """b − a: per common seed, the t-interval of the paired differences, the detectable difference of that design
+    (paired, from the differences' SD), the sign-flip p-value of no difference and the TOST p-value of a difference
+    inside ±`EQUIVALENCE_MARGIN`; None without a common seed."""
     diffs = paired_differences({s: final_point(r)["exact_match"] for s, r in a.items()},
                                {s: final_point(r)["exact_match"] for s, r in b.items()})
     if not diffs:
@@ -197,7 +236,10 @@ def comparison(a: dict[int, dict], b: dict[int, dict]) -> dict | None:
     interval = t_interval(list(diffs.values()))
     return {"differences": diffs, "interval": asdict(interval),
             "detectable_difference": (detectable_difference(interval.sd, interval.n)
-                                      if interval.n > 1 and interval.sd > 0 else None)}
+                                      if interval.n > 1 and interval.sd > 0 else None),
+            "sign_flip_p": sign_flip_p_value(list(diffs.values())),
+            "equivalence_margin": EQUIVALENCE_MARGIN,
+            "equivalence_p": equivalence_p_value(list(diffs.values()), EQUIVALENCE_MARGIN)}
 
 
 # the stored learning tables whose runs share a warm start (bench_learning refuses mixed tables)
@@ -270,14 +312,15 @@ def markdown(reports: dict[str, dict]) -> str:
 
 
 def pairs_markdown(reports: dict[str, dict]) -> str:
-    lines = ["", "| table | pair (a − b) | seeds | differences | mean [95 % t-interval] | detectable (paired, power 0.8) |",
-              "|---|---|---|---|---|---|"]
+    lines = ["", "| table | pair (a − b) | seeds | differences | mean [95 % t-interval] | detectable (paired, power 0.8) "
+                 f"| sign-flip p (no difference) | TOST p (inside ±{EQUIVALENCE_MARGIN:g}) |", "|---|---|---|---|---|---|---|---|"]
     for table, report in reports.items():
         for pair, c in report["pairs"].items():
             d = ", ".join(f"{v:+.3f}" for v in c["differences"].values())
-            det = f"{c['detectable_difference']:.3f}" if c["detectable_difference"] is not None else "—"
+            det, equivalent = (f"{c[k]:.3f}" if c[k] is not None else "—" for k in ("detectable_difference",
+                                                                                     "equivalence_p"))
             lines.append(f"| {table} | {pair} | {','.join(map(str, c['differences']))} | {d} | {_text(c['interval'])} "
-                         f"| {det} |")
+                         f"| {det} | {c['sign_flip_p']:.3f} | {equivalent} |")
     return "\n".join(lines) + "\n"
 
 

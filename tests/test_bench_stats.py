@@ -149,3 +149,25 @@ def test_the_best_against_best_figure_draws_every_best_and_the_confirmation(stat
     assert stats.best_figure(report, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert stats._pair_label("treeopsd@4x - treepo@1x") == "TreeOPSD 4× − TreePO 1×"
+
+
+def test_the_sign_flip_test_counts_sign_assignments_at_least_as_extreme(stats):
+    # all n differences of one sign: only that assignment and its mirror reach the observed |sum|
+    assert stats.sign_flip_p_value([0.1, 0.2, 0.05, 0.3]) == pytest.approx(2 / 16)
+    assert stats.sign_flip_p_value([0.1, -0.1]) == 1.0  # a sum of 0 is reached by every assignment
+    # {+3, +1, −1}: sum 3; |±3 ± 1 ± 1| >= 3 for the 4 assignments with the 3 at +3 or −3 and the ones not cancelling it
+    assert stats.sign_flip_p_value([3, 1, -1]) == pytest.approx(6 / 8)
+    # beyond the exact range the sampled p-value agrees with the exact one to sampling error
+    many = [0.1, -0.08, 0.05, -0.11, 0.02, 0.13, -0.04, 0.06, -0.01, 0.09, -0.02, 0.01, 0.04, -0.05]
+    exact = stats.sign_flip_p_value(many)
+    assert 0.3 < exact < 0.7  # a p-value the sampling could miss by much, were it wrong
+    assert stats.sign_flip_p_value(many, exact_up_to=10, draws=20000) == pytest.approx(exact, abs=0.02)
+
+
+def test_tost_says_equivalent_exactly_when_the_90_percent_interval_lies_inside_the_margin(stats):
+    for values in ([0.01, -0.02, 0.03, 0.0, 0.015], [0.05, 0.02, 0.06, 0.03], [0.1, -0.1, 0.11, -0.09, 0.0, 0.02]):
+        interval = stats.t_interval(values, confidence=0.90)
+        for margin in (0.02, 0.04, 0.08, 0.2):
+            inside = -margin < interval.low and interval.high < margin
+            assert (stats.equivalence_p_value(values, margin) < 0.05) == inside
+    assert stats.equivalence_p_value([0.3], 0.04) is None and stats.equivalence_p_value([0.1, 0.1], 0.04) is None
