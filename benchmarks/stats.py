@@ -12,6 +12,7 @@ n runs the t-interval has n − 1 degrees of freedom; with 2 or 3 runs it is wid
     collapse_count_p_value(...)   Fisher's exact test of two collapse counts (3 of 3 against 0 of 3: p = 0.10)
     sign_flip_p_value(diffs)      the exact randomization test of no paired difference (no normality assumed)
     equivalence_p_value(v, m)     TOST: the p-value that the true mean lies inside ±m (equivalence, not "no evidence")
+    looks(diffs)                  a paired comparison's design after each of its seeds (SD, detectable, runs needed)
 
 The detectable difference uses the usual normal-shift approximation of the t-test's power,
 δ = (t_{1−α/2, ν} + t_{power, ν}) · SE, with SE = sd/√n and ν = n − 1 for a paired (or one-sample) design, and
@@ -172,6 +173,20 @@ def equivalence_p_value(values: list[float], margin: float) -> float | None:
         return None
     se, df = interval.sd / math.sqrt(interval.n), interval.n - 1
     return max(1 - t_cdf((interval.mean + margin) / se, df), t_cdf((interval.mean - margin) / se, df))
+
+
+def looks(differences: dict[int, float], margin: float = EQUIVALENCE_MARGIN) -> list[dict]:
+    """The design as it stood after each seed (seed order, from 3 seeds): the paired SD, the difference detectable with
+    power 0.8, the runs a method needed then to detect `margin`, and the mean's interval. A comparison grown over
+    sittings re-estimated its size from the SD at each look; this is that record, recomputed from the run files."""
+    seeds, out = sorted(differences), []
+    for n in range(3, len(seeds) + 1):
+        interval = t_interval([differences[s] for s in seeds[:n]])
+        out.append({"seeds": n, "last_seed": seeds[n - 1], "sd": interval.sd, "mean": interval.mean,
+                    "low": interval.low, "high": interval.high,
+                    "detectable_difference": detectable_difference(interval.sd, n) if interval.sd > 0 else None,
+                    "runs_needed_for_margin": runs_needed(interval.sd, margin) if interval.sd > 0 else None})
+    return out
 
 
 def collapse_count_p_value(a: int, n_a: int, b: int, n_b: int) -> float:
@@ -387,6 +402,8 @@ def best_against_best(results: Path, scales: dict[int, str] = SCALES, screen: tu
                 pair = comparison(rb, ra)
                 if pair is not None:
                     found[name] = pair
+    for pair in confirmation.values():
+        pair["looks"] = looks(pair["differences"])
     for cells in grid.values():
         for cell in cells.values():
             del cell["runs"]
@@ -406,8 +423,16 @@ def best_markdown(report: dict) -> str:
                          f"{_text(c['em_interval'], signed=False)} | {c['collapsed_count']} of {len(c['seeds'])} | "
                          f"{c['rollout_tokens']:,.0f} | {cpu} | {c['gain_per_10k_tokens']:+.3f} | {per_cpu} | "
                          f"{'**best**' if report['best_scale'].get(method) == scale else ''} |")
-    return "\n".join(lines) + "\n" + pairs_markdown({"best against best": report, "confirmation (seeds outside the screen)":
+    text = "\n".join(lines) + "\n" + pairs_markdown({"best against best": report, "confirmation (seeds outside the screen)":
                                                     {"pairs": report["confirmation"]}})
+    for pair, c in report["confirmation"].items():
+        if c.get("looks"):
+            text += (f"\nThe confirmation {pair} as it grew, seed by seed (`looks`):\n\n| seeds (to seed) | mean [95 % t] | "
+                     f"paired SD | detectable (power 0.8) | runs needed for ±{EQUIVALENCE_MARGIN:g} |\n|---|---|---|---|---|\n")
+            text += "".join(f"| {k['seeds']} ({k['last_seed']}) | {k['mean']:+.3f} [{k['low']:+.3f}, {k['high']:+.3f}] | "
+                            f"{k['sd']:.3f} | {k['detectable_difference'] or math.inf:.3f} | "
+                            f"{k['runs_needed_for_margin'] or '—'} |\n" for k in c["looks"])
+    return text
 
 
 NAMES = {"treeopsd": "TreeOPSD", "treepo": "TreePO", "grpo": "GRPO (TRL)", "treeopsd_no_anchor": "TreeOPSD, no pull",

@@ -171,3 +171,15 @@ def test_tost_says_equivalent_exactly_when_the_90_percent_interval_lies_inside_t
             inside = -margin < interval.low and interval.high < margin
             assert (stats.equivalence_p_value(values, margin) < 0.05) == inside
     assert stats.equivalence_p_value([0.3], 0.04) is None and stats.equivalence_p_value([0.1, 0.1], 0.04) is None
+
+
+def test_the_looks_replay_the_design_seed_by_seed_and_end_at_the_whole_comparison(stats):
+    diffs = {7: 0.1, 2: -0.02, 3: 0.01, 5: 0.03, 4: -0.05}
+    looks = stats.looks(diffs)
+    assert [k["seeds"] for k in looks] == [3, 4, 5] and [k["last_seed"] for k in looks] == [4, 5, 7]  # seed order
+    whole = stats.t_interval(list(diffs.values()))
+    assert (looks[-1]["mean"], looks[-1]["sd"], looks[-1]["low"]) == pytest.approx((whole.mean, whole.sd, whole.low))
+    for k in looks:  # the runs a look asks for detect the margin, one fewer does not
+        n = k["runs_needed_for_margin"]
+        assert stats.detectable_difference(k["sd"], n) <= stats.EQUIVALENCE_MARGIN
+        assert stats.detectable_difference(k["sd"], n - 1) > stats.EQUIVALENCE_MARGIN
