@@ -449,7 +449,8 @@ def best_figure(report: dict, path: str | Path, base_rate: float = BASE_RATE) ->
     """The best-against-best picture: each method at its best scale, held-out EM after training against the run's
     rollout tokens and its training CPU minutes (one dot a seed; the mean with its 95 % t-interval over seeds; a line
     from the warm start to the mean, whose slope is the gain per token or per minute), and the bests' paired
-    differences on the confirmation seeds with their interval and the design's detectable difference. False (and
+    differences on the confirmation seeds with their interval, the design's detectable difference and the equivalence
+    margin with its TOST p-value. False (and
     nothing written) without matplotlib."""
     try:
         import matplotlib
@@ -502,11 +503,14 @@ def best_figure(report: dict, path: str | Path, base_rate: float = BASE_RATE) ->
         if detectable is not None:
             axes.plot([-detectable, detectable], [row - 0.3, row - 0.3], color="tab:red", lw=3, alpha=0.5)
     axes.axvline(0, color="grey", lw=1)
+    for side in (-1, 1):
+        axes.axvline(side * EQUIVALENCE_MARGIN, color="grey", lw=1, ls="--")
     axes.set_yticks(range(len(differences)))
-    axes.set_yticklabels([f"{_pair_label(n)}\n({len(p['differences'])} seeds)" for n, p in differences.items()],
-                         fontsize=7)
-    axes.set_xlabel("paired EM difference, seeds outside the screen\n"
-                    "(dots: seeds; black: mean, 95 % t; red: ± the smallest\ndifference the design detects)", fontsize=8)
+    axes.set_yticklabels([f"{_pair_label(n)}\n({len(p['differences'])} seeds"
+                          + (f", TOST p {p['equivalence_p']:.2f})" if p["equivalence_p"] is not None else ")")
+                          for n, p in differences.items()], fontsize=7)
+    axes.set_xlabel("paired EM difference, seeds outside the screen\n(dots: seeds; black: mean, 95 % t; red: ± the "
+                    f"smallest\ndifference the design detects; dashed: the ±{EQUIVALENCE_MARGIN:g} margin)", fontsize=8)
     figure.suptitle("Best against best at E = 4 (each method's best learning rate, chosen on seeds "
                     f"{report['screen_seeds']}); dotted: the warm start", fontsize=9)
     figure.tight_layout()
