@@ -141,10 +141,12 @@ def test_the_best_against_best_figure_draws_every_best_and_the_confirmation(stat
             "em_interval": dict(n=2, mean=0.45, sd=0.07, low=-0.19, high=1.09, confidence=0.95),
             "per_seed": {0: {"rollout_tokens": 2e4, "train_cpu_minutes": 20.0},
                          1: {"rollout_tokens": 2.2e4, "train_cpu_minutes": None}}}  # a run that predates CPU time
-    pair = {"differences": {2: 0.01, 3: -0.03}, "detectable_difference": 0.3,
+    pair = {"differences": {2: 0.01, 3: -0.03}, "detectable_difference": 0.3, "equivalence_p": 0.4,
             "interval": dict(n=2, mean=-0.01, sd=0.03, low=-0.26, high=0.24, confidence=0.95)}
+    one_seed = {**pair, "differences": {2: 0.01}, "detectable_difference": None, "equivalence_p": None}
     report = {"screen_seeds": [0, 1], "best_scale": {"treeopsd": 4, "treepo": 1},
-              "grid": {"treeopsd": {4: cell}, "treepo": {1: cell}}, "confirmation": {"treeopsd@4x - treepo@1x": pair}}
+              "grid": {"treeopsd": {4: cell}, "treepo": {1: cell}},
+              "confirmation": {"treeopsd@4x - treepo@1x": pair, "treeopsd@4x - grpo@2x": one_seed}}
     path = tmp_path / "best.png"
     assert stats.best_figure(report, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
