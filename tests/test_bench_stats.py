@@ -157,7 +157,7 @@ def test_the_sign_flip_test_counts_sign_assignments_at_least_as_extreme(stats):
     # all n differences of one sign: only that assignment and its mirror reach the observed |sum|
     assert stats.sign_flip_p_value([0.1, 0.2, 0.05, 0.3]) == pytest.approx(2 / 16)
     assert stats.sign_flip_p_value([0.1, -0.1]) == 1.0  # a sum of 0 is reached by every assignment
-    # {+3, +1, −1}: sum 3; |±3 ± 1 ± 1| >= 3 for the 4 assignments with the 3 at +3 or −3 and the ones not cancelling it
+    # {+3, +1, −1}: sum 3; |±3 ± 1 ± 1| >= 3 for 6 of the 8 assignments, all but the two where both 1s oppose the 3
     assert stats.sign_flip_p_value([3, 1, -1]) == pytest.approx(6 / 8)
     # beyond the exact range the sampled p-value agrees with the exact one to sampling error
     many = [0.1, -0.08, 0.05, -0.11, 0.02, 0.13, -0.04, 0.06, -0.01, 0.09, -0.02, 0.01, 0.04, -0.05]
