@@ -60,6 +60,7 @@ from common import (
     lora_config,
     make_task,
     markdown_table,
+    runs_dir_of,
     warm_started_model,
     write_json,
 )
@@ -405,11 +406,6 @@ def prepared_batch(args, task, model, tokenizer, output_dir: str, runs_dir: Path
 # ---------------------------------------------------------------------------------------------------------------------
 # The stability map: learning-rate scale × E × method, over independent generation batches
 # ---------------------------------------------------------------------------------------------------------------------
-
-
-def runs_dir_of(output: str) -> Path:
-    """Where the run files of `--output FILE` live: `FILE` without `.json`, + `.runs/`."""
-    return Path(output).with_name(Path(output).stem + ".runs")
 
 
 def map_args(args, seed: int, blocks: int):

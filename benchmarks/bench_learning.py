@@ -61,6 +61,7 @@ from common import (
     lora_config,
     make_task,
     markdown_table,
+    runs_dir_of,
     warm_started_model,
     write_json,
 )
@@ -312,8 +313,7 @@ def run(method: str, seed: int, model_path: str, task, args) -> dict:
 
 def run_file(output: str, method: str, seed: int) -> Path:
     """Where one method-seed run's result lives: next to `--output`, in `<output stem>.runs/`."""
-    output = Path(output)
-    return output.with_name(f"{output.stem}.runs") / f"{method}-seed{seed}.json"
+    return runs_dir_of(output) / f"{method}-seed{seed}.json"
 
 
 # Arguments that do not change a run's numbers: which runs to make, where to write, threads, and gradient
@@ -415,7 +415,7 @@ def check_one_warm_start(runs: list[tuple[Path, dict]], current: dict | None = N
 
 def present_runs(args) -> list[tuple[Path, dict]]:
     """The run files already next to --output (any method and seed)."""
-    folder = run_file(args.output, "x", 0).parent if args.output else None
+    folder = runs_dir_of(args.output) if args.output else None
     if folder is None or not folder.is_dir():
         return []
     return [(path, json.loads(path.read_text())) for path in sorted(folder.glob("*-seed*.json"))]

@@ -172,6 +172,12 @@ def make_task(name: str, num_train: int | None = None, num_test: int | None = No
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def runs_dir_of(output: str | Path) -> Path:
+    """Where a benchmark's run files of `--output FILE` live: `FILE` without its suffix, + `.runs/` (each run is
+    written there as it finishes, and the summary at FILE is rebuilt from them)."""
+    return Path(output).with_name(Path(output).stem + ".runs")
+
+
 def cache_root() -> Path:
     """Where warm-started models and indexes are cached: `$TRL_TREE_CACHE/benchmarks` (as `trl_tree.testing`)."""
     from trl_tree.model_cache import cache_root as trl_tree_cache

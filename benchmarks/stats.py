@@ -177,7 +177,7 @@ def equivalence_p_value(values: list[float], margin: float) -> float | None:
 
 def looks(differences: dict[int, float], margin: float = EQUIVALENCE_MARGIN) -> list[dict]:
     """The design as it stood after each seed (seed order, from 3 seeds): the paired SD, the difference detectable with
-    power 0.8, the runs a method needed then to detect `margin`, and the mean's interval. A comparison grown over
+    power 0.8, the runs a method needed then to detect `margin`, the mean's interval and the TOST p-value for `margin`. A comparison grown over
     sittings re-estimated its size from the SD at each look; this is that record, recomputed from the run files."""
     seeds, out = sorted(differences), []
     for n in range(3, len(seeds) + 1):
@@ -185,7 +185,8 @@ def looks(differences: dict[int, float], margin: float = EQUIVALENCE_MARGIN) -> 
         out.append({"seeds": n, "last_seed": seeds[n - 1], "sd": interval.sd, "mean": interval.mean,
                     "low": interval.low, "high": interval.high,
                     "detectable_difference": detectable_difference(interval.sd, n) if interval.sd > 0 else None,
-                    "runs_needed_for_margin": runs_needed(interval.sd, margin) if interval.sd > 0 else None})
+                    "runs_needed_for_margin": runs_needed(interval.sd, margin) if interval.sd > 0 else None,
+                    "equivalence_p": equivalence_p_value([differences[s] for s in seeds[:n]], margin)})
     return out
 
 
@@ -428,10 +429,12 @@ def best_markdown(report: dict) -> str:
     for pair, c in report["confirmation"].items():
         if c.get("looks"):
             text += (f"\nThe confirmation {pair} as it grew, seed by seed (`looks`):\n\n| seeds (to seed) | mean [95 % t] | "
-                     f"paired SD | detectable (power 0.8) | runs needed for ±{EQUIVALENCE_MARGIN:g} |\n|---|---|---|---|---|\n")
+                     f"paired SD | detectable (power 0.8) | runs needed for ±{EQUIVALENCE_MARGIN:g} | TOST p |\n|---|---|---|---|---|---|\n")
             text += "".join(f"| {k['seeds']} ({k['last_seed']}) | {k['mean']:+.3f} [{k['low']:+.3f}, {k['high']:+.3f}] | "
                             f"{k['sd']:.3f} | {k['detectable_difference'] or math.inf:.3f} | "
-                            f"{k['runs_needed_for_margin'] or '—'} |\n" for k in c["looks"])
+                            f"{k['runs_needed_for_margin'] or '—'} | "
+                            f"{'—' if k['equivalence_p'] is None else format(k['equivalence_p'], '.3f')} |\n"
+                            for k in c["looks"])
     return text
 
 

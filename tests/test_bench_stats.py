@@ -181,6 +181,7 @@ def test_the_looks_replay_the_design_seed_by_seed_and_end_at_the_whole_compariso
     assert [k["seeds"] for k in looks] == [3, 4, 5] and [k["last_seed"] for k in looks] == [4, 5, 7]  # seed order
     whole = stats.t_interval(list(diffs.values()))
     assert (looks[-1]["mean"], looks[-1]["sd"], looks[-1]["low"]) == pytest.approx((whole.mean, whole.sd, whole.low))
+    assert looks[-1]["equivalence_p"] == pytest.approx(stats.equivalence_p_value(list(diffs.values()), 0.04))
     for k in looks:  # the runs a look asks for detect the margin, one fewer does not
         n = k["runs_needed_for_margin"]
         assert stats.detectable_difference(k["sd"], n) <= stats.EQUIVALENCE_MARGIN
