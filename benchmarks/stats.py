@@ -244,13 +244,17 @@ def method_summary(runs: dict[int, dict]) -> dict:
 def comparison(a: dict[int, dict], b: dict[int, dict]) -> dict | None:
     """b − a: per common seed, the t-interval of the paired differences, the detectable difference of that design
     (paired, from the differences' SD), the sign-flip p-value of no difference and the TOST p-value of a difference
-    inside ±`EQUIVALENCE_MARGIN`; None without a common seed."""
+    inside ±`EQUIVALENCE_MARGIN`; on the same seeds, each side's collapsed runs and Fisher's exact p of the two counts
+    (where a method breaks, the counts are the evidence, not the mean); None without a common seed."""
     diffs = paired_differences({s: final_point(r)["exact_match"] for s, r in a.items()},
                                {s: final_point(r)["exact_match"] for s, r in b.items()})
     if not diffs:
         return None
     interval = t_interval(list(diffs.values()))
+    collapsed_b, collapsed_a = (sum(collapsed(final_point(runs[s])) for s in diffs) for runs in (b, a))
     return {"differences": diffs, "interval": asdict(interval),
+            "collapsed_counts": [collapsed_b, collapsed_a],
+            "collapse_p": collapse_count_p_value(collapsed_b, len(diffs), collapsed_a, len(diffs)),
             "detectable_difference": (detectable_difference(interval.sd, interval.n)
                                       if interval.n > 1 and interval.sd > 0 else None),
             "sign_flip_p": sign_flip_p_value(list(diffs.values())),
@@ -329,14 +333,16 @@ def markdown(reports: dict[str, dict]) -> str:
 
 def pairs_markdown(reports: dict[str, dict]) -> str:
     lines = ["", "| table | pair (a − b) | seeds | differences | mean [95 % t-interval] | detectable (paired, power 0.8) "
-                 f"| sign-flip p (no difference) | TOST p (inside ±{EQUIVALENCE_MARGIN:g}) |", "|---|---|---|---|---|---|---|---|"]
+                 f"| sign-flip p (no difference) | TOST p (inside ±{EQUIVALENCE_MARGIN:g}) | collapsed (a / b) "
+                 "| Fisher p (collapse counts) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for table, report in reports.items():
         for pair, c in report["pairs"].items():
             d = ", ".join(f"{v:+.3f}" for v in c["differences"].values())
             det, equivalent = (f"{c[k]:.3f}" if c[k] is not None else "—" for k in ("detectable_difference",
                                                                                      "equivalence_p"))
             lines.append(f"| {table} | {pair} | {','.join(map(str, c['differences']))} | {d} | {_text(c['interval'])} "
-                         f"| {det} | {c['sign_flip_p']:.3f} | {equivalent} |")
+                         f"| {det} | {c['sign_flip_p']:.3f} | {equivalent} | {c['collapsed_counts'][0]} / "
+                         f"{c['collapsed_counts'][1]} | {c['collapse_p']:.3f} |")
     return "\n".join(lines) + "\n"
 
 

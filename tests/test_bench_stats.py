@@ -74,6 +74,9 @@ def test_the_table_report_reads_run_files(stats, tmp_path):
     pair = report["pairs"]["treeopsd - treepo"]
     assert list(pair["differences"]) == [0, 1, 2]
     assert pair["interval"]["mean"] == pytest.approx((0.109 + 0.531 + 0.359) / 3, abs=1e-3)
+    # the pair carries its collapse counts in the label's order and Fisher's p of them, over the same seeds
+    assert pair["collapsed_counts"] == [0, 3]
+    assert pair["collapse_p"] == pytest.approx(stats.collapse_count_p_value(0, 3, 3, 3))
     assert "3 of 3" in stats.markdown({"stress": report})
 
 
