@@ -230,7 +230,8 @@ def final_point(run: dict) -> dict:
 
 def method_summary(runs: dict[int, dict]) -> dict:
     """Per seed the final EM, its gain over the warm start, the format rate and collapse; the t-interval of the EM and
-    of the gain over seeds; the collapsed count."""
+    of the gain over seeds; the collapsed count, and the count of runs that ended below their warm start (a run can
+    keep well-formed answers, so not collapse, and still lose most of its right ones)."""
     seeds = sorted(runs)
     em = {s: final_point(runs[s])["exact_match"] for s in seeds}
     gain = {s: em[s] - runs[s]["heldout_before"] for s in seeds}
@@ -238,6 +239,7 @@ def method_summary(runs: dict[int, dict]) -> dict:
             "format_rate": {s: final_point(runs[s])["format_rate"] for s in seeds},
             "collapsed": {s: collapsed(final_point(runs[s])) for s in seeds},
             "collapsed_count": sum(collapsed(final_point(runs[s])) for s in seeds),
+            "below_start_count": sum(gain[s] < 0 for s in seeds),
             "em_interval": asdict(t_interval(list(em.values()))), "gain_interval": asdict(t_interval(list(gain.values())))}
 
 
@@ -320,14 +322,15 @@ def table_report(runs_dir: Path) -> dict:
 
 
 def markdown(reports: dict[str, dict]) -> str:
-    lines = ["| table | method | seeds | final EM per seed | mean EM [95 % t-interval] | gain [95 % t] | collapsed |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| table | method | seeds | final EM per seed | mean EM [95 % t-interval] | gain [95 % t] | collapsed "
+             "| below the warm start |", "|---|---|---|---|---|---|---|---|"]
     for table, report in reports.items():
         for m, s in report["methods"].items():
             em = ", ".join(f"{s['exact_match'][k]:.3f}" for k in s["seeds"])
             ei, gi = s["em_interval"], s["gain_interval"]
             lines.append(f"| {table} | {m} | {','.join(map(str, s['seeds']))} | {em} | "
-                         f"{_text(ei, signed=False)} | {_text(gi)} | {s['collapsed_count']} of {len(s['seeds'])} |")
+                         f"{_text(ei, signed=False)} | {_text(gi)} | {s['collapsed_count']} of {len(s['seeds'])} | "
+                         f"{s['below_start_count']} of {len(s['seeds'])} |")
     return "\n".join(lines) + "\n" + pairs_markdown(reports)
 
 

@@ -71,6 +71,9 @@ def test_the_table_report_reads_run_files(stats, tmp_path):
     report = stats.table_report(tmp_path)
     assert report["methods"]["treepo"]["collapsed_count"] == 3
     assert report["methods"]["treeopsd"]["collapsed_count"] == 0
+    # every TreePO run ended below its warm start (0.344); of TreeOPSD's only the one that lost answers, not its form
+    assert report["methods"]["treepo"]["below_start_count"] == 3
+    assert report["methods"]["treeopsd"]["below_start_count"] == 1
     pair = report["pairs"]["treeopsd - treepo"]
     assert list(pair["differences"]) == [0, 1, 2]
     assert pair["interval"]["mean"] == pytest.approx((0.109 + 0.531 + 0.359) / 3, abs=1e-3)
