@@ -60,6 +60,7 @@ from common import (
     lora_config,
     make_task,
     markdown_table,
+    portable,
     runs_dir_of,
     warm_started_model,
     write_json,
@@ -656,7 +657,7 @@ def run_settings(args) -> dict:
     for k, default in LATER_DEFAULTS.items():
         if out.get(k) == default:
             del out[k]
-    return out
+    return portable(out)  # as the run files store them (`common.write_json`)
 
 
 def sampling_settings(args) -> dict:

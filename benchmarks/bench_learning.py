@@ -10,6 +10,9 @@ as in the paper), turn and token limits, P prompts per generation batch and E op
     treeopsd    TreeOPSDTrainer, the same trees, the Bernoulli forward-KL to the bounded teacher q = 1/2 + V/τ
     at2po       AT2POTrainer (opt-in), M = 4 initial trajectories and 2 rounds of 4 entropy-guided branches
     treeadv     TreeAdvTrainer (opt-in), M = 4 initial trajectories and up to 8 token-level branches
+    flat_grpo   (opt-in) GRPO on trl-tree's own loop: TreeConfig(sampler="flat", credit="path", loss="grpo"), G = 8
+                independent trajectories per prompt, packed like the trees: GRPO at the trees' implementation, so
+                that a difference from the trees is the sampling and the credit, not TRL's loop against trl-tree's
 
 M(1 + N/2) = G matches the expected generated trajectories per prompt. Before training and every `--eval_every`
 generation batches, the policy answers `--num_test` held-out questions greedily with the same agent loop
@@ -61,6 +64,7 @@ from common import (
     lora_config,
     make_task,
     markdown_table,
+    portable,
     runs_dir_of,
     warm_started_model,
     write_json,
@@ -73,7 +77,8 @@ from trl_tree.rewards import format_reward
 
 # treeopsd_no_anchor / treepo_anchor: issue 40's ablation (`common.LOSS_VARIANTS`: TreeOPSD without its q = 1/2 pull
 # on zero-credit turns, TreePO with it)
-METHODS = ("grpo", "treepo", "treeopsd", "at2po", "treeadv", "treeopsd_no_anchor", "treepo_anchor")
+# flat_grpo: issue 58's control, GRPO sampled and trained by trl-tree's loop (`common.matched_sampler_fields`)
+METHODS = ("grpo", "treepo", "treeopsd", "at2po", "treeadv", "treeopsd_no_anchor", "treepo_anchor", "flat_grpo")
 DEFAULT_METHODS = ("grpo", "treepo", "treeopsd")
 # What `--model smollm2` changes (each still overridable on the command line). The warm start (10 LoRA steps) leaves
 # held-out success well inside (0, 1) (see benchmarks/README.md); turns are capped so that one rambling sampled turn
@@ -332,7 +337,7 @@ def checked_run(path: Path, args) -> dict:
     (e.g. a changed default), so a mismatch is an error naming the fields."""
     result = json.loads(path.read_text())
     saved = result.get("config", {})
-    current = json.loads(json.dumps(vars(args), default=str))  # as the run file stores them
+    current = portable(json.loads(json.dumps(vars(args), default=str)))  # as the run file stores them
     differ = {k: (saved.get(k), v) for k, v in current.items() if k not in NOT_RESULT_ARGUMENTS and saved.get(k) != v}
     if differ:
         listed = ", ".join(f"{k}: {old!r} there, {new!r} now" for k, (old, new) in sorted(differ.items()))
@@ -508,7 +513,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
 
 # Which paired differences the report shows, when both methods have runs: the flagship against each alternative
 PAIRS = (("treeopsd", "treepo"), ("treeopsd", "grpo"), ("treepo", "grpo"), ("treeopsd", "treeopsd_no_anchor"),
-         ("treepo_anchor", "treepo"))
+         ("treepo_anchor", "treepo"), ("treeopsd", "flat_grpo"), ("treepo", "flat_grpo"), ("flat_grpo", "grpo"))
 
 
 def paired_difference(a_runs: list[dict], b_runs: list[dict], metric: str = "exact_match", resamples: int = 10_000,

@@ -698,10 +698,52 @@ def markdown_table(rows: list[dict[str, Any]], columns: list[str], headers: dict
     return "\n".join(lines)
 
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# the placeholder a stored result writes for the trl_tree cache folder (`trl_tree.model_cache.cache_root`), whatever
+# it was on the machine that wrote it
+CACHE_PLACEHOLDER = "$TRL_TREE_CACHE"
+_CACHE_MARK = "/.cache/trl_tree/"  # the default cache folder, found in files written on other machines
+
+
+def portable_path(text: str, root: Path = REPO_ROOT) -> str:
+    """An absolute path as a stored result writes it, naming no machine: inside the checkout, relative to it (a
+    `benchmarks/results/` path from another checkout, too); inside the trl_tree cache, `$TRL_TREE_CACHE/...` (so a
+    warm start keeps its folder name, the part that identifies it); anywhere else, the file's name alone (where a
+    sitting wrote its scratch output says nothing about the result). Anything that is not an absolute path is kept."""
+    if not text.startswith("/") or any(c.isspace() for c in text) or not Path(text).name:
+        return text
+    from trl_tree.model_cache import cache_root as trl_tree_cache
+
+    path = Path(text)
+    for base, prefix in ((root, ""), (trl_tree_cache(), CACHE_PLACEHOLDER + "/")):
+        if path.is_relative_to(base):
+            rest = path.relative_to(base).as_posix()
+            return prefix + rest if rest != "." else (prefix.rstrip("/") or ".")
+    if "/benchmarks/results/" in text:
+        return "benchmarks/results/" + text.split("/benchmarks/results/", 1)[1]
+    if _CACHE_MARK in text:
+        return f"{CACHE_PLACEHOLDER}/{text.split(_CACHE_MARK, 1)[1]}"
+    return path.name
+
+
+def portable(value):
+    """`value` (JSON-like) with every absolute path string made `portable_path`: what `write_json` stores, so that a
+    committed result file holds no path of the machine that wrote it (and can be rebuilt and compared elsewhere)."""
+    if isinstance(value, str):
+        return portable_path(value)
+    if isinstance(value, dict):
+        return {k: portable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [portable(v) for v in value]
+    return value
+
+
 def write_json(path: str | os.PathLike, payload: dict[str, Any]) -> None:
+    """`payload` as JSON at `path`, its paths made `portable` (dataclasses and tensors as `_jsonable` gives them)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2, default=_jsonable) + "\n")
+    payload = portable(json.loads(json.dumps(payload, default=_jsonable)))
+    path.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {path}", flush=True)
 
 

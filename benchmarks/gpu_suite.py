@@ -21,6 +21,13 @@ Sections (`--sections`, in this order; the JSON is written after each, so a run 
                 Every turn is a tool call of exactly --gen_turn_tokens tokens answered by --gen_observation_tokens
                 random tokens (a random model writes no tool calls of its own), so both sample the same shape of
                 work; reported: seconds per generated token and per leaf, tree / flat.
+    precision   LoRA and full fine-tuning × bf16 / fp16 / fp32 as the trainer runs them (issue 59): a float32 model
+                (as TRL loads one), LoRA on every linear layer or none, its `forward` under the config's autocast
+                (what accelerate does to the model it prepares), `HFEngine` generating with the prefix store under
+                the same autocast (`HFPorts.precision`, the trainer's `accelerator.autocast()`), then a packed
+                tree_sdpa forward + backward. Checked: no dtype error, generation's attention computes in the dtype
+                the packed forward computes in (bf16 / fp16 / float32 on CUDA; CPU has no fp16 autocast in
+                accelerate, so fp16 computes in float32 there), finite gradients on the trainable parameters.
 
 TRL is not needed: the step goes through trl-tree's pure functions (packing, credit, losses), which is the trainer's
 computation without GRPOTrainer around it, and generation through `GreedyEngine` (the evaluation engine: the same
@@ -41,8 +48,10 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
+import functools
 import random
 import sys
 import time
@@ -57,11 +66,12 @@ from trl_tree import methods
 from trl_tree.batch import LossInputs, TurnCredit
 from trl_tree.envs.agent_eval import GreedyEngine
 from trl_tree.packing import pack_trees, packed_token_logps
-from trl_tree.rollout.engine import rollout_session
+from trl_tree.rollout.engine import HFEngine, HFPorts, rollout_session
 from trl_tree.rollout.samplers import InitExpandSampler, TreeRoot
-from trl_tree.rollout.turn_loop import SamplerSettings, TurnLoop
+from trl_tree.rollout.turn_loop import SamplerSettings, TurnLoop, TurnLoopPorts
+from trl_tree.tree_attention import TREE_SDPA
 
-SECTIONS = ("packing", "step", "generation")
+SECTIONS = ("packing", "step", "generation", "precision")
 RESULTS = Path(__file__).resolve().parent / "results"
 # TreeOPSD's loss as the method table computes it, with TreeOPSDConfig's defaults (importing the config needs TRL)
 TREEOPSD = SimpleNamespace(credit="likelihood", loss="treeopsd", reward_std="sample", target_radius=0.25)
@@ -86,6 +96,7 @@ SIZES = {
     "gen_turn_tokens": (128, 8),
     "gen_observation_tokens": (256, 8),
     "gen_repeats": (2, 1),
+    "precision_row_tokens": (2048, 128),
 }
 
 
@@ -125,6 +136,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--gen_turns", type=int, default=3, help="assistant turns per trajectory (max_turns)")
     g.add_argument("--gen_batch_size", type=int, default=256, help="rows per generate call at most")
     g.add_argument("--gen_repeats", type=int, default=None, help="round-robin passes over the variants (2)")
+    g = p.add_argument_group("precision")
+    g.add_argument("--precision_row_tokens", type=int, default=None, help="target tokens per tree row of the packed "
+                   f"forward (default {SIZES['precision_row_tokens'][0]}; --cpu {SIZES['precision_row_tokens'][1]})")
     args = p.parse_args(argv)
     for name, (gpu, cpu) in SIZES.items():
         if getattr(args, name) is None:
@@ -320,9 +334,9 @@ def generation_workload(model, args, variant: str, prompts: list[list[int]], dev
         max_turns=args.gen_turns, max_turn_tokens=args.gen_turn_tokens, tool_timeout=None,
         max_completion_length=args.gen_turns * (args.gen_turn_tokens + args.gen_observation_tokens) + 1,
     )
-    loop = TurnLoop(engine, parse=lambda ids, prefix: dict(TOOL_CALL),
-                    observation_ids=lambda messages: [rng.randrange(1, vocab) for _ in range(
-                        args.gen_observation_tokens)], settings=settings)
+    loop = TurnLoop(TurnLoopPorts(engine, parse=lambda ids, prefix: dict(TOOL_CALL),
+                                  observation_ids=lambda messages: [rng.randrange(1, vocab) for _ in range(
+                                      args.gen_observation_tokens)]), settings)
     m, n = args.num_initial_rollouts, args.num_branches
     sampler = InitExpandSampler(loop, m, n, seed=args.seed) if tree else InitExpandSampler(
         loop, m + m * n // 2, 0, seed=args.seed)
@@ -383,6 +397,107 @@ def run_generation(model, args, device) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# precision
+# ---------------------------------------------------------------------------------------------------------------
+
+PRECISION_CASES = tuple((adapter, precision) for adapter in ("lora", "full") for precision in ("bf16", "fp16", "fp32"))
+
+
+def autocast_of(precision: str, device: str):
+    """The context the trainer computes under for `precision` (accelerate's `get_mixed_precision_context_manager`):
+    autocast to bf16 / fp16, or nothing for fp32 and for fp16 on CPU (accelerate has no native fp16 amp there)."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    if dtype is None or (device == "cpu" and dtype == torch.float16):
+        return contextlib.nullcontext
+    return functools.partial(torch.autocast, device_type=device, dtype=dtype)
+
+
+@contextlib.contextmanager
+def recorded_attention_dtypes(seen: set):
+    """Adds the dtype of every attention output computed inside to `seen`."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        out = sdpa(*args, **kwargs)
+        seen.add(str(out.dtype).removeprefix("torch."))
+        return out
+
+    torch.nn.functional.scaled_dot_product_attention = recording
+    try:
+        yield seen
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+
+
+def precision_case(base, trees, adapter: str, precision: str, args, device) -> dict:
+    """One (adapter, precision) case of the `precision` section: generation with the prefix store, then a packed
+    forward + backward, each attention output's dtype recorded."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GenerationConfig
+
+    model = copy.deepcopy(base)
+    if adapter == "lora":
+        model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear"))
+    context = autocast_of(precision, device)
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def autocast_forward(*a, **k):  # accelerate's `prepare_model`: the outer module's forward, not its generate
+        with context():
+            return forward(*a, **k)
+
+    model.forward = autocast_forward
+    ports = HFPorts(eos_ids=set(), pad_id=0, device=lambda: device, model=lambda: model, wrapped_model=lambda: model,
+                    generation_config=lambda: GenerationConfig(do_sample=False, pad_token_id=0),
+                    unwrapped_for_generation=lambda: contextlib.nullcontext(model), cache="prefix", precision=context)
+    engine = HFEngine(ports)
+    rng = random.Random(args.seed + 3)
+    vocab = model.config.vocab_size
+    head = [rng.randrange(1, vocab) for _ in range(args.gen_prompt_tokens)]
+    prefixes = [head + [rng.randrange(1, vocab)] for _ in range(4)]  # a shared head: the store prefills it first
+    result = {"adapter": adapter, "precision": precision, "generation_dtypes": [], "forward_dtypes": []}
+    try:
+        generation, packed_forward = set(), set()
+        with recorded_attention_dtypes(generation), engine.rollout():
+            first = engine.generate(prefixes, [args.gen_turn_tokens] * len(prefixes))
+            engine.generate([p + c.ids + [rng.randrange(1, vocab)] for p, c in zip(prefixes, first)],
+                            [args.gen_turn_tokens] * len(prefixes))  # the second turn reuses the stored keys
+        model.train()
+        packed = pack_trees(trees, pad_token_id=0).to(device)
+        with recorded_attention_dtypes(packed_forward):
+            logps, _ = packed_token_logps(model, packed)
+            logps.float().mean().backward()
+        grads = [p.grad for p in model.parameters() if p.requires_grad]
+        result.update(generation_dtypes=sorted(generation), forward_dtypes=sorted(packed_forward),
+                      trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
+                      grads_finite=all(g is not None and bool(torch.isfinite(g).all()) for g in grads),
+                      grad_norm=float(torch.stack([g.float().norm() for g in grads if g is not None]).norm()))
+        result["ok"] = result["grads_finite"] and result["generation_dtypes"] == result["forward_dtypes"]
+    except RuntimeError as error:  # the dtype error this section guards against: reported, not fatal to the suite
+        result.update(ok=False, error=f"{type(error).__name__}: {error}")
+    print(f"precision {adapter:>4} {precision}: generation {result['generation_dtypes']}, packed forward "
+          f"{result['forward_dtypes']}{', ' + result['error'] if 'error' in result else ''}", flush=True)
+    return result
+
+
+def run_precision(args, device) -> dict:
+    """Every case of `PRECISION_CASES` from one float32 model of the run's shape, on the same small trees."""
+    base = packing_bench.build_model(packing_args(args)).float().to(device)
+    base.set_attn_implementation(TREE_SDPA)  # the tree trainers' switch: chains for packed trees, sdpa otherwise
+    shape_args = packing_args(args, row_tokens=[args.precision_row_tokens], trees=2)
+    shape = packing_bench.tree_shapes(shape_args)[0]
+    rng = random.Random(args.seed + 4)
+    trees = [packing_bench.synthetic_tree(shape_args, shape, base.config.vocab_size, rng) for _ in range(2)]
+    runs = []
+    for adapter, precision in PRECISION_CASES:
+        runs.append(precision_case(base, trees, adapter, precision, args, device))
+        if device == "cuda":
+            torch.cuda.empty_cache()  # the case's model copy is gone with its frame
+    del base
+    return {"runs": runs, "all_ok": all(r["ok"] for r in runs)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
 
 
 def main(argv=None):
@@ -405,6 +520,8 @@ def main(argv=None):
             packing_bench.report(result["packing"], model, sweep_args)
         elif section == "step":
             result["step"] = run_step(model, args, device)
+        elif section == "precision":
+            result["precision"] = run_precision(args, device)
         else:
             result["generation"] = run_generation(model, args, device)
         result["seconds"][section] = time.perf_counter() - begin
@@ -431,6 +548,10 @@ def summary(result: dict) -> None:
         print(markdown_table(generation["runs"], ["variant", "seconds", "generated_tokens", "leaves", "calls",
                                                   "seconds_per_generated_token", "seconds_per_leaf"]))
         print("\n" + ", ".join(f"{k}: {v:.3f}" for k, v in generation["ratios"].items()))
+    if "precision" in result:
+        print("\nPrecision (LoRA / full × bf16 / fp16 / fp32: generation and the packed forward in one dtype)\n")
+        print(markdown_table(result["precision"]["runs"], ["adapter", "precision", "generation_dtypes",
+                                                           "forward_dtypes", "grads_finite", "ok"]))
     print("\nsections: " + ", ".join(f"{k} {v:.0f} s" for k, v in result["seconds"].items()))
 
 

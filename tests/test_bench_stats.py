@@ -3,6 +3,8 @@ what the benchmarks' README says they mean."""
 
 import json
 import math
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -138,7 +140,8 @@ def test_best_against_best_picks_each_methods_best_screened_scale_and_pairs_the_
     assert cell["gain_per_10k_tokens"] == pytest.approx(0.10 / 2)  # mean gain 0.10 over 20k tokens
     assert cell["gain_per_cpu_hour"] == pytest.approx(0.2)  # 0.10 in half a CPU hour
     assert "**best**" in stats.best_markdown(report)
-    assert cell["per_seed"][0] == {"rollout_tokens": 20_000, "train_cpu_minutes": pytest.approx(30.0)}
+    assert cell["per_seed"][0] == {"rollout_tokens": 20_000, "train_cpu_minutes": pytest.approx(30.0),
+                                   "train_wall_minutes": None}  # the test runs store no wall time
 
 
 def test_the_best_against_best_figure_draws_every_best_and_the_confirmation(stats, tmp_path):
@@ -192,3 +195,129 @@ def test_the_looks_replay_the_design_seed_by_seed_and_end_at_the_whole_compariso
         n = k["runs_needed_for_margin"]
         assert stats.detectable_difference(k["sd"], n) <= stats.EQUIVALENCE_MARGIN
         assert stats.detectable_difference(k["sd"], n - 1) > stats.EQUIVALENCE_MARGIN
+
+
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+
+
+def _strings(value):
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
+
+
+def test_no_committed_result_file_names_a_path_of_the_machine_that_wrote_it():
+    found = {str(path.relative_to(RESULTS)): s for path in sorted(RESULTS.rglob("*.json"))
+             for s in _strings(json.loads(path.read_text())) if s.startswith("/") and not any(c.isspace() for c in s)}
+    assert not found, f"absolute paths in committed results (common.portable makes them portable): {found}"
+
+
+def test_paths_are_stored_relative_to_the_checkout_or_the_cache_or_by_name(benchmark_script, tmp_path, monkeypatch):
+    common = benchmark_script("common")
+    monkeypatch.setenv("TRL_TREE_CACHE", str(tmp_path / "cache"))
+    root = common.REPO_ROOT
+    assert common.portable_path(str(root / "benchmarks/results/x.runs")) == "benchmarks/results/x.runs"
+    assert common.portable_path(str(tmp_path / "cache/benchmarks/warm-a")) == "$TRL_TREE_CACHE/benchmarks/warm-a"
+    # written on other machines: another checkout's results, the default cache of another home
+    assert common.portable_path("/srv/co/benchmarks/results/t.runs/a.json") == "benchmarks/results/t.runs/a.json"
+    assert common.portable_path("/home/u/.cache/trl_tree/benchmarks/warm-b") == "$TRL_TREE_CACHE/benchmarks/warm-b"
+    assert common.portable_path("/tmp/g/grpo2x.json") == "grpo2x.json"  # a sitting's scratch output: its name
+    assert common.portable_path("relative/x.json") == "relative/x.json"
+    assert common.portable_path("/ not a path") == "/ not a path"
+    # write_json stores them so, in nested values too; a warm start keeps the folder name that identifies it
+    common.write_json(tmp_path / "r.json", {"config": {"model_path": str(tmp_path / "cache/benchmarks/warm-c"),
+                                                        "seeds": [0, 1]}, "runs": [{"output": "/tmp/o.json"}]})
+    stored = json.loads((tmp_path / "r.json").read_text())
+    assert stored == {"config": {"model_path": "$TRL_TREE_CACHE/benchmarks/warm-c", "seeds": [0, 1]},
+                      "runs": [{"output": "o.json"}]}
+
+
+def test_stats_rebuilds_the_committed_report_from_the_run_files_alone(stats, tmp_path):
+    """Only the run folders are copied, into a folder elsewhere: the report built there is the committed one,
+    number for number (so results/stats.{json,md} are current and need nothing but the run files)."""
+    for folder in [*stats.TABLES.values(), stats.MAP_RUNS]:  # the learning tables' runs and the map's cells
+        if (RESULTS / folder).is_dir():
+            shutil.copytree(RESULTS / folder, tmp_path / folder)
+    stats.main(["--results", str(tmp_path), "--output", str(tmp_path / "stats.json")])
+    assert json.loads((tmp_path / "stats.json").read_text()) == json.loads((RESULTS / "stats.json").read_text())
+    assert (tmp_path / "stats.md").read_text() == (RESULTS / "stats.md").read_text()
+
+
+def test_mcnemar_counts_each_seed_once_and_only_the_discordant_ones(stats):
+    # the 10x stress table: TreePO collapsed on all 5 seeds, TreeOPSD on none; paired, that is 5 discordant seeds
+    assert stats.mcnemar_p_value(5, 0) == pytest.approx(2 / 32) == stats.mcnemar_p_value(0, 5)
+    assert stats.collapse_count_p_value(5, 5, 0, 5) == pytest.approx(0.0079, abs=1e-4)  # Fisher, unpaired: smaller
+    assert stats.mcnemar_p_value(0, 0) == 1.0  # every seed concordant: no evidence either way
+    assert stats.mcnemar_p_value(3, 1) == pytest.approx(2 * (1 + 4) / 16)  # P(split at least as uneven), two-sided
+
+
+def test_a_pair_reports_the_paired_collapse_test_beside_fishers(stats, tmp_path):
+    def run(method, seed, em):
+        (tmp_path / f"{method}-seed{seed}.json").write_text(json.dumps(
+            {"method": method, "seed": seed, "heldout_before": 0.344,
+             "curve": [{"exact_match": 0.344}, {"exact_match": em, "format_rate": 1.0 if em > 0.05 else 0.0}]}))
+
+    # seeds 0-2: a collapsed where b did not; seed 3: both collapsed (concordant, not counted by McNemar)
+    for seed, (a, b) in enumerate([(0.0, 0.5), (0.0, 0.4), (0.0, 0.45), (0.0, 0.0)]):
+        run("treepo", seed, a)
+        run("treeopsd", seed, b)
+    pair = stats.table_report(tmp_path)["pairs"]["treeopsd - treepo"]
+    assert pair["collapsed_counts"] == [1, 4]
+    assert pair["collapse_mcnemar_p"] == pytest.approx(stats.mcnemar_p_value(0, 3)) == pytest.approx(0.25)
+    text = stats.pairs_markdown({"t": {"pairs": {"treeopsd - treepo": pair}}})
+    assert "exact McNemar p, two-sided, paired" in text and "Fisher's exact p, two-sided, unpaired" in text
+    assert "| 1 / 4 | 0.25 | 0.143 |" in text  # the counts, then McNemar (paired) before Fisher (unpaired)
+
+
+def test_training_wall_time_leaves_out_the_evaluations(stats):
+    run = {"train_seconds": 1000.0, "heldout_before": 0.3, "rollout_tokens": 10_000, "curve": [
+        {"eval_seconds": 100.0, "exact_match": 0.3, "train_cpu_seconds": 0.0},
+        {"eval_seconds": 140.0, "exact_match": 0.4, "train_cpu_seconds": 1800.0}]}
+    assert stats.train_wall_seconds(run) == 760.0
+    assert stats.train_wall_seconds({"train_seconds": 5.0, "curve": [{}]}) is None  # an older run file: not known
+    cell = stats.efficiency({0: run})
+    assert cell["train_wall_minutes"] == pytest.approx(760 / 60)
+    assert cell["gain_per_wall_hour"] == pytest.approx(0.1 / (760 / 3600))
+    assert cell["gain_per_cpu_hour"] == pytest.approx(0.1 / 0.5)
+
+
+def test_the_safe_range_sets_the_maps_kl_beside_what_the_learning_runs_did(stats, tmp_path, monkeypatch):
+    """Issue 58: a cell (method, scale at E = 4) holds when none of its runs on the stress seeds collapsed, learns when
+    its gain's interval is above 0 too; the map's proxy agrees when KL under 0.1 on every tree seed == holds. Seeds
+    outside 0-4 and scales the map did not measure are left out."""
+    monkeypatch.setitem(stats.TABLES, "lo", "lo.runs")
+    monkeypatch.setitem(stats.TABLES, "hi", "hi.runs")
+
+    def run(table, method, seed, em, fmt=1.0):
+        folder = tmp_path / f"{table}.runs"
+        folder.mkdir(exist_ok=True)
+        (folder / f"{method}-seed{seed}.json").write_text(json.dumps(
+            {"method": method, "seed": seed, "heldout_before": 0.3, "rollout_tokens": 10_000,
+             "curve": [{"exact_match": 0.3}, {"exact_match": em, "format_rate": fmt}]}))
+
+    def cell(method, scale, kls, blocks=4):
+        (tmp_path / stats.MAP_RUNS).mkdir(exist_ok=True)
+        for seed, kl in enumerate(kls):
+            (tmp_path / stats.MAP_RUNS / f"seed{seed}-e{blocks}-{method}-lr{scale}x.json").write_text(json.dumps(
+                {"settings": {}, "points": [{"heldout_kl": 9.0}, {"heldout_kl": kl}]}))
+
+    for seed, (lo, hi) in enumerate([(0.40, 0.0), (0.42, 0.01), (0.38, 0.5), (0.41, 0.0), (0.39, 0.02)]):
+        run("lo", "treepo", seed, lo)
+        run("hi", "treepo", seed, hi, fmt=0.0 if hi < 0.05 else 1.0)
+    run("lo", "treepo", 7, 0.0, fmt=0.0)  # a confirmation seed: not one of the cell's seeds
+    cell("treepo", 1, [0.01, 0.02])
+    cell("treepo", 8, [0.05, 0.09])  # the proxy says it holds; the runs collapsed: disagreement
+    cell("treepo", 8, [5.0], blocks=8)  # another E: not read
+    assert stats.map_heldout_kl(tmp_path) == {"treepo": {1: [0.01, 0.02], 8: [0.05, 0.09]}}
+    best = stats.best_against_best(tmp_path, scales={1: "lo", 8: "hi"})
+    rows = {r["scale"]: r for r in stats.safe_range(tmp_path, best)}
+    assert rows[1]["seeds"] == [0, 1, 2, 3, 4] and rows[1]["collapsed"] == 0
+    assert rows[1]["holds"] and rows[1]["learns"] and rows[1]["proxy_agrees"]
+    assert rows[8]["collapsed"] == 4 and rows[8]["below_start"] == 4 and rows[8]["map_holds"]
+    assert not rows[8]["holds"] and not rows[8]["learns"] and not rows[8]["proxy_agrees"]
+    assert "**no**" in stats.safe_range_markdown(list(rows.values()))

@@ -107,6 +107,18 @@ def test_bench_learning_quick_writes_curves_and_a_summary_per_method(tmp_path, t
     assert set(result["paired_differences"]) == {"treeopsd - treepo", "treeopsd - grpo", "treepo - grpo"}
 
 
+def test_bench_learning_flat_grpo_samples_g_independent_trajectories_on_trl_trees_loop(tmp_path):
+    """Issue 58's control: GRPO at the trees' implementation. Each prompt gets G whole trajectories, no branching (a
+    leaf per trajectory, every trajectory's tokens its own), and the report pairs it with TRL's GRPO by seed."""
+    result = run_benchmark("bench_learning.py", "--quick", "--methods", "flat_grpo,grpo", tmp_path=tmp_path)
+    (run,) = result["runs"]["flat_grpo"]
+    (batch,) = run["batches"]
+    assert batch["leaves"] == 2 * 8  # --quick: 2 prompts, G = 8
+    assert batch["leaf_action_tokens"] == batch["generated_tokens"]  # nothing shared: no tree
+    assert run["rollout_tokens"] == batch["generated_tokens"]
+    assert set(result["paired_differences"]) == {"flat_grpo - grpo"}
+
+
 def test_bench_learning_keeps_each_tree_runs_pages_with_tree_view(tmp_path):
     """`--tree_view DIR`: the runs train in a temporary folder; their rollout-tree pages are kept, one folder a run."""
     run_benchmark("bench_learning.py", "--quick", "--methods", "grpo,treeopsd", "--tree_view", str(tmp_path / "view"),
@@ -402,7 +414,7 @@ def test_gpu_suite_cpu_runs_every_section_without_trl(tmp_path):
     continuations reuse their anchors' turns); and neither TRL nor datasets is imported (the GPU image has neither)."""
     result = run_benchmark("gpu_suite.py", "--cpu", tmp_path=tmp_path)
     assert result["imported"] == []
-    assert set(result["seconds"]) == {"packing", "step", "generation", "total"}
+    assert set(result["seconds"]) == {"packing", "step", "generation", "precision", "total"}
     packing = result["packing"]
     assert {(r["size"], r["variant"]) for r in packing["runs"]} == {
         (size, variant) for size in (64, 256) for variant in ("tree_sdpa", "tree_chains", "paths_sdpa")}
@@ -422,6 +434,14 @@ def test_gpu_suite_cpu_runs_every_section_without_trl(tmp_path):
     assert generation["tree"]["generated_tokens_per_leaf"] < generation["flat"]["generated_tokens_per_leaf"]
     assert generation["tree"]["prefix_store"] and not generation["tree_no_store"]["prefix_store"]
     assert "tree/flat seconds_per_generated_token" in result["generation"]["ratios"]
+
+    # LoRA and full fine-tuning × bf16 / fp16 / fp32 (issue 59): generation computes in the packed forward's dtype
+    precision = {(r["adapter"], r["precision"]): r for r in result["precision"]["runs"]}
+    assert set(precision) == {(a, p) for a in ("lora", "full") for p in ("bf16", "fp16", "fp32")}
+    assert result["precision"]["all_ok"], result["precision"]["runs"]
+    for (_, name), run in precision.items():  # CPU: accelerate has no fp16 autocast, so fp16 computes in float32
+        assert run["generation_dtypes"] == run["forward_dtypes"] == ["bfloat16" if name == "bf16" else "float32"]
+    assert precision["lora", "bf16"]["trainable_parameters"] < precision["full", "bf16"]["trainable_parameters"]
 
 
 def test_gpu_suite_bf16_step_measures_its_own_rounding(tmp_path):

@@ -13,7 +13,7 @@ from trl_tree.envs.agent_eval import AgentSettings, GreedyEngine, run_agent
 from trl_tree.rollout.engine import Continuation, _cut_at_eos
 from trl_tree.rollout.prefix_cache import PrefixKVStore
 from trl_tree.rollout.samplers import InitExpandSampler, TreeRoot
-from trl_tree.rollout.turn_loop import Branch, SamplerSettings, TurnLoop
+from trl_tree.rollout.turn_loop import Branch, SamplerSettings, TurnLoop, TurnLoopPorts
 
 EOS, CALL, VOCAB = 1, 2, 12
 OBSERVATION = [7, 7, 7]
@@ -54,7 +54,7 @@ def parse(ids, prefix):
 def loop(engine, chunk, max_turns=4, max_turn_tokens=9):
     settings = SamplerSettings(max_turns=max_turns, max_completion_length=40, max_turn_tokens=max_turn_tokens,
                                chunk_tokens=chunk)
-    return TurnLoop(engine, parse, lambda messages: list(OBSERVATION), settings)
+    return TurnLoop(TurnLoopPorts(engine, parse, lambda messages: list(OBSERVATION)), settings)
 
 
 def branches(n=12):

@@ -43,8 +43,16 @@ def test_a_registered_method_is_a_command_in_help_with_a_runnable_entry(monkeypa
     """Registering a `Method` is all a new preset needs to be a command: it is in the top-level help, its own help
     builds, and the launch hands accelerate the one training script, which parses the new method's config."""
     base = methods.METHODS["treepo"]
-    new = methods.Method("treecopy", "TreeCopy", base.config, base.trainer, base.sampler, base.credit, base.loss,
-                         "a method registered in a test")
+    new = methods.Method(
+        "treecopy",
+        "TreeCopy",
+        base.config,
+        base.trainer,
+        base.sampler,
+        base.credit,
+        base.loss,
+        "a method registered in a test",
+    )
     monkeypatch.setitem(methods.METHODS, new.name, new)
     assert cli.main(["--help"]) == 0
     assert "treecopy" in capsys.readouterr().out
@@ -129,12 +137,26 @@ def test_help_all_lists_every_option_of_both_forms(form, capsys):
 
 def test_treeflex_help_lists_none_of_the_tree_fields(capsys):
     """TreeFlex grows no tree: `trl-tree treeflex --help-all` has its own fields, and none of the tree samplers'."""
-    full = set(re.findall(r"--[a-z_0-9]+", _help(["treeflex", "--reward_funcs", "accuracy_reward", "--help-all"],
-                                                   capsys)))
+    full = set(
+        re.findall(r"--[a-z_0-9]+", _help(["treeflex", "--reward_funcs", "accuracy_reward", "--help-all"], capsys))
+    )
     assert {"--num_searches", "--max_blocks", "--max_turns", "--tool_timeout", "--num_generations"} <= full
-    tree_fields = ("num_initial_rollouts", "num_branches", "anchor_rule", "expansion_rounds", "branches_per_round",
-                   "expansion_mode", "sibling_penalty", "entropy_threshold", "max_branches_per_tree",
-                   "min_segment_length", "branching_rounds", "reward_std", "target_radius", "packing")
+    tree_fields = (
+        "num_initial_rollouts",
+        "num_branches",
+        "anchor_rule",
+        "expansion_rounds",
+        "branches_per_round",
+        "expansion_mode",
+        "sibling_penalty",
+        "entropy_threshold",
+        "max_branches_per_tree",
+        "min_segment_length",
+        "branching_rounds",
+        "reward_std",
+        "target_radius",
+        "packing",
+    )
     assert [name for name in tree_fields if f"--{name}" in full] == []
     tree_help = set(re.findall(r"--[a-z_0-9]+", _help(["treeadv", "--help-all"], capsys)))
     assert {f"--{name}" for name in tree_fields} <= tree_help
@@ -148,7 +170,10 @@ def test_the_first_lines_of_help_are_the_model_and_data_and_beta_is_left_out(cap
     head = out.split("\n\n", 3)[3].splitlines()  # after the usage line, the command's line and its paragraph
     assert head[0] == "model, data, rewards and tools:" and head[1].split()[0] == "--model_name_or_path"
     assert [line.split()[0] for line in head[1:] if line.startswith("  --")][:3] == [
-        "--model_name_or_path", "--dataset_name", "--dataset_config"]
+        "--model_name_or_path",
+        "--dataset_name",
+        "--dataset_config",
+    ]
     assert "--beta" not in _options(out)
     full = _help(["treeopsd", "--help-all"], capsys)
     beta = full[full.index("  --beta") :].split("\n  --", 1)[0]
@@ -232,6 +257,33 @@ def test_offline_defaults_share_treeopsds_tree_budget(method):
         assert (training_args.expansion_rounds, training_args.branches_per_round) == (2, 4)
 
 
+def test_the_offline_tiny_model_has_a_name_the_command_line_takes(tmp_path, monkeypatch):
+    """Issue 59: the tiny model had no name a command takes (the user had to ask Python for `tiny_model_path()`).
+    `--model_name_or_path tiny` is that folder in the generic form, and the offline default in the example's form
+    (its offline settings included); a local folder named `tiny` is still that folder."""
+    from trl_tree.scripts import generic
+    from trl_tree.testing import tiny_model_path
+
+    generic_argv = ["--model_name_or_path", "tiny", "--dataset_name", "d.jsonl", "--reward_funcs", "x.y"]
+    monkeypatch.chdir(tmp_path)
+    _, _, model_args, _ = generic.parse_args("treeopsd", generic_argv)
+    assert model_args.model_name_or_path == tiny_model_path()
+    _, training_args, model_args = hotpot.parse_args("treeopsd", ["--model_name_or_path", "tiny"])
+    assert model_args.model_name_or_path is None and hotpot._model_path(model_args) == tiny_model_path()
+    assert training_args.max_steps == hotpot.OFFLINE_TRAINING_DEFAULTS["max_steps"]
+    (tmp_path / "tiny").mkdir()
+    _, _, model_args, _ = generic.parse_args("treeopsd", generic_argv)
+    assert model_args.model_name_or_path == "tiny"
+
+
+def test_the_short_help_names_the_tiny_model_and_use_cpu(capsys):
+    """Issue 59: `--use_cpu` was only in `--help-all`, and nothing said how to name the offline model."""
+    out = _help(["treeopsd", "--help"], capsys)
+    assert "--use_cpu" in _options(out)
+    model_line = " ".join(out[out.index("  --model_name_or_path") :].split("\n  --", 1)[0].split())
+    assert "`tiny`" in model_line
+
+
 def test_an_unknown_command_names_the_valid_ones(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["grpo"])
@@ -272,8 +324,10 @@ def test_an_unknown_option_fails_before_the_launch_naming_the_closest(monkeypatc
     [
         ("num_branchez: 3\n", "unknown key 'num_branchez' (did you mean 'num_branches'?)"),
         ("learning_rte: 0.1\nmax_steps: 2\n", "unknown key 'learning_rte' (did you mean 'learning_rate'?)"),
-        ("num_processes: 2\n",
-         "'num_processes' is an option of `accelerate launch`, not of the script: give it on the command line"),
+        (
+            "num_processes: 2\n",
+            "'num_processes' is an option of `accelerate launch`, not of the script: give it on the command line",
+        ),
         ("reward_funcs: [x.y]\nretriever: bm25\n", "'retriever' is an option of the HotpotQA example"),
         ("tree_budget: 3\nfoo: 1\n", "unknown key 'tree_budget'; unknown key 'foo'. Fix or remove them"),
     ],

@@ -43,3 +43,24 @@ def test_trl_tree_treeopsd_launches_trains_and_saves_offline(tmp_path):
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
     assert Path(results["tree_view"]).is_file()
     assert f"model saved to {out}" in done.stdout
+
+
+@pytest.mark.slow
+def test_a_failing_launched_script_ends_the_output_with_its_own_error_not_accelerates_traceback(tmp_path):
+    """issue 59: the child's error sat at line 82 of 120, under accelerate's `CalledProcessError` traceback. Now the
+    child's last lines are the end of the output, then one line that says so, and the exit code is the child's."""
+    (tmp_path / "data.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1?"}]}) + "\n")
+    (tmp_path / "my_rewards.py").write_text("def zero(completions, **kwargs):\n    return [0.0] * len(completions)\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRL_EXPERIMENTAL_SILENCE": "1",
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}
+    missing = tmp_path / "no_such_model"  # passes the checks before the launch; the launched script cannot load it
+    done = subprocess.run(
+        [sys.executable, "-m", "trl_tree.cli", "treeopsd", "--num_processes", "1", "--model_name_or_path",
+         str(missing), "--dataset_name", "data.jsonl", "--reward_funcs", "my_rewards.zero", "--report_to", "none"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "CalledProcessError" not in done.stderr and "accelerate/commands" not in done.stderr
+    *child, ours = done.stderr.rstrip().splitlines()
+    assert ours.startswith("trl-tree treeopsd: the training process exited with code 1; its error is the output")
+    assert str(missing) in child[-1]  # the child's own last line: its exception, naming the model it could not load

@@ -19,7 +19,7 @@ from trl_tree import TreeOPSDConfig
 from trl_tree.rollout.engine import Continuation
 from trl_tree.rollout.tool_executor import ToolExecutor
 from trl_tree.rollout.tools import ToolFatalError, batched_tool
-from trl_tree.rollout.turn_loop import Branch, SamplerSettings, TurnLoop
+from trl_tree.rollout.turn_loop import Branch, SamplerSettings, TurnLoop, TurnLoopPorts
 
 EOS, CALL = 1, 2
 
@@ -109,9 +109,9 @@ def grow(tool, n=16, seed=0, engine=None, **settings):
     IN_FLIGHT = InFlight()
     engine = engine or SamplingEngine(seed)
     settings = {"max_turns": 4, "max_completion_length": 64, "tool_timeout": 10.0, **settings}
-    loop = TurnLoop(engine, parse(tool.__name__), observation_ids, SamplerSettings(**settings))
     branches = [Branch(tree=i, prefix_ids=[3, 4, 200 + i], prompt_len=3, tools={tool.__name__: tool}) for i in range(n)]
-    loop.run(branches)
+    with TurnLoop(TurnLoopPorts(engine, parse(tool.__name__), observation_ids), SamplerSettings(**settings)) as loop:
+        loop.run(branches)
     return branches, loop, IN_FLIGHT.most
 
 
@@ -353,9 +353,9 @@ def test_a_batched_request_that_fails_or_miscounts_fails_each_of_its_calls():
 def test_a_call_with_bad_arguments_is_left_out_of_the_batch_and_told_why():
     requests = []
     lookup = batched_lookup(requests)
-    loop = TurnLoop(SamplingEngine(turns_with_calls=1), lambda ids, prefix: (
+    loop = TurnLoop(TurnLoopPorts(SamplingEngine(turns_with_calls=1), lambda ids, prefix: (
         {"role": "assistant", "content": "", "tool_calls": [call("lookup", key="1.0"), call("lookup", key=7)]}
-        if CALL in ids else {"role": "assistant", "content": "done"}), observation_ids,
+        if CALL in ids else {"role": "assistant", "content": "done"}), observation_ids),
         SamplerSettings(max_turns=3, max_completion_length=64))
     branch = Branch(tree=0, prefix_ids=[3], prompt_len=1, tools={"lookup": lookup})
     loop.run([branch])
@@ -395,7 +395,8 @@ def test_environment_calls_keep_their_instances_order_and_instances_run_together
     global IN_FLIGHT
     IN_FLIGHT = InFlight()
     engine = SamplingEngine(turns_with_calls=3)
-    loop = TurnLoop(engine, parse("add"), observation_ids, SamplerSettings(max_turns=5, max_completion_length=64))
+    settings = SamplerSettings(max_turns=5, max_completion_length=64)
+    loop = TurnLoop(TurnLoopPorts(engine, parse("add"), observation_ids), settings)
     branches = []
     for i in range(8):
         env = Counter()

@@ -69,6 +69,7 @@ def test_a_tool_call_is_on_its_own_line_after_the_text():
 def test_a_trained_steps_table_shows_the_system_prompt_once_per_tree_and_the_tool_call_apart(tmp_path, capsys,
                                                                                              monkeypatch):
     monkeypatch.setenv("COLUMNS", "250")  # rich's width: no cell wrapped mid-word
+    monkeypatch.setattr(ct, "stdout_is_terminal", lambda: True)  # the table (off a terminal: one line per row)
     dataset = Dataset.from_dict({"prompt": [[{"role": "system", "content": SYSTEM},
                                              {"role": "user", "content": "What is 1+1?"}]], "answer": ["2"]})
     trainer = scripted_trainer(TreeOPSDTrainer, TreeOPSDConfig, tmp_path,
@@ -81,6 +82,23 @@ def test_a_trained_steps_table_shows_the_system_prompt_once_per_tree_and_the_too
     assert out.count("〃 (the") == 3  # the other leaves of the one tree
     assert "→ calculator(expression='1+1')" in out and "compute.calculator" not in out
     assert "of the tree above" in out and out.count("4 leaves, ") == 1
+
+
+def test_off_a_terminal_each_printed_row_is_one_line_and_the_page_is_named(tmp_path, capsys):
+    """issue 59: in a log file rich rendered the table at 80 columns, one word a line (580 of 620 lines)."""
+    dataset = Dataset.from_dict({"prompt": [[{"role": "system", "content": SYSTEM},
+                                             {"role": "user", "content": "What is 1+1?"}]], "answer": ["2"]})
+    trainer = scripted_trainer(TreeOPSDTrainer, TreeOPSDConfig, tmp_path, dataset=dataset, log_completions=True,
+                               num_completions_to_print=None)  # fmt: skip
+    assert not ct.stdout_is_terminal()  # pytest's captured stdout, as a log file
+    trainer.train()
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("[completions step 1] ") and "completion: " in line]
+    assert len(rows) == 4 and not any(c in out for c in "│┃╭━")  # the tree's 4 leaves, no table drawn
+    assert out.count("SYSTEMSTART") == 1 and "4 leaves, " in rows[0] and "→ calculator(expression='1+1')" in out
+    assert all(len(line) < 1000 and "reward contains_answer " in line for line in rows)
+    (page,) = [line for line in out.splitlines() if "the rollout-tree page: " in line]
+    assert page.endswith(".html") and (tmp_path / "tree_view").exists()
 
 
 def test_no_futurewarning_about_trls_checkpointing_names(tmp_path):
@@ -121,6 +139,7 @@ def test_a_treeflex_table_shows_each_tasks_prompt_once(tmp_path, capsys, monkeyp
     from trl_tree import TreeFlexConfig, TreeFlexTrainer
 
     monkeypatch.setenv("COLUMNS", "250")
+    monkeypatch.setattr(ct, "stdout_is_terminal", lambda: True)
     trainer = scripted_trainer(TreeFlexTrainer, TreeFlexConfig, tmp_path, script=TwoRoleScript, log_completions=True,
                                num_completions_to_print=None, **TWO_ROLE_FIELDS)
     trainer.train()

@@ -218,6 +218,54 @@ def test_an_unknown_short_reward_name_lists_trls_names(name, message):
     assert all(known in str(error.value) for known in trl_internals.grpo_reward_names())
 
 
+def test_a_reward_whose_dependency_is_missing_is_named_before_the_launch_with_what_to_install(
+    user_dir, monkeypatch, capsys
+):
+    """issue 59: accuracy_reward needs math_verify and raised only when first called, 21 s after the launch."""
+    import trl.rewards.accuracy_rewards
+
+    monkeypatch.setattr(trl.rewards.accuracy_rewards, "is_math_verify_available", lambda: False)
+    launched = []
+    monkeypatch.setattr("accelerate.commands.launch.launch_command", launched.append)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["treeopsd", "--model_name_or_path", "m", "--dataset_name", "data.jsonl", "--reward_funcs",
+                  "accuracy_reward", "think_format_reward"])  # fmt: skip
+    assert exit_info.value.code == 2 and not launched
+    err = capsys.readouterr().err
+    assert "--reward_funcs accuracy_reward needs the package `math_verify`" in err and "pip install math-verify" in err
+    assert 'pip install "trl-tree[rewards]"' in err and "think_format_reward" not in err  # it needs nothing
+    assert re.search(r'^rewards = \["math-verify', (REPO / "pyproject.toml").read_text(), re.MULTILINE)  # the extra
+
+
+def test_a_failed_launch_returns_the_childs_exit_code_with_one_line_not_a_traceback(user_dir, monkeypatch, capsys):
+    import subprocess
+
+    def failing(namespace):
+        raise subprocess.CalledProcessError(returncode=3, cmd=["python", namespace.training_script])
+
+    monkeypatch.setattr("accelerate.commands.launch.launch_command", failing)
+    argv = ["treeopsd", "--model_name_or_path", "m", "--dataset_name", "data.jsonl", "--reward_funcs", "my_task.short_answer"]
+    assert cli.main(argv) == 3
+    assert capsys.readouterr().err.splitlines() == [
+        "trl-tree treeopsd: the training process exited with code 3; its error is the output just above (from the "
+        "launched script, not from accelerate)."
+    ]
+
+
+def test_a_users_reward_is_checked_by_its_own_availability_helpers(user_dir):
+    (user_dir / "needs_pkg.py").write_text(
+        "def is_no_such_pkg_available():\n    return False\n\n\n"
+        "def scored(completions, **kwargs):\n    if not is_no_such_pkg_available():\n        raise ImportError\n"
+        "    return [0.0] * len(completions)\n"
+    )
+    try:
+        with pytest.raises(ValueError, match=r"needs_pkg.scored needs the package `no_such_pkg`.*pip install no-such-pkg"):
+            generic.check_arguments(*generic.parse_args("treeopsd", ["--model_name_or_path", "m", "--dataset_name",
+                                                                      "data.jsonl", "--reward_funcs", "needs_pkg.scored"]))  # fmt: skip
+    finally:
+        sys.modules.pop("needs_pkg", None)
+
+
 def test_a_short_reward_name_goes_to_the_script_as_given(user_dir, monkeypatch):
     argv = ["treepo", "--model_name_or_path", "m", "--dataset_name", "data.jsonl", "--reward_funcs", "accuracy_reward",
             "think_format_reward", "my_task.short_answer"]  # fmt: skip

@@ -35,6 +35,7 @@ from trl_tree import (
     trl_internals,
 )
 from trl_tree.testing import calculator
+from trl_tree.trainer import completions_table
 from trl_tree.trainer.base import TreeTrainer
 
 
@@ -192,6 +193,8 @@ def test_the_completions_table_is_shown_once_per_step_not_again_with_the_end_of_
     # of the same rows, trainer/completions_table.py), is not counted
     monkeypatch.setattr(grpo_module, "print_prompt_completions_sample",
                         lambda *args, **kwargs: args[5] != 0 and shown.append(args[4]))
+    # the table as a terminal shows it (off a terminal, as under pytest, each row is one compact line instead)
+    monkeypatch.setattr(completions_table, "stdout_is_terminal", lambda: True)
     replies = {key: texts * 2 for key, texts in REPLIES.items()}  # two generation batches' worth
     trainer = _tree_trainer(tmp_path, replies=replies, log_completions=True, max_steps=2, logging_steps=1)
     trainer.train()

@@ -443,6 +443,206 @@ def test_the_hotpot_scripts_check_the_retrieval_server_before_training():
         _stop(server)
 
 
+def _counting_handler(fail_from: int | None = None, fail_until: int | None = None, status: int = 500):
+    """`_RetrievalHandler` that counts its requests (`.count`) and answers `status` to those numbered from `fail_from`
+    to `fail_until` (1-based, inclusive; None: no end)."""
+
+    class Counting(_RetrievalHandler):
+        count = 0
+
+        def do_POST(self):
+            type(self).count += 1
+            n = type(self).count
+            if fail_from is None or n < fail_from or (fail_until is not None and n > fail_until):
+                return super().do_POST()
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(status)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    return Counting
+
+
+def test_a_failed_batched_request_counts_every_search_it_carried():
+    """The breaker's window counts searches: a failed request of 10 queries is 10 failed searches, which fill a
+    window of 10 (one entry per request would be 1 call, under `min_calls`, and the run would go on)."""
+    server, url = _serve(_counting_handler(fail_from=1))
+    retriever = RemoteRetriever(
+        url, timeout=5, max_retries=0, max_failure_rate=0.5, min_calls=10, window=10, max_consecutive_failures=None
+    )
+    try:
+        with pytest.raises(ToolFatalError, match="failed 10 of the last 10 searches"):
+            retriever.search([f"q{i}" for i in range(10)], topk=1)
+    finally:
+        _stop(server)
+
+
+def test_the_searches_a_batched_request_answered_count_as_answered():
+    """Nine searches answered in one request, then one failed: 1 of 10 failed, under the rate (counted per request it
+    would be 1 of 2, over it)."""
+    server, url = _serve(_counting_handler(fail_from=2))
+    retriever = RemoteRetriever(
+        url, timeout=5, max_retries=0, max_failure_rate=0.4, min_calls=2, window=10, max_consecutive_failures=None
+    )
+    try:
+        assert len(retriever.search([f"q{i}" for i in range(9)], topk=1)) == 9
+        with pytest.raises(ConnectionError):
+            retriever.search(["q"], topk=1)
+    finally:
+        _stop(server)
+
+
+def test_consecutive_failed_requests_stop_the_run_whatever_the_window_held_and_it_stays_stopped():
+    """A window full of answered searches (600 in one request) does not keep a dead server's run going: the third
+    failed request in a row raises ToolFatalError, a success in between restarts the count, and after the trip every
+    search raises at once, without a request (a search abandoned at its deadline may be the one that trips it)."""
+    handler = _counting_handler(fail_from=2, fail_until=None)
+    server, url = _serve(handler)
+    retriever = RemoteRetriever(url, timeout=5, max_retries=0)  # the defaults: window 1000, 3 requests in a row
+    tools = {"search": make_search_tool(retriever)}
+    try:
+        assert len(retriever.search([f"q{i}" for i in range(600)], topk=1)) == 600
+        assert [_search(tools).failed for _ in range(2)] == [True, True]
+        with pytest.raises(ToolFatalError) as error:
+            _search(tools)
+        assert handler.count == 4
+        with pytest.raises(ToolFatalError):
+            _search(tools)
+        assert handler.count == 4  # no request: the breaker stays open
+    finally:
+        _stop(server)
+    message = str(error.value)
+    assert url in message and "3 requests in a row" in message and "max_consecutive_failures=3" in message
+    assert "last checkpoint" in message
+
+
+def test_an_answer_between_failed_requests_restarts_their_count():
+    """Two failed requests, an answer, two more: never three in a row, so the run goes on."""
+
+    class FailTwiceOfThree(_RetrievalHandler):
+        count = 0
+
+        def do_POST(self):
+            type(self).count += 1
+            if type(self).count % 3 == 0:
+                return super().do_POST()
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(500)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    server, url = _serve(FailTwiceOfThree)
+    retriever = RemoteRetriever(url, timeout=5, max_retries=0, max_failure_rate=1.0)
+    try:
+        failed = [_search({"search": make_search_tool(retriever)}).failed for _ in range(9)]
+    finally:
+        _stop(server)
+    assert failed == [True, True, False] * 3
+
+
+def _answering(status: int, body: bytes, content_type: str):
+    class Answering(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    return Answering
+
+
+@pytest.mark.parametrize(
+    ("body", "content_type", "says"),
+    [
+        (
+            b"<html><body>Welcome to nginx!</body></html>",
+            "text/html",
+            "HTTP 200 with a body that is not JSON (text/html",
+        ),
+        (b'{"result": "x"}', "application/json", "'result' is a str"),
+        (b'{"answer": []}', "application/json", "the answer has no 'result' (keys ['answer']"),
+        (b'["a", "b"]', "application/json", "the answer has no 'result' (a JSON list"),
+        (b'{"result": [[], [], []]}', "application/json", "'result' has 3 rows for 2 queries"),
+        (b'{"result": ["x", "y"]}', "application/json", "row 0 of 'result' is a str, not a list of passages"),
+        (b'{"result": [["x"], []]}', "application/json", "row 0 of 'result': a passage is a str, not an object"),
+        (b'{"result": [[{"document": {"id": "1"}}], []]}', "application/json", "neither 'contents' nor 'text'"),
+    ],
+)
+def test_an_answer_of_the_wrong_shape_names_the_server_and_search_r1s_api(body, content_type, says):
+    """HTTP 200 with HTML or another JSON shape reaches the model as what it is, not as "Expecting value" or
+    "'str' object has no attribute 'get'": the server's URL, that it did not answer Search-R1's API, what it sent and
+    what was expected."""
+    from trl_tree.envs.hotpot import RetrievalAPIError
+
+    server, url = _serve(_answering(200, body, content_type))
+    retriever = RemoteRetriever(url, timeout=5, max_retries=2, backoff=0.01)
+    try:
+        with pytest.raises(RetrievalAPIError) as error:
+            retriever.search(["a", "b"], topk=3)
+        observation = _search({"search": make_search_tool(retriever)})
+    finally:
+        _stop(server)
+    message = str(error.value)
+    assert f"{url}/retrieve did not answer Search-R1's API" in message and says in message
+    assert '{"result": [row, ...]}' in message  # what was expected
+    assert observation.failed and f"{url}/retrieve did not answer Search-R1" in observation.content
+
+
+def test_a_search_past_its_deadline_stops_retrying():
+    """Once the search's deadline (the trainer's tool_timeout) has passed, the caller has answered the call "timed
+    out" and no longer waits: the search gives up instead of retrying on (here 6 attempts would be made without
+    a deadline; the pause before the third is longer than what is left)."""
+    handler = _counting_handler(fail_from=1)
+    server, url = _serve(handler)
+    retriever = RemoteRetriever(
+        url, timeout=5, max_retries=5, backoff=0.3, deadline=0.5, max_failure_rate=1.0, max_consecutive_failures=None
+    )
+    try:
+        with pytest.raises(TimeoutError, match=r"passed its deadline of 0.5s .* not retried further"):
+            retriever.search(["q"], topk=1)
+    finally:
+        _stop(server)
+    assert 1 <= handler.count <= 2
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"deadline": 0},
+        {"deadline": float("nan")},
+        {"deadline": "5"},
+        {"max_consecutive_failures": 0},
+        {"max_consecutive_failures": 2.5},
+    ],
+)
+def test_bad_breaker_settings_are_refused_naming_the_field(settings):
+    with pytest.raises(ValueError, match=next(iter(settings))):
+        RemoteRetriever("http://127.0.0.1:9", **settings)
+
+
+def test_the_script_gives_remote_searches_the_tool_deadline():
+    from types import SimpleNamespace
+
+    from trl_tree.scripts.hotpot import HotpotScriptArguments, build_search_tool
+
+    server, url = _serve(_RetrievalHandler)
+    try:
+        tool = build_search_tool(
+            HotpotScriptArguments(retriever="remote", retriever_url=url),
+            SimpleNamespace(tool_timeout=7.5, max_observation_chars=None),
+            [],
+        )
+    finally:
+        _stop(server)
+    retriever = batch_form(tool).fn.__self__.retriever
+    assert isinstance(retriever, RemoteRetriever) and retriever.deadline == 7.5
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The search tool
 # ---------------------------------------------------------------------------------------------------------------

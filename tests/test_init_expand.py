@@ -9,7 +9,7 @@ import pytest
 
 from tests.scripted import CounterEnv
 from trl_tree.rollout.samplers import InitExpandSampler, TreeRoot
-from trl_tree.rollout.turn_loop import Branch, SamplerSettings, TurnLoop
+from trl_tree.rollout.turn_loop import Branch, SamplerSettings, TurnLoop, TurnLoopPorts
 from trl_tree.testing import ScriptedEngine
 from trl_tree.tree import Turn
 
@@ -38,8 +38,8 @@ def _parser(tool: str):
 def _sampler(script, max_turns: int, m: int, n: int, seed: int = 0, tool: str = "look"
              ) -> tuple[InitExpandSampler, ScriptedEngine]:
     engine = ScriptedEngine(script, eos_ids=[EOS])
-    loop = TurnLoop(engine, parse=_parser(tool), observation_ids=lambda messages: [OBSERVATION] * len(messages),
-                    settings=SamplerSettings(max_turns=max_turns, max_completion_length=10_000))
+    ports = TurnLoopPorts(engine, parse=_parser(tool), observation_ids=lambda messages: [OBSERVATION] * len(messages))
+    loop = TurnLoop(ports, SamplerSettings(max_turns=max_turns, max_completion_length=10_000))
     return InitExpandSampler(loop, m, n, seed=seed), engine
 
 

@@ -98,7 +98,8 @@ def half_treepo():
     def prepare(tree, A, args):
         return TurnCredit(A=A)
 
-    @methods.register_loss("half_treepo", prepare=prepare, fields={"target_radius": "a field this loss reads"},
+    @methods.register_loss("half_treepo", prepare=prepare, staleness=("decoupled",),
+                           fields={"target_radius": "a field this loss reads", **methods.STALE_CAP_FIELD},
                            returns=("half_treepo/abs_A",))
     def compute(batch, args):
         loss, metrics = methods.LOSSES["treepo"].compute(batch, args)
@@ -182,6 +183,7 @@ def test_turn_credit_survives_the_buffers_and_flattens_in_global_turn_order(tmp_
     units = [methods.turn_credit(tree, args) for tree in trees]
     stored = TurnCredit.stack(units).to_dict()
     assert all(key.startswith("credit_") for key in stored)
+    assert stored["credit_kind"].shape == (3,)  # the kind's id per tree, split with the rows as every field is
     back = TurnCredit.from_dict({**stored, "input_ids": torch.zeros(3, 1, 4)})  # other keys of the batch ignored
     assert back.count.tolist() == [t.num_turns for t in trees]
     flat = back.flatten()
@@ -226,10 +228,14 @@ def test_each_loss_prepares_its_own_credit_kind_and_it_survives_the_buffers_as_t
 
 
 def test_each_credit_kind_declares_its_per_unit_fields_and_no_two_kinds_share_their_fields():
-    """The buffers say a kind only by its field names (`TurnCredit.kind_of`), so the kinds must differ in them."""
+    """Every loss reads a registered kind (`trl_tree.batch.CREDIT_KINDS`), and no two registered kinds carry the same
+    fields (registration refuses it: tests/test_registries.py)."""
+    from trl_tree.batch import CREDIT_KINDS
+
     kinds = {methods.LOSSES[name].credit_kind for name in methods.LOSSES} | {TurnCredit}
-    names = {frozenset(f.name for f in dataclasses.fields(k)) for k in kinds}
-    assert len(names) == len(kinds)
+    assert kinds <= set(CREDIT_KINDS.values())
+    names = {frozenset(f.name for f in dataclasses.fields(k)) for k in CREDIT_KINDS.values()}
+    assert len(names) == len(CREDIT_KINDS)
     assert TurnCredit.per_unit_fields() == {"count"}
     assert methods.TeacherCredit.per_unit_fields() == {"count", "tau"}
     assert methods.PathCredit.per_unit_fields() == {"count", "num_paths"}
@@ -252,13 +258,27 @@ def test_credits_of_different_kinds_do_not_stack():
         methods.TeacherCredit.stack([TurnCredit(A)])
 
 
-def test_fields_of_no_kind_are_refused_naming_the_kinds():
+def test_a_micro_batch_of_no_registered_kind_is_refused_naming_the_kinds():
+    """The kind travels by name (`credit_kind`, its id per unit): a dict with the id of no registered kind, of two
+    kinds, or of another kind than the one asked for, is refused saying which; so is one without it (a resume state
+    of an earlier version) whose fields are no registered kind's."""
+    from trl_tree.batch import kind_id
+
     stored = {"credit_A": torch.zeros(1, 2), "credit_w": torch.ones(1, 2), "credit_count": torch.tensor([2])}
-    with pytest.raises(ValueError, match=r"no credit kind carries exactly the fields \['A', 'w'\]; the kinds: .*"
-                                         r"FlexCredit\(A, w, penalty, search, block, role\)"):
+    with pytest.raises(ValueError, match=r"The micro-batch has no 'credit_kind' and no registered credit kind carries "
+                                         r"exactly its fields \['A', 'w'\]"):
         TurnCredit.from_dict(stored)
-    with pytest.raises(ValueError, match="no credit kind"):  # asked for TreeOPSD's teachers, given TreePO's credit
-        methods.TeacherCredit.from_dict({"credit_A": torch.zeros(1, 2), "credit_count": torch.tensor([2])})
+    with pytest.raises(ValueError, match=r"is \[7\], not the id of one registered credit kind \(registered: "
+                                         r"TurnCredit\(A\) = \d+, .*FlexCredit\(A, w, penalty, search, block, role\)"):
+        TurnCredit.from_dict({**stored, "credit_kind": torch.tensor([7])})
+    two = torch.tensor([kind_id("TurnCredit"), kind_id("TeacherCredit")])
+    with pytest.raises(ValueError, match="not the id of one registered credit kind"):
+        TurnCredit.from_dict({"credit_A": torch.zeros(2, 2), "credit_count": torch.tensor([2, 2]), "credit_kind": two})
+    plain = TurnCredit.stack([TurnCredit(torch.zeros(2))]).to_dict()
+    with pytest.raises(ValueError, match=r"carries a TurnCredit\(A\), not a TeacherCredit\(A, q, tau\)"):
+        methods.TeacherCredit.from_dict(plain)  # asked for TreeOPSD's teachers, given TreePO's credit
+    with pytest.raises(ValueError, match=r"carries a TurnCredit\(A\) but its fields are \['A', 'count', 'w'\]"):
+        TurnCredit.from_dict({**plain, "credit_w": torch.ones(1, 2)})
 
 
 def test_a_loss_given_a_credit_of_another_kind_names_both(tmp_path):
@@ -413,6 +433,32 @@ def test_a_name_registered_twice_is_refused_and_the_first_stays(register, table,
     assert table[name] is first
 
 
+def test_a_credit_without_its_leaf_view_is_refused_and_not_registered():
+    """The pages show each credit's per-leaf values (`Credit.view`). The machinery holds no default for it (the
+    catalogue's `leaf_advantages` was one, imported back from the catalogue): a credit declares what it backs up."""
+    with pytest.raises(ValueError, match=r"Credit 'viewless' declares no view: pass view=\(unit, args\) -> \[K\].*"
+                                         r"view=trl_tree.methods.leaf_advantages\)"):
+        methods.register_credit("viewless", fields={})(lambda unit, args: None)
+    assert "viewless" not in methods.CREDITS
+
+
+def test_the_registry_imports_nothing_of_the_catalogue():
+    """`methods/registry.py` is the machinery, the `*_entries` modules the catalogue that registers into it: the
+    catalogue passes what it knows (a credit's view) to the machinery, which never imports it back (a circle)."""
+    import ast
+    import inspect
+
+    from trl_tree.methods import registry
+
+    imported = set()
+    for node in ast.walk(ast.parse(inspect.getsource(registry))):
+        if isinstance(node, ast.ImportFrom):
+            imported |= {node.module or ""} | {f"{node.module or ''}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.Import):
+            imported |= {alias.name for alias in node.names}
+    assert not [name for name in imported if name.endswith("_entries")], sorted(imported)
+
+
 @pytest.fixture
 def loss_table():
     """`methods.LOSSES` as it was before the test, whatever the test registered."""
@@ -444,7 +490,8 @@ def test_an_inconsistent_loss_declaration_is_refused_naming_the_loss(loss_table,
 def test_a_loss_returning_undeclared_metrics_fails_naming_it(tmp_path, loss_table):
     """The registered `compute` compares the metric names with the declaration (`Loss.returns`) on every call."""
 
-    @methods.register_loss("quiet_treepo", prepare=lambda tree, A, args: TurnCredit(A=A), returns=("quiet/A",))
+    @methods.register_loss("quiet_treepo", prepare=lambda tree, A, args: TurnCredit(A=A), returns=("quiet/A",),
+                           staleness=("decoupled",), fields=methods.STALE_CAP_FIELD)
     def compute(batch, args):
         return loss_table["treepo"].compute(batch, args)
 

@@ -70,7 +70,8 @@ def test_treeopsd_card_gives_method_tree_hyperparameters_dataset_and_paper(tmp_p
     assert "K = M(N + 1) = 12 leaves" in text
     assert rows["lr_scheduler_type"] == "linear"
     assert re.search(r"- trl-tree: \d", text)  # framework versions list trl-tree next to TRL
-    assert text.index("## Tree-structured training") < text.index("### Framework versions")
+    assert text.index("## Training procedure") < text.index("### Tree-structured training")
+    assert text.index("### Tree-structured training") < text.index("### Framework versions")
 
 
 def test_treepo_card_names_treepo_and_has_no_teacher_radius(tmp_path):
@@ -209,8 +210,9 @@ def test_a_local_model_card_names_its_folder_tools_and_rewards_and_its_quick_sta
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     code = _python_snippet(text).replace("max_new_tokens=128", "max_new_tokens=8")  # the tiny model babbles
-    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stderr[-2000:]
 
 
@@ -230,3 +232,103 @@ def test_the_base_model_is_the_hub_id_or_what_a_local_copy_records(tmp_path):
     assert base_model_of(model)[0] == "Qwen/Qwen3-0.6B"
     (copy / "README.md").unlink()
     assert base_model_of(model) == (None, "a local `qwen3` model (folder `my-finetune`)")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Issue 59: the paper's own title, a filled training procedure, the tools in the quick start, a LoRA adapter's card
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_every_methods_paper_title_is_the_readmes_for_the_same_arxiv_id():
+    """The card cited TreeOPSD's paper by a summary's title while the README (and the paper) say another: each
+    method's paper is cited by the title the README's method table gives that arXiv id."""
+    from pathlib import Path
+
+    from trl_tree import methods
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    titles = dict((arxiv, title) for title, arxiv in re.findall(r"\*([^*|]+)\*, arXiv (\d{4}\.\d{5})", readme))
+    papers = {m.paper.id: m.paper for m in methods.METHODS.values() if m.paper is not None}
+    assert papers
+    for arxiv, paper in papers.items():
+        assert paper.title == titles[arxiv], arxiv
+        assert f"title   = {{{{{paper.title}}}}}" in paper.citation
+
+
+def _procedure(text):
+    """The card's "Training procedure" section, up to its framework versions."""
+    return text.split("## Training procedure", 1)[1].split("### Framework versions", 1)[0]
+
+
+def test_the_training_procedure_names_sampler_credit_loss_and_key_settings(tmp_path):
+    """Issue 59: "Training procedure" held one sentence; it now says what the run combined and how."""
+    from trl_tree import methods
+
+    trainer = _trainer(TreeOPSDTrainer, TreeOPSDConfig, tmp_path, learning_rate=3e-6)
+    procedure = _procedure(tree_model_card_text(trainer))
+    for kind, name in (("sampler", "init_expand"), ("credit", "likelihood"), ("loss", "treeopsd")):
+        entry = {"sampler": methods.SAMPLERS, "credit": methods.CREDITS, "loss": methods.LOSSES}[kind][name]
+        assert f"- **{kind}** `{name}`: {entry.summary}" in procedure
+    assert "learning rate 3e-06" in procedure and "E = 4 optimizer blocks per generation batch" in procedure
+    assert "G = 8 trajectories of budget per prompt" in procedure and "at most 5 turns" in procedure
+    assert "| `num_initial_rollouts` | 4 |" in procedure  # the whole table sits in the section too
+
+
+def test_the_quick_start_of_a_tool_trained_model_renders_its_tools(tmp_path):
+    """Issue 59: the quick start showed the model no tools, so it never saw the prompt it was trained on."""
+    from transformers.utils import get_json_schema
+
+    code = _python_snippet(tree_model_card_text(_trainer(TreeOPSDTrainer, TreeOPSDConfig, tmp_path)))
+    assert "tools=tools" in code and "(calculator)" in code
+    namespace = {}
+    exec(code.split("question =", 1)[0].split("tools = ", 1)[1].join(["tools = ", ""]), namespace)  # noqa: S102
+    assert namespace["tools"] == [get_json_schema(calculator)]
+
+
+def test_a_lora_runs_card_says_it_is_an_adapter_on_which_base_and_its_quick_start_loads_it(tmp_path):
+    """Issue 59: a LoRA run's folder is an adapter, yet its card read as a whole model's."""
+    import os
+    import subprocess
+    import sys
+
+    from peft import LoraConfig
+
+    from trl_tree.testing import tiny_model_path
+
+    model, tok = tiny()
+    trainer = TreeOPSDTrainer(
+        model=model, reward_funcs=contains_answer, args=config(TreeOPSDConfig, tmp_path / "out"),
+        train_dataset=arithmetic_dataset(2), processing_class=tok, tools=[calculator],
+        peft_config=LoraConfig(r=4, target_modules="all-linear"),
+    )  # fmt: skip
+    trainer.save_model()
+    trainer.create_model_card()
+    text = (tmp_path / "out" / "README.md").read_text()
+    assert "library_name: peft" in text.split("---\n")[1]
+    base = tiny_model_path()
+    assert f"This folder holds a PEFT (LoRA) adapter, not a whole model**: load it on its base model `{base}`" in text
+    code = _python_snippet(text)
+    assert "AutoPeftModelForCausalLM.from_pretrained(" in code
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, "-c", code.replace("max_new_tokens=128", "max_new_tokens=8")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_a_full_model_without_tools_keeps_trls_quick_start(tmp_path):
+    model, tok = tiny()
+    trainer = TreeOPSDTrainer(
+        model=model,
+        reward_funcs=contains_answer,
+        args=config(TreeOPSDConfig, tmp_path),
+        train_dataset=arithmetic_dataset(2),
+        processing_class=tok,
+    )
+    text = tree_model_card_text(trainer)
+    assert 'pipeline("text-generation"' in _python_snippet(text) and "adapter" not in text

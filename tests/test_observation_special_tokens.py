@@ -94,10 +94,10 @@ def _trainer(cls, config_cls, tmp_path, **overrides):
 
 def test_the_trainers_observation_ids_tokenize_tool_output_as_text_unless_raw(tmp_path):
     trainer = _trainer(TreeOPSDTrainer, TreeOPSDConfig, tmp_path)
-    observe = trainer._build_turn_loop().observation_ids
+    observe = trainer.turn_loop_ports().observation_ids
     _assert_observed_as_text(trainer.processing_class, observe, trainer.chat_template)
     raw = _trainer(TreeOPSDTrainer, TreeOPSDConfig, tmp_path, observation_special_tokens="raw")
-    assert raw._build_turn_loop().observation_ids(_tool(ATTACK)) == list(raw._get_tool_suffix_ids(_tool(ATTACK)))
+    assert raw.turn_loop_ports().observation_ids(_tool(ATTACK)) == list(raw._get_tool_suffix_ids(_tool(ATTACK)))
 
 
 def test_treeflex_copied_in_cards_and_tool_messages_are_observed_as_text(tmp_path):

@@ -22,6 +22,7 @@ from tests.scripted import AFTER_TOOL, CALL_1_PLUS_1, config, scripted_engine, t
 from trl_tree import TreeOPSDConfig, TreeOPSDTrainer, cli
 from trl_tree.rewards import completion_format_problem, guard_reward_func, reads_chat_messages
 from trl_tree.testing import calculator, tiny_model_path
+from trl_tree.trainer.prompts import prompt_problem
 
 MESSAGE_REWARDS = [trl.rewards.accuracy_reward, trl.rewards.reasoning_accuracy_reward, trl.rewards.think_format_reward,
                    trl.rewards.get_cosine_scaled_reward(max_len=100)]  # fmt: skip
@@ -216,3 +217,81 @@ def test_trl_tree_trains_plain_string_prompts_with_a_string_reward_after_the_lau
     monkeypatch.setattr(sys, "argv", [launched.training_script, *launched.training_script_args])
     runpy.run_path(launched.training_script, run_name="__main__")
     assert (out / "model.safetensors").is_file()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad rows refused when the trainer is built, naming the row and the fix (issue 56, item 6)
+# ---------------------------------------------------------------------------------------------------------------
+
+ASK = [{"role": "user", "content": "What is 1+1?"}]
+BAD_ROWS = {  # prompt column (the bad row last, row 2) -> what the error says about it, and its fix
+    "none, conversational": ([ASK, ASK, None], r"has no prompt \(None\).*dataset\.filter"),
+    "none, plain strings": (["What is 1+1?"] * 2 + [None], r"has no prompt \(None\).*dataset\.filter"),
+    "empty string": (["What is 1+1?"] * 2 + [""], r"has an empty prompt \(''\).*dataset\.filter"),
+    "blank string": (["What is 1+1?"] * 2 + ["  \n"], r"has an empty prompt .*dataset\.filter"),
+    "empty messages": ([ASK, ASK, []], r"has an empty list of messages.*dataset\.filter"),
+    "message without a role": ([ASK, ASK, [{"content": "What is 1+1?"}]],
+                               r"has a prompt whose message 0 has no role \(role=None.*rename its keys"),
+    "message without content": ([ASK, ASK, [{"role": "user"}]],
+                                r"has a prompt whose message 0 \(role 'user'\) has no content.*only an assistant "
+                                r"message with tool_calls"),
+    "empty messages' content": ([ASK, ASK, [{"role": "system", "content": ""}, {"role": "user", "content": " "}]],
+                                r"has a prompt whose messages are all empty.*Fill such rows in"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("prompts, says", BAD_ROWS.values(), ids=BAD_ROWS.keys())
+def test_a_bad_row_is_refused_naming_the_row_and_the_fix_before_the_model_loads(tmp_path, prompts, says):
+    """Both TRL formats; before the fix, [] was a bare IndexError from TRL's format check at build time, None the
+    tokenizer's type error without a row, and "", blank and empty messages passed. The check runs before GRPOTrainer
+    loads the model: a model path that does not exist is never reached."""
+    dataset = Dataset.from_dict({"prompt": prompts, "answer": ["2"] * 3})
+    with pytest.raises(ValueError, match=rf"^TreeOPSDTrainer: train_dataset row 2 {says}.*Checked when the trainer is "
+                       "built"):  # fmt: skip
+        TreeOPSDTrainer(model=str(tmp_path / "no-model"), reward_funcs=ID_REWARDS[0],
+                        args=config(TreeOPSDConfig, tmp_path), train_dataset=dataset)
+
+
+def test_a_column_of_non_messages_and_a_bad_eval_row_are_named(tmp_path):
+    not_messages = Dataset.from_dict({"prompt": [["What is 1+1?"], ["What is 2+2?"]]})
+    with pytest.raises(ValueError, match=r"train_dataset row 0 has a prompt whose message 0 is a str "
+                       r"\('What is 1\+1\?'\), not a chat message"):  # fmt: skip
+        TreeOPSDTrainer(model=str(tmp_path / "no-model"), reward_funcs=ID_REWARDS[0],
+                        args=config(TreeOPSDConfig, tmp_path), train_dataset=not_messages)
+    held_out = Dataset.from_dict({"prompt": [ASK, None]})
+    with pytest.raises(ValueError, match=r"eval_dataset\['held_out'\] row 1 has no prompt"):
+        TreeOPSDTrainer(model=str(tmp_path / "no-model"), reward_funcs=ID_REWARDS[0],
+                        args=config(TreeOPSDConfig, tmp_path), train_dataset=CONVERSATIONAL,
+                        eval_dataset={"held_out": held_out})
+
+
+def test_a_bad_row_in_a_batch_is_named_too(tmp_path):
+    """Rows not seen at start-up (a streaming dataset, `generate_batch`'s own rows) are checked per batch, where TRL
+    would fail on [] with a bare IndexError; a batch that mixes the two formats is refused too."""
+    trainer = _trainer(tmp_path, CONVERSATIONAL, [ID_REWARDS[0]], {"": ["2"] * 8})
+    with pytest.raises(ValueError, match=r"TreeOPSDTrainer: row 1 of this batch has an empty list of messages"):
+        trainer.generate_batch([{"prompt": ASK}, {"prompt": []}])
+    with pytest.raises(ValueError, match=r"row 1 of this batch is a plain string, but the first prompt is chat "
+                       r"messages: TRL renders a batch in the format of its first prompt"):  # fmt: skip
+        trainer.generate_batch([{"prompt": ASK}, {"prompt": "What is 1+1?"}])
+
+
+@pytest.mark.parametrize("prompt", [
+    "What is 1+1?",
+    ASK,
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": ""}],  # something is asked
+    [*ASK, {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "f"}}]}],
+    [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}],  # content blocks
+])  # fmt: skip
+def test_usable_prompts_pass(prompt):
+    assert prompt_problem(prompt) is None and prompt_problem(prompt, first=prompt) is None
+
+
+def test_an_environment_may_own_the_prompts_text_but_not_its_shape():
+    """With `environment_factory` the reset's observation is appended to the last message (TRL's placeholder prompt is
+    one empty user message), so empty content passes; None, [] and a message without a role still do not."""
+    empty = [{"role": "user", "content": ""}]
+    assert prompt_problem(empty, owns_prompts=True) is None
+    assert "all empty" in prompt_problem(empty, owns_prompts=False)
+    for bad in (None, [], [{"content": "x"}]):
+        assert prompt_problem(bad, owns_prompts=True) is not None

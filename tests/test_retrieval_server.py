@@ -8,6 +8,7 @@ that dies mid-run stops the run with an error naming it, the checkpoint saved be
 
 import contextlib
 import json
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -47,8 +48,11 @@ def corpus_file(corpus, tmp_path_factory):
 
 
 def _start(corpus_file, bm25_cache, log_path=None) -> RetrievalServerProcess:
-    server = RetrievalServerProcess(["--corpus_path", str(corpus_file), "--bm25_cache_dir", str(bm25_cache)],
-                                    startup_timeout=120, log_path=log_path)
+    server = RetrievalServerProcess(
+        ["--corpus_path", str(corpus_file), "--bm25_cache_dir", str(bm25_cache)],
+        startup_timeout=120,
+        log_path=log_path,
+    )
     server.start()
     return server
 
@@ -251,9 +255,89 @@ def test_the_client_reports_the_servers_reason_for_a_rejected_request(server):
 def test_a_server_that_cannot_start_says_why_with_its_log(tmp_path):
     missing = tmp_path / "missing.jsonl"
     with pytest.raises(RuntimeError, match="exited with code") as error:
-        RetrievalServerProcess(["--corpus_path", str(missing)], startup_timeout=60,
-                               log_path=tmp_path / "server.log").start()
+        RetrievalServerProcess(
+            ["--corpus_path", str(missing)], startup_timeout=60, log_path=tmp_path / "server.log"
+        ).start()
     assert str(missing) in str(error.value)
+
+
+def test_a_query_over_the_length_cap_gets_a_422_saying_the_limit(server):
+    response = _post(server, {"queries": ["a", "x" * 2049]})
+    assert response.status_code == 422
+    error = response.json()["error"]
+    assert "query 1 has 2049 characters; this server takes at most 2048 per query (--max_query_chars)" in error
+    assert "strings of at most 2048 characters each" in error
+
+
+@pytest.fixture(scope="module")
+def capped_server(corpus_file, bm25_cache):
+    """A server started with small caps, to show the flags reach it (and a 413 without sending megabytes)."""
+    server = RetrievalServerProcess(
+        [
+            "--corpus_path",
+            str(corpus_file),
+            "--bm25_cache_dir",
+            str(bm25_cache),
+            "--max_body_bytes",
+            "2000",
+            "--max_query_chars",
+            "50",
+            "--max_queries",
+            "8",
+        ],
+        startup_timeout=120,
+    )
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_the_caps_are_set_by_flags_and_shown_by_health(capped_server):
+    health = _health(capped_server)
+    assert (health["max_body_bytes"], health["max_query_chars"], health["max_queries"]) == (2000, 50, 8)
+    assert _post(capped_server, {"queries": ["band"] * 8}).status_code == 200
+    too_long = _post(capped_server, {"queries": ["x" * 51]})
+    assert too_long.status_code == 422 and "at most 50 per query (--max_query_chars)" in too_long.json()["error"]
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_body_over_the_size_cap_gets_a_413_saying_the_limits(capped_server, chunked):
+    """Refused before it is parsed (or, sent in chunks without a length, as soon as it passes the cap); the error
+    says the body's size, the cap and its flag, and what to send instead."""
+    body = json.dumps({"queries": ["q" * 40] * 60}).encode()  # 2,700 bytes
+    content = iter([body[:1000], body[1000:]]) if chunked else body
+    response = _post(capped_server, content=content, headers={"Content-Type": "application/json"})
+    assert response.status_code == 413
+    error = response.json()["error"]
+    size = r"\d+ or more" if chunked else str(len(body))  # in chunks: what had arrived when it passed the cap
+    assert re.search(
+        f"Request body too large: {size} bytes; this server takes at most 2000 bytes per request "
+        r"\(--max_body_bytes\)",
+        error,
+    )
+    assert "at most 8 queries of at most 50 characters each" in error
+    assert _post(capped_server, {"queries": ["band"]}).status_code == 200  # and it goes on serving
+
+
+def test_a_child_server_that_exits_stops_the_next_search_naming_its_exit_and_log(corpus_file, bm25_cache, tmp_path):
+    """Polled before the search: the exit is noticed at once (not after the retries of a refused connection), and
+    the error names the server, how it ended and the log that says why."""
+    log = tmp_path / "server.log"
+    server = _start(corpus_file, bm25_cache, log_path=log)
+    try:
+        retriever = RemoteRetriever(server.url, timeout=5, max_retries=3, backoff=0.05, server=server)
+        assert retriever.search(["band"], 1)
+        server.process.kill()
+        server.process.wait()
+        with pytest.raises(ToolFatalError) as error:
+            retriever.search(["band"], 1)
+        with pytest.raises(ToolFatalError):  # and every later search
+            retriever.search(["band"], 1)
+    finally:
+        server.stop()
+    message = str(error.value)
+    assert f"{server.url}/retrieve is gone" in message and "exited with code -9 (killed by SIGKILL)" in message
+    assert str(log) in message and "last checkpoint" in message and log.is_file()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -297,9 +381,17 @@ def _search_trainer(tmp_path, url, reward_funcs, callbacks=(), **overrides):
     """A one-prompt TreeOPSD trainer of the tiny model whose scripted policy searches through the server at `url`
     (one passage per search: the observation fits the completion budget), its breaker quick to trip."""
     retriever = RemoteRetriever(url, timeout=5, max_retries=0, max_failure_rate=0.5, min_calls=2, window=2)
-    return scripted_trainer(TreeOPSDTrainer, TreeOPSDConfig, tmp_path, script=lambda tok: SearchThenAnswer(tok, "band"),
-                            reward_funcs=reward_funcs, tools=(make_search_tool(retriever, topk=1),),
-                            callbacks=callbacks, max_completion_length=512, **overrides)
+    return scripted_trainer(
+        TreeOPSDTrainer,
+        TreeOPSDConfig,
+        tmp_path,
+        script=lambda tok: SearchThenAnswer(tok, "band"),
+        reward_funcs=reward_funcs,
+        tools=(make_search_tool(retriever, topk=1),),
+        callbacks=callbacks,
+        max_completion_length=512,
+        **overrides,
+    )
 
 
 def test_a_training_step_searches_through_the_server(server, bm25, tmp_path):
@@ -336,8 +428,15 @@ def test_a_server_that_dies_mid_run_stops_it_with_an_error_and_the_checkpoint_su
     server = _start(corpus_file, bm25_cache, log_path=tmp_path / "server.log")  # a killed server's log is kept
     killer = KillServerAfterFirstSave(server)
     try:
-        trainer = _search_trainer(tmp_path, server.url, lambda completions, **kw: [0.0] * len(completions),
-                                  callbacks=(killer,), max_steps=4, save_strategy="steps", save_steps=1)
+        trainer = _search_trainer(
+            tmp_path,
+            server.url,
+            lambda completions, **kw: [0.0] * len(completions),
+            callbacks=(killer,),
+            max_steps=4,
+            save_strategy="steps",
+            save_steps=1,
+        )
         with pytest.raises(ToolFatalError) as error:
             trainer.train()
     finally:
@@ -383,9 +482,12 @@ def test_the_synthetic_server_serves_the_offline_examples_corpus(bm25_cache):
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    server_corpus, _ = build_corpus_and_retriever(parser.parse_args(["--synthetic", "--bm25_cache_dir", str(bm25_cache)]))
-    offline = HotpotDataArguments(num_train=OFFLINE_SCRIPT_DEFAULTS["num_train"],
-                                  num_eval=OFFLINE_SCRIPT_DEFAULTS["num_eval"])
+    server_corpus, _ = build_corpus_and_retriever(
+        parser.parse_args(["--synthetic", "--bm25_cache_dir", str(bm25_cache)])
+    )
+    offline = HotpotDataArguments(
+        num_train=OFFLINE_SCRIPT_DEFAULTS["num_train"], num_eval=OFFLINE_SCRIPT_DEFAULTS["num_eval"]
+    )
     train, held_out = load_questions(offline)
     assert server_corpus == build_corpus(train + held_out)
 

@@ -14,7 +14,7 @@ import pytest
 from tests.scripted import config
 from trl_tree import TreeOPSDConfig
 from trl_tree.rollout.tools import run_tool_call
-from trl_tree.rollout.turn_loop import Branch, SamplerSettings, TurnLoop
+from trl_tree.rollout.turn_loop import Branch, SamplerSettings, TurnLoop, TurnLoopPorts
 from trl_tree.testing import ScriptedEngine
 from trl_tree.trainer.base import TreeTrainer
 
@@ -207,14 +207,16 @@ def _loop(calls: int, **settings):
         return key
 
     loop = TurnLoop(
-        ScriptedEngine(lambda prefix: [5, 2], eos_ids=[2]),
-        parse=lambda ids, prefix: (
-            {"role": "assistant", "content": "", "tool_calls": [call("count", key=str(i)) for i in range(calls)]}
-            if len(prefix) == 1
-            else {"role": "assistant", "content": "done"}
+        TurnLoopPorts(
+            ScriptedEngine(lambda prefix: [5, 2], eos_ids=[2]),
+            parse=lambda ids, prefix: (
+                {"role": "assistant", "content": "", "tool_calls": [call("count", key=str(i)) for i in range(calls)]}
+                if len(prefix) == 1
+                else {"role": "assistant", "content": "done"}
+            ),
+            observation_ids=lambda messages: [9],
         ),
-        observation_ids=lambda messages: [9],
-        settings=SamplerSettings(max_turns=3, max_completion_length=50, **settings),
+        SamplerSettings(max_turns=3, max_completion_length=50, **settings),
     )
     branch = Branch(tree=0, prefix_ids=[1], prompt_len=1, tools={"count": count})
     loop.run([branch])
@@ -238,7 +240,8 @@ def test_the_per_turn_cap_defaults_to_eight_and_none_lifts_it():
 def test_the_cap_is_a_config_field_carried_to_the_turn_loop(tmp_path):
     assert TreeOPSDConfig.max_tool_calls_per_turn == 8
     args = config(TreeOPSDConfig, tmp_path, max_tool_calls_per_turn=2)
-    trainer = SimpleNamespace(args=args, max_completion_length=96, _parse_action=None, _any_rank_active=None)
+    ports = TurnLoopPorts(ScriptedEngine(lambda prefix: [2], eos_ids=[2]), lambda ids, prefix: {}, lambda m: [])
+    trainer = SimpleNamespace(args=args, max_completion_length=96, turn_loop_ports=lambda engine=None: ports)
     assert TreeTrainer._build_turn_loop(trainer).settings.max_tool_calls_per_turn == 2
     with pytest.raises(ValueError, match="max_tool_calls_per_turn must be"):
         config(TreeOPSDConfig, tmp_path, max_tool_calls_per_turn=0)

@@ -29,7 +29,7 @@ from tests.scripted import (
 from trl_tree import TreeOPSDConfig, TreeOPSDTrainer
 from trl_tree.rollout import tools as tools_module
 from trl_tree.rollout.tools import TRUNCATION_MARKER, run_tool_call
-from trl_tree.rollout.turn_loop import Branch, SamplerSettings, TurnLoop
+from trl_tree.rollout.turn_loop import Branch, SamplerSettings, TurnLoop, TurnLoopPorts
 from trl_tree.testing import ScriptedEngine, calculator
 
 FIRST_TURN = "<|im_start|>assistant\n"
@@ -96,7 +96,10 @@ def returning(value):
     return lookup
 
 
-@pytest.mark.parametrize("value", [{"answer": 2, "source": "calc"}, [1, 2, 3], 42], ids=["dict", "list", "int"])
+# a list of content blocks is passed as it is, as GRPOTrainer does; a list of plain values is text here (GRPOTrainer
+# passes it as blocks, which Qwen3's template renders empty): tests/test_tool_faults.py
+@pytest.mark.parametrize("value", [{"answer": 2, "source": "calc"}, [{"type": "text", "text": "2"}], 42],
+                         ids=["dict", "list", "int"])
 def test_a_tool_result_reaches_reward_functions_and_the_model_as_in_grpo(tmp_path, value):
     replies = {FIRST_TURN: [tool_call("lookup", key="a")] * 2, AFTER_TOOL: ["Done."] * 2}
     _, grpo = grpo_generation(tmp_path, [returning(value)], replies, num_generations=2)
@@ -147,13 +150,15 @@ def test_an_async_tool_runs_on_grpos_event_loop_with_grpos_message(tmp_path):
 def test_the_model_sees_a_cut_observation_and_reward_functions_the_whole_output():
     rendered = []
     loop = TurnLoop(
-        ScriptedEngine(lambda prefix: [5, 2], eos_ids=[2]),
-        parse=lambda ids, prefix: (
-            {"role": "assistant", "content": "", "tool_calls": [call("lookup", key="a")]} if len(prefix) == 1
-            else {"role": "assistant", "content": "done"}
+        TurnLoopPorts(
+            ScriptedEngine(lambda prefix: [5, 2], eos_ids=[2]),
+            parse=lambda ids, prefix: (
+                {"role": "assistant", "content": "", "tool_calls": [call("lookup", key="a")]} if len(prefix) == 1
+                else {"role": "assistant", "content": "done"}
+            ),
+            observation_ids=lambda messages: rendered.append(messages) or [9],
         ),
-        observation_ids=lambda messages: rendered.append(messages) or [9],
-        settings=SamplerSettings(max_turns=3, max_completion_length=50, max_observation_chars=10),
+        SamplerSettings(max_turns=3, max_completion_length=50, max_observation_chars=10),
     )
     branch = Branch(tree=0, prefix_ids=[1], prompt_len=1, tools={"lookup": returning("x" * 25)})
     loop.run([branch])
@@ -175,10 +180,12 @@ def test_an_observation_too_long_for_the_budget_is_counted_and_its_turn_marked(t
 
 def test_a_dropped_observation_marks_the_turn_that_called():
     loop = TurnLoop(
-        ScriptedEngine(lambda prefix: [5, 2], eos_ids=[2]),
-        parse=lambda ids, prefix: {"role": "assistant", "content": "", "tool_calls": [call("lookup", key="a")]},
-        observation_ids=lambda messages: [9] * 100,
-        settings=SamplerSettings(max_turns=3, max_completion_length=50),
+        TurnLoopPorts(
+            ScriptedEngine(lambda prefix: [5, 2], eos_ids=[2]),
+            parse=lambda ids, prefix: {"role": "assistant", "content": "", "tool_calls": [call("lookup", key="a")]},
+            observation_ids=lambda messages: [9] * 100,
+        ),
+        SamplerSettings(max_turns=3, max_completion_length=50),
     )
     branch = Branch(tree=0, prefix_ids=[1], prompt_len=1, tools={"lookup": returning("x")})
     loop.run([branch])
@@ -393,13 +400,15 @@ def test_sys_exit_in_a_tool_does_not_end_training(tmp_path):
 
 def test_a_branch_inherits_the_tool_calls_of_its_shared_prefix():
     loop = TurnLoop(
-        ScriptedEngine(lambda prefix: [5, 2], eos_ids=[2]),
-        parse=lambda ids, prefix: (
-            {"role": "assistant", "content": "", "tool_calls": [call("lookup", key="a"), call("missing")]}
-            if len(prefix) == 1 else {"role": "assistant", "content": "done"}
+        TurnLoopPorts(
+            ScriptedEngine(lambda prefix: [5, 2], eos_ids=[2]),
+            parse=lambda ids, prefix: (
+                {"role": "assistant", "content": "", "tool_calls": [call("lookup", key="a"), call("missing")]}
+                if len(prefix) == 1 else {"role": "assistant", "content": "done"}
+            ),
+            observation_ids=lambda messages: [9],
         ),
-        observation_ids=lambda messages: [9],
-        settings=SamplerSettings(max_turns=3, max_completion_length=50),
+        SamplerSettings(max_turns=3, max_completion_length=50),
     )
     branch = Branch(tree=0, prefix_ids=[1], prompt_len=1, tools={"lookup": returning(1)})
     loop.run([branch])

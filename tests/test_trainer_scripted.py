@@ -178,9 +178,12 @@ def test_stateful_environment_branches_see_the_state_at_their_anchor(tmp_path):
     trainer = TreeOPSDTrainer(model=model, reward_funcs=counter_reward, args=args,
                               train_dataset=arithmetic_dataset(1), processing_class=tok, environment_factory=CounterEnv)
     trainer.generation_engine = ScriptedEngine(script, [eos])
+    before = trainer.environments
     batch = trainer.generate_batch([trainer.train_dataset[0]])
     # every leaf (the original and three branches from turns 1..3) counted 1, 2, 3 on its own copy of the world
     assert seen[0] == [["1", "2", "3"]] * 4
+    # the leaves' environments went to the reward computation with their rows, not onto the trainer
+    assert trainer.environments is before
     # all-equal rewards: zero advantages, q = 1/2 everywhere, a finite loss
     credit = TurnCredit.from_dict(batch)
     assert torch.equal(credit.q[0, : int(credit.count[0])], torch.full((4,), 0.5))
@@ -272,7 +275,7 @@ def test_a_reward_function_that_raises_or_returns_inf_is_named_with_the_sample(t
                                r"num_initial_rollouts=8, num_branches=0"),
         ({"packing": "flat"}, "packing must be one of"),
         ({"malformed_tool_calls": "retry"}, "malformed_tool_calls must be one of"),
-        ({"max_turn_tokens": 0}, "max_turn_tokens must be a positive number"),
+        ({"max_turn_tokens": 0}, "max_turn_tokens must be a positive whole number"),
         ({"steps_per_generation": 3, "gradient_accumulation_steps": 2}, "multiple of gradient_accumulation_steps"),
     ],
 )
@@ -310,18 +313,37 @@ def test_a_budget_cut_trajectory_is_scored_and_its_truncated_turn_can_be_masked(
 
 def test_every_rank_issues_the_same_number_of_generate_calls():
     """A rank whose branches are done keeps calling the engine (with nothing) while another rank still works."""
-    from trl_tree.rollout.turn_loop import Branch, SamplerSettings, TurnLoop
+    from trl_tree.rollout.turn_loop import Branch, SamplerSettings, TurnLoop, TurnLoopPorts
     from trl_tree.testing import ScriptedEngine
 
     engine = ScriptedEngine(lambda prefix: [7, 2], eos_ids=[2])
     other_rank_rounds = iter([True, True, False])  # the other rank still works in rounds 2 and 3
-    loop = TurnLoop(engine, parse=lambda ids, prefix: {"role": "assistant", "content": "done"},
-                    observation_ids=lambda msgs: [], settings=SamplerSettings(max_turns=3, max_completion_length=10),
-                    any_active=lambda local: local or next(other_rank_rounds))
+    ports = TurnLoopPorts(engine, parse=lambda ids, prefix: {"role": "assistant", "content": "done"},
+                          observation_ids=lambda msgs: [], any_active=lambda local: local or next(other_rank_rounds))
+    loop = TurnLoop(ports, SamplerSettings(max_turns=3, max_completion_length=10))
     branch = Branch(tree=0, prefix_ids=[1], prompt_len=1)
     loop.run([branch])
     assert branch.done and len(branch.turns) == 1
     assert engine.calls == 3  # one real call, then two empty ones to match the other rank
+
+
+def test_the_turn_loop_takes_what_it_needs_of_its_owner_as_one_checked_port():
+    """The engine, action parsing, observation ids, the rank vote and the metrics come as one `TurnLoopPorts`, each
+    checked where the port is built: a loop built the old way (the engine first) or a port with a part that cannot be
+    called is refused with what to pass, not met as an AttributeError mid-rollout."""
+    from trl_tree.rollout.turn_loop import TurnLoop, TurnLoopPorts
+    from trl_tree.testing import ScriptedEngine
+
+    engine = ScriptedEngine(lambda prefix: [7, 2], eos_ids=[2])
+    settings = SamplerSettings(max_turns=1, max_completion_length=4)
+    with pytest.raises(TypeError, match=r"TurnLoop takes its owner's ports as one TurnLoopPorts\(engine=.*got "
+                                        "ScriptedEngine for the ports"):
+        TurnLoop(engine, settings)
+    with pytest.raises(TypeError, match=r"TurnLoopPorts.engine must be a generation backend with `generate.*got "
+                                        "function"):
+        TurnLoopPorts(lambda prefixes, budgets: [], parse=lambda ids, prefix: {}, observation_ids=lambda m: [])
+    with pytest.raises(TypeError, match="TurnLoopPorts.observation_ids must be callable; got list"):
+        TurnLoopPorts(engine, parse=lambda ids, prefix: {}, observation_ids=[9])
 
 
 def test_max_turn_tokens_caps_each_sampled_turn_and_the_cut_turn_ends_the_trajectory(tmp_path):
@@ -353,14 +375,14 @@ def test_max_turn_tokens_caps_each_sampled_turn_and_the_cut_turn_ends_the_trajec
 
 def test_turn_cap_counts_the_head_a_mid_turn_branch_already_has():
     """A branch resumed inside a turn (token-level branching) has part of the turn already: the cap is the turn's."""
-    from trl_tree.rollout.turn_loop import Branch, SamplerSettings, TurnLoop
+    from trl_tree.rollout.turn_loop import Branch, SamplerSettings, TurnLoop, TurnLoopPorts
     from trl_tree.testing import ScriptedEngine
     from trl_tree.tree import Turn
 
     engine = ScriptedEngine(lambda prefix: [7] * 50 + [2], eos_ids=[2])
-    loop = TurnLoop(engine, parse=lambda ids, prefix: {"role": "assistant", "content": "x"},
-                    observation_ids=lambda msgs: [],
-                    settings=SamplerSettings(max_turns=2, max_completion_length=100, max_turn_tokens=10))
+    loop = TurnLoop(TurnLoopPorts(engine, parse=lambda ids, prefix: {"role": "assistant", "content": "x"},
+                                  observation_ids=lambda msgs: []),
+                    SamplerSettings(max_turns=2, max_completion_length=100, max_turn_tokens=10))
     head = Turn([7, 7, 7], [0.0] * 3, [])
     resumed = Branch(tree=0, prefix_ids=[1, 7, 7, 7], prompt_len=1, pending=head)
     fresh = Branch(tree=0, prefix_ids=[1], prompt_len=1)

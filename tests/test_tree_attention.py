@@ -70,6 +70,33 @@ def test_every_forward_without_chains_is_sdpa_itself():
         assert torch.equal(chained.generate(ids, **kwargs), sdpa.generate(ids, **kwargs))
 
 
+def test_under_autocast_the_chain_route_returns_the_dtype_and_values_of_sdpa_with_the_dense_mask():
+    """bf16 autocast with a Qwen3-style q/k norm hands float32 queries and keys and bf16 values to attention (issue
+    59): every row, padded ones included, must come back in sdpa's dtype (bf16), as the path route's would."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from trl_tree.tree_attention import tree_sdpa_attention
+
+    subtree_end, valid = _packed_rows([branching_tree(seed=0, prompt_len=3), branching_tree(seed=1, prompt_len=11)])
+    assert int(valid.min()) < subtree_end.shape[1]  # a row with padding, whose zeros once promoted it to float32
+    gen = torch.Generator().manual_seed(0)
+    batch, length = subtree_end.shape
+    query = torch.randn(batch, 4, length, 8, generator=gen)
+    key, value = torch.randn(batch, 2, length, 8, generator=gen), torch.randn(batch, 2, length, 8, generator=gen)
+    module = SimpleNamespace(num_key_value_groups=2, training=False, is_causal=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        chained, _ = tree_sdpa_attention(module, query, key, value.bfloat16(), chain_attention_mask(batch, "cpu"),
+                                         tree_chains=tree_chains(subtree_end, valid))  # fmt: skip
+        dense_mask = dense_attention_mask(subtree_end, valid)
+        dense, _ = sdpa_attention_forward(module, query, key, value.bfloat16(), dense_mask)
+    assert chained.dtype == dense.dtype == torch.bfloat16
+    for row, n in enumerate(valid.tolist()):
+        torch.testing.assert_close(chained[row, :n], dense[row, :n], atol=2e-2, rtol=2e-2)
+        assert not chained[row, n:].any()
+
+
 def test_gradient_checkpointing_recomputes_the_chains():
     """Train mode with gradient checkpointing: the recomputed layers see the same chains (same log-probs and
     gradients as without checkpointing)."""

@@ -426,9 +426,10 @@ def test_every_generation_batch_gets_a_page_in_the_readmes_python_example_settin
     assert "generation batch 1" in index and "generation batch 2" in index
 
 
-def test_the_pages_skeleton_stylesheet_and_script_are_package_data_inlined_into_every_page():
-    """An installed wheel must carry the page's assets: each file of trl_tree/tree_view/assets/ matches a
-    package-data pattern of pyproject.toml, and a page inlines them (one self-contained file)."""
+def test_the_pages_templates_stylesheet_and_script_are_package_data_inlined_into_every_page():
+    """An installed wheel must carry the page's assets: each file under trl_tree/tree_view/assets/ (the stylesheet,
+    the script, the templates) matches a package-data pattern of pyproject.toml, and a page inlines the stylesheet
+    and the script (one self-contained file)."""
     import fnmatch
     import re
     from pathlib import Path
@@ -436,8 +437,10 @@ def test_the_pages_skeleton_stylesheet_and_script_are_package_data_inlined_into_
     root = Path(tv.__file__).resolve().parents[2]
     block = re.search(r"^trl_tree = \[(.*)\]", (root / "pyproject.toml").read_text(), flags=re.M)
     patterns = re.findall(r'"([^"]+)"', block.group(1))
-    assets = sorted(p.relative_to(root / "trl_tree").as_posix() for p in (root / "trl_tree/tree_view/assets").iterdir())
-    assert assets == ["tree_view/assets/page.html", "tree_view/assets/view.css", "tree_view/assets/view.js"]
+    folder = root / "trl_tree/tree_view/assets"
+    assets = sorted(p.relative_to(root / "trl_tree").as_posix() for p in folder.rglob("*") if p.is_file())
+    assert {"tree_view/assets/view.css", "tree_view/assets/view.js", "tree_view/assets/templates/document.html",
+            "tree_view/assets/templates/tree.html", "tree_view/assets/templates/index.html"} <= set(assets)
     assert all(any(fnmatch.fnmatch(a, pattern) for pattern in patterns) for a in assets)
     page = tv.render_page(tv.page_data([], step=1, method="m"))
     assert tv.STYLE in page and tv.SCRIPT in page and page.startswith("<!DOCTYPE html>")

@@ -236,6 +236,18 @@ def test_the_trainer_records_the_question_and_gold_answer_of_the_dataset_row(tmp
     assert record["question"] == "What is 1+1?" and record["gold"] == "2" and record["gold_column"] == "answer"
 
 
+def test_the_trainer_page_says_what_its_credit_is_and_that_it_applied_no_penalty(tmp_path):
+    """Issue 59: the page's hover text for the credit and whether a turn's Q is shown come from the credit's
+    registered entry (`methods.Credit`), not from a list of method names in the page."""
+    from trl_tree import methods
+
+    _trainer(tmp_path).train()
+    data = json.loads((tmp_path / "tree_view" / "step_000001.json").read_text())
+    credit = methods.CREDITS[data["credit"]]
+    assert data["credit_summary"] == credit.summary and data["penalties"] is False is credit.applies_penalties
+    assert [name for name, c in methods.CREDITS.items() if c.applies_penalties] == ["search"]  # TreeFlex F2 only
+
+
 def test_a_page_saved_before_questions_were_recorded_shows_the_question_without_the_shared_instruction():
     records = _hotpot_records()
     for record in records:  # as an older run saved them: the prompt text only
@@ -258,8 +270,8 @@ def test_leaves_are_coloured_by_reward_and_marked_rewarded_or_failed():
     record = tv.tree_record(tree, {"A": torch.zeros(tree.num_turns)}, _decode(texts), "q")
     dom = _Dom(tv.render_page(tv.page_data([record], step=1, method="m")))
     leaves = {int(el["attrs"]["data-node"]): el for el in dom.find("div", cls="leaf")}
-    hue = {i: int(re.search(r"--rh:(\d+)", el["attrs"]["style"]).group(1)) for i, el in leaves.items()}
-    assert hue == {1: 120, 2: 0, 3: 30}  # a [0, 1] reward on its absolute scale: 0 red, 1 green
+    level = {i: int(re.search(r"--rl:(\d+)", el["attrs"]["style"]).group(1)) for i, el in leaves.items()}
+    assert level == {1: 100, 2: 0, 3: 25}  # a [0, 1] reward on its absolute scale: 0 its low end, 1 its high end
     # rewarded: a positive reward at least the tree's mean (0.4167); failed: the others
     assert {i: el["attrs"]["data-outcome"] for i, el in leaves.items()} == {1: "rewarded", 2: "failed", 3: "failed"}
     assert all("data-outcome" not in el["attrs"] for el in dom.find("div", cls="node") if el not in leaves.values())
@@ -502,3 +514,60 @@ def test_a_tampered_index_json_is_escaped_or_rebuilt(tmp_path):
     assert not any("onclick" in (a["attrs"].get("href") or "") for a in dom.find("a"))  # not a page name: no link
     (folder / "index.json").write_text('{"format": "something else"}')  # damaged: rebuilt from the saved pages
     assert [e["name"] for e in tv.index_entries(folder)] == ["step_000001"]
+
+
+# ------------------------------------------------------------------------------------------------ issue 59
+
+
+def _hsl_hue(rgb: str) -> float:
+    import colorsys
+
+    r, g, b = (int(v) / 255 for v in rgb.split(","))
+    return colorsys.rgb_to_hls(r, g, b)[0] * 360
+
+
+def test_rewards_have_a_colour_scale_of_their_own_apart_from_the_credit_signs():
+    """Issue 59: red meant both "V < 0" and "reward 0", so a tree whose leaves all scored 0 read as negative credit.
+    Every rule of the stylesheet that colours by the reward level (`--rl`) uses the reward hue, and that hue is far
+    from each credit sign's (green, red; grey has none)."""
+    style = tv.page.STYLE
+    rules = [rule for rule in style.split("}") if re.search(r"var\(--rl[,)]", rule)]
+    assert rules and not re.search(r"--rh[:,)]", style)  # the old red-to-green reward hue is gone
+    assert all(re.findall(r"hsl\(([^ ]+) ", rule) and set(re.findall(r"hsl\(([^ ]+) ", rule)) == {"var(--rhue)"}
+               for rule in rules)
+    reward_hue = float(re.search(r"--rhue:(\d+)", style).group(1))
+    for sign in ("pos", "neg"):
+        hue = _hsl_hue(re.search(rf"\.{sign}\{{--sign:rgb\(([\d,]+)\)", style).group(1))
+        assert min(abs(hue - reward_hue), 360 - abs(hue - reward_hue)) > 60, sign
+    scale = re.search(r"\.scale\{[^}]*\}", style).group(0)
+    assert "var(--rlow)" in scale and "var(--rhigh)" in scale and "hsl(0 " not in scale
+
+
+def test_tau_leaf_advantages_and_the_credit_are_explained_on_hover():
+    """Issue 59: τ, A_k and "credit likelihood" had no explanation on the page."""
+    texts = ["root", "good", "bad"]
+    tree = _chain_tree(texts, [1.0, 0.0], [[0, 1], [0, 2]])
+    credit = {"A": torch.zeros(tree.num_turns), "q": torch.full((tree.num_turns,), 0.5), "tau": torch.tensor(2.5)}
+    record = tv.tree_record(tree, credit, _decode(texts), "q", leaf_advantages=[0.7, -0.7])
+    html = tv.render_page(tv.page_data([record], step=1, method="m", credit="likelihood",
+                                       credit_summary="softmax over the children's behaviour log-likelihoods"))
+    dom = _Dom(html)
+    (tau,) = [el for el in dom.find("abbr") if _Dom.text(el).startswith("τ = 2.500")]
+    assert "(K − 1)/(ρ√K)" in tau["attrs"]["title"] and "q = ½ + V/τ" in tau["attrs"]["title"]
+    advantages = [el for el in dom.find(cls="adv")]
+    assert advantages and all("standardised over its tree's K leaves" in el["attrs"]["title"] for el in advantages)
+    (code,) = [el for el in dom.find("code") if _Dom.text(el) == "likelihood"]
+    assert code["attrs"]["title"] == "softmax over the children's behaviour log-likelihoods"
+
+
+@pytest.mark.parametrize("penalties, shown", [(False, False), (True, True), (None, False)])
+def test_a_turns_penalty_badge_is_shown_only_where_the_credit_applied_it(penalties, shown):
+    """Issue 59: a TreeOPSD page showed TreeFlex's "Q −1.00" badge on a failed call, a penalty TreeOPSD never
+    applies. The page data says whether the credit applied penalties; a tree page saved without it shows none."""
+    texts = ["call", "answer"]
+    tree = _chain_tree(texts, [1.0, 0.0], [[0], [1]])
+    record = tv.tree_record(tree, {"A": torch.zeros(tree.num_turns)}, _decode(texts), "q")
+    record["nodes"][0]["penalty"] = -1.0
+    dom = _Dom(tv.render_page(tv.page_data([record], step=1, method="m", penalties=penalties)))
+    badges = [_Dom.text(el) for el in dom.find("span", cls="penalty")]
+    assert badges == (["Q -1.00"] if shown else [])

@@ -162,7 +162,8 @@ def test_without_branching_treeadv_equals_flat_grpo(tmp_path):
         noise = 0.05 * torch.randn(batch["old_logps"].shape, generator=torch.Generator().manual_seed(0))
         for old in (batch["old_logps"], batch["old_logps"] + noise):
             trainer.model.zero_grad()
-            loss = trainer.compute_loss(trainer.model, {**batch, "old_logps": old})
+            # a fresh batch at another π_old: the behaviour policy that sampled it moves with it (μ = π_old)
+            loss = trainer.compute_loss(trainer.model, {**batch, "old_logps": old, "behaviour_logps": old})
             loss.backward()
             out["loss"].append(loss.item())
             out["grads"].append(_grads(trainer.model))
@@ -195,6 +196,7 @@ def test_gspo_token_loss_in_the_trainer_equals_gspo_token_over_each_trees_sequen
     batch = trainer.generate_batch([trainer.train_dataset[0], trainer.train_dataset[1]])
     noise = 0.05 * torch.randn(batch["old_logps"].shape, generator=torch.Generator().manual_seed(1))
     batch["old_logps"] = batch["old_logps"] + noise
+    batch["behaviour_logps"] = batch["old_logps"]  # still a fresh batch: μ = π_old
     from trl_tree.packing import PackedTrees, packed_token_logps
 
     with torch.no_grad():

@@ -70,6 +70,7 @@ import importlib.resources
 import os
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -235,10 +236,29 @@ def launch(command: str, all_args: list[str]) -> int:
     script = str(importlib.resources.files("trl_tree.scripts").joinpath(TRAINING_SCRIPT))
     launch_namespace = launch_command_parser().parse_args([*launch_args, script, command, *script_args])
     if launch_namespace.training_script != script:  # a stray word before the script would be launched instead
-        _fail(command, f"unexpected argument {launch_namespace.training_script!r}: every option is --name [VALUE] "
-              f"(`trl-tree {command} --help` lists them).")
-    launch_command(launch_namespace)
+        _fail(
+            command,
+            f"unexpected argument {launch_namespace.training_script!r}: every option is --name [VALUE] "
+            f"(`trl-tree {command} --help` lists them).",
+        )
+    try:
+        launch_command(launch_namespace)
+    except subprocess.CalledProcessError as error:  # one process: the child's own error is the last output above
+        return _launched_process_failed(command, error.returncode)
+    except Exception as error:  # several processes: torch's ChildFailedError, after each rank's own error
+        if type(error).__name__ != "ChildFailedError":
+            raise
+        codes = sorted({failure.exitcode for failure in getattr(error, "failures", {}).values()}) or [1]
+        return _launched_process_failed(command, codes[0])
     return 0
+
+
+def _launched_process_failed(command: str, returncode: int) -> int:
+    """The launched training process failed and has printed its own error: one line after it, not accelerate's
+    traceback of the launcher (a wall of 40+ lines that buried the child's last lines, issue 59)."""
+    print(f"trl-tree {command}: the training process exited with code {returncode}; its error is the output just "
+          "above (from the launched script, not from accelerate).", file=sys.stderr)  # fmt: skip
+    return returncode
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -252,28 +272,54 @@ def launch(command: str, all_args: list[str]) -> int:
 # tree trainers refuse unless left at GRPO's default (`beta`, `loss_type`, ...: `TreeTrainerConfig.unused_grpo_options`)
 # are not here, and `--help-all` marks them so.
 DATA_OPTIONS = {
-    "model_name_or_path": "The policy to train: a Hub id or a local folder.",
+    "model_name_or_path": "The policy to train: a Hub id, a local folder, or `tiny` (a 2-layer Qwen3 built "
+    "locally, trl_tree.testing.tiny_model_path(): try a command offline).",
     "dataset_name": "A Hub id, a local folder, or a .json / .jsonl / .csv / .parquet file.",
     "dataset_config": "The dataset's configuration (subset) name.",
-    "reward_funcs": None, "reward_model_name_or_path": None, "tools": None, "environment_factory": None,
+    "reward_funcs": None,
+    "reward_model_name_or_path": None,
+    "tools": None,
+    "environment_factory": None,
     "use_peft": None,
 }
 DATA_TITLE = "model, data, rewards and tools"
 TRAINING_OPTIONS = {
-    "output_dir": None, "learning_rate": None, "max_steps": "Optimizer steps to train (overrides num_train_epochs).",
-    "per_device_train_batch_size": None, "num_generations": None, "steps_per_generation": None,
-    "gradient_accumulation_steps": None, "temperature": None, "bf16": None,
-    "gradient_checkpointing": None, "use_vllm": None, "logging_steps": None, "report_to": None,
+    "output_dir": None,
+    "learning_rate": None,
+    "max_steps": "Optimizer steps to train (overrides num_train_epochs).",
+    "per_device_train_batch_size": None,
+    "num_generations": None,
+    "steps_per_generation": None,
+    "gradient_accumulation_steps": None,
+    "temperature": None,
+    "bf16": None,
+    "gradient_checkpointing": None,
+    "use_vllm": None,
+    "use_cpu": "Train on the CPU even where a GPU is available (the default on a machine without one).",
+    "logging_steps": None,
+    "report_to": None,
     "log_completions": "Log sampled completions, and save the rollout-tree pages (trl-tree view).",
-    "save_strategy": None, "seed": None, "push_to_hub": None,
+    "save_strategy": None,
+    "seed": None,
+    "push_to_hub": None,
 }
 EXAMPLE_OPTIONS = {
-    "offline_defaults": None, "retriever": None, "corpus_path": None, "num_train": None, "num_eval": None,
-    "warm_start_steps": None, "f1_threshold": None,
+    "offline_defaults": None,
+    "retriever": None,
+    "corpus_path": None,
+    "num_train": None,
+    "num_eval": None,
+    "warm_start_steps": None,
+    "f1_threshold": None,
 }
 _METAVARS = {
-    "reward_funcs": "NAME_OR_PATH", "tools": "PATH", "environment_factory": "PATH", "dataset_name": "DATA",
-    "model_name_or_path": "MODEL", "reward_model_name_or_path": "MODEL", "output_dir": "DIR",
+    "reward_funcs": "NAME_OR_PATH",
+    "tools": "PATH",
+    "environment_factory": "PATH",
+    "dataset_name": "DATA",
+    "model_name_or_path": "MODEL",
+    "reward_model_name_or_path": "MODEL",
+    "output_dir": "DIR",
 }
 _KINDS = {"int": "INT", "float": "FLOAT", "str": "STR", "string_to_bool": "BOOL"}  # type names (TRL's parser wraps
 # `T | None` fields' converters, keeping their __name__)
@@ -285,10 +331,15 @@ def help_groups(command: str, example: bool) -> list[tuple[str, dict[str, str | 
     output directory, learning rate, batch sizes, ...), then the method's sampler, credit and loss, each with the
     fields it reads (`trl_tree.methods`), and, in the HotpotQA example's form (`example`), the example's options."""
     method = methods.METHODS[command]
-    components = [("tree sampler", "sampler", methods.SAMPLERS[method.sampler]),
-                  ("credit", "credit", methods.CREDITS[method.credit]), ("loss", "loss", methods.LOSSES[method.loss])]
+    components = [
+        ("tree sampler", "sampler", methods.SAMPLERS[method.sampler]),
+        ("credit", "credit", methods.CREDITS[method.credit]),
+        ("loss", "loss", methods.LOSSES[method.loss]),
+    ]
     groups = [(DATA_TITLE, DATA_OPTIONS), ("common training", TRAINING_OPTIONS)]
-    groups += [(f"{title} ({entry.name})", dict.fromkeys([field, *entry.fields])) for title, field, entry in components]
+    groups += [
+        (f"{title} ({entry.name})", dict.fromkeys([field, *entry.fields])) for title, field, entry in components
+    ]
     if example:
         groups.append(("the HotpotQA example (without a reward, tools or environment)", EXAMPLE_OPTIONS))
     seen: set[str] = set()
@@ -318,16 +369,27 @@ def _short_action(action: argparse.Action, help_line: str | None) -> argparse.Ac
 
 def _note(options: list[str], help_text: str, metavar: str | None = None) -> argparse.Action:
     """A line of help for what no dataclass field declares (`--config`, the launcher's options, `--help-all`)."""
-    return argparse.Action(options, dest=argparse.SUPPRESS, metavar=metavar, default=argparse.SUPPRESS,
-                           help=help_text, nargs=0 if metavar is None else None)
+    return argparse.Action(
+        options,
+        dest=argparse.SUPPRESS,
+        metavar=metavar,
+        default=argparse.SUPPRESS,
+        help=help_text,
+        nargs=0 if metavar is None else None,
+    )
 
 
 def _launch_notes(command: str) -> list[argparse.Action]:
     return [
-        _note(["--accelerate_config"], "An accelerate config shipped with trl-tree "
-              f"({', '.join(shipped_accelerate_config_names())}), or a file.", "NAME_OR_PATH"),
-        _note(["--num_processes", "--mixed_precision", "..."], "Any option of `accelerate launch` goes to the "
-              "launcher (accelerate launch --help)."),
+        _note(
+            ["--accelerate_config"],
+            f"An accelerate config shipped with trl-tree ({', '.join(shipped_accelerate_config_names())}), or a file.",
+            "NAME_OR_PATH",
+        ),
+        _note(
+            ["--num_processes", "--mixed_precision", "..."],
+            "Any option of `accelerate launch` goes to the launcher (accelerate launch --help).",
+        ),
         _note(["-h", "--help"], "These options."),
         _note(["--help-all"], f"Every option of `trl-tree {command}`."),
     ]
@@ -360,8 +422,11 @@ def help_text(command: str, argv: list[str], *, full: bool = False) -> str:
     if full:
         _mark_refused_options([*own, *extra])
         formatter = parser._get_formatter()
-        title = ("training your own data (with --reward_funcs, --tools or --environment_factory)" if example else
-                 "the HotpotQA example (without a reward, tools or environment)")
+        title = (
+            "training your own data (with --reward_funcs, --tools or --environment_factory)"
+            if example
+            else "the HotpotQA example (without a reward, tools or environment)"
+        )
         if extra:
             formatter.start_section(f"options of {title}")
             formatter.add_arguments(extra)
@@ -386,9 +451,12 @@ def help_text(command: str, argv: list[str], *, full: bool = False) -> str:
         "It trains your data with the rewards, tools or environment you name: --model_name_or_path MODEL "
         "--dataset_name DATA --reward_funcs accuracy_reward [--tools my_pkg.tools.search | --environment_factory "
         "my_pkg.env.Env]. "
-        + (f"It has no HotpotQA example form: {unfit}." if unfit else
-           "Without any of them it is the HotpotQA example (no dataset, or hotpotqa/hotpot_qa): "
-           f"`trl-tree {command}` alone runs it offline on a CPU.")
+        + (
+            f"It has no HotpotQA example form: {unfit}."
+            if unfit
+            else "Without any of them it is the HotpotQA example (no dataset, or hotpotqa/hotpot_qa): "
+            f"`trl-tree {command}` alone runs it offline on a CPU."
+        )
     )
     for title, names in help_groups(command, example):
         formatter.start_section(title)
@@ -412,7 +480,7 @@ def _mark_refused_options(actions: list[argparse.Action]) -> None:
     for action in actions:
         advice = _REJECTED_ADVICE.get(action.dest)
         if advice is not None:
-            action.help = (f"[refused by trl-tree unless left at GRPO's default: {advice}] " + (action.help or ""))
+            action.help = f"[refused by trl-tree unless left at GRPO's default: {advice}] " + (action.help or "")
 
 
 # Building the help imports the method's config class, and with it transformers' TrainingArguments and peft: most of

@@ -123,8 +123,8 @@ class FlexUnits:
     """TreeFlex's unit for the pipeline (`trl_tree.pipeline.RolloutUnit`): per task, the harness's K complete
     searches (the leaves, scored like a tree's) laid out as one `FlexGroup`, packed one row per block.
 
-    π_old is not written back: the search credit reads only the terminal scores and the turns' penalties, and
-    truncated turns are already masked by `FlexGroup.build` / `pack_groups`.
+    The behaviour log-probs are not written back: the search credit reads only the terminal scores and the turns'
+    penalties, and truncated turns are already masked by `FlexGroup.build` / `pack_groups`.
     """
 
     def __init__(self, harness: FlexHarness, kit: FlexKit, pad_id: int, mask_truncated: bool, process_penalty):
@@ -149,10 +149,10 @@ class FlexUnits:
             groups.append(FlexGroup.build(searches, r, roles, extra, self.mask_truncated))
         return groups
 
-    def pack(self, groups: list[FlexGroup]) -> PackedTrees:
-        return pack_groups(groups, self.pad_id)
+    def pack(self, groups: list[FlexGroup]) -> tuple[PackedTrees, dict[str, float]]:
+        return pack_groups(groups, self.pad_id), {}  # one layout: nothing to measure
 
-    def record_behaviour(self, packed: PackedTrees, old_logps: Tensor, groups: list[FlexGroup]) -> None:
+    def record_behaviour(self, packed: PackedTrees, behaviour_logps: Tensor, groups: list[FlexGroup]) -> None:
         return None
 
 

@@ -6,6 +6,11 @@ Conventions shared by every function:
                                    (prompt, observations, padding, masked turns)
     per-turn tensors   [n_turns]   indexed by those turn ids
     tree_ids           [n_turns]   which tree each turn belongs to; the batch loss is the mean over trees.
+    importance_weights             the decoupled form's truncated weights min(π_old/μ, C) for a tree sampled by an
+                                   older behaviour policy μ (detached; per token, or per turn for the losses with one
+                                   ratio per turn): `truncated_importance_weights`, `turn_importance_weights`. None
+                                   (the default) is a fresh sample, μ = π_old, every weight 1 (docs/design.md §3,
+                                   "Stale samples").
 """
 
 from __future__ import annotations
@@ -40,6 +45,27 @@ def turn_mean_log_ratio(logps: Tensor, old_logps: Tensor, turn_ids: Tensor, num_
     return turn_sum(logps - old_logps.detach(), turn_ids, num_turns) / counts.clamp(min=1)
 
 
+def truncated_importance_weights(old_logps: Tensor, behaviour_logps: Tensor, cap: float) -> Tensor:
+    """Stale samples, per token: w_t = min(π_old(a_t) / μ(a_t), C), detached (decoupled PPO's correction; verl's
+    `rollout_is_weights`, TRL's `token_truncate`).
+
+    μ is the behaviour policy that sampled the token, π_old the policy at the start of the batch's optimizer blocks;
+    for a fresh sample μ = π_old and every w_t is exactly 1 (C ≥ 1), so a weighted loss equals the unweighted one.
+    """
+    return (old_logps.detach() - behaviour_logps.detach()).exp().clamp(max=cap)
+
+
+def turn_importance_weights(
+    old_logps: Tensor, behaviour_logps: Tensor, turn_ids: Tensor, num_turns: int, cap: float
+) -> Tensor:
+    """Stale samples, per turn: w_i = min(exp((1/L_i) Σ_j log(π_old(a_ij) / μ(a_ij))), C), detached.
+
+    The turn's geometric-mean weight, for the losses that take one ratio per turn (ATPO A5, TreeOPSD's decoupled
+    form): the same per-token mean that makes their ratio r_i, so a turn's weight does not compound with its length.
+    """
+    return turn_mean_log_ratio(old_logps.detach(), behaviour_logps, turn_ids, num_turns).exp().clamp(max=cap)
+
+
 def _per_tree(tree_ids: Tensor, num_trees: int | None) -> int:
     return int(tree_ids.max()) + 1 if num_trees is None else num_trees
 
@@ -67,6 +93,7 @@ def treeopsd_loss(
     tree_ids: Tensor,
     num_trees: int | None = None,
     keep: Tensor | None = None,
+    importance_weights: Tensor | None = None,
 ) -> Tensor:
     """T5: TreeOPSD's turn-level Bernoulli forward-KL to the frozen teacher, mean over trees.
 
@@ -79,6 +106,9 @@ def treeopsd_loss(
         tau: τ per tree ([n_trees]) or one float for every tree.
         keep: optional [n_turns] bool: only these turns' KL terms enter the sum (the others get no gradient); L_x
             still counts every turn, so a kept turn's gradient is the one above. None: every turn (T5 as written).
+        importance_weights: optional [n_turns] w_i multiplying each turn's KL term: the decoupled form
+            (`old_logps` = π_old, w_i = `turn_importance_weights`), an ablation. TreeOPSD as its paper defines it
+            passes the behaviour policy μ as `old_logps` and no weights (docs/design.md §3, "Stale samples").
     """
     num_turns = q.numel()
     n_trees = _per_tree(tree_ids, num_trees)
@@ -87,6 +117,8 @@ def treeopsd_loss(
     kl = bernoulli_kl_from_logit(q.detach(), s)
     if keep is not None:
         kl = torch.where(keep.to(kl.device), kl, torch.zeros_like(kl))
+    if importance_weights is not None:
+        kl = kl * importance_weights.detach().to(kl)
     tree_tokens = torch.zeros(n_trees, dtype=s.dtype, device=s.device).index_add(0, tree_ids, lengths)
     tree_kl = torch.zeros(n_trees, dtype=s.dtype, device=s.device).index_add(0, tree_ids, lengths * kl)
     tau = torch.as_tensor(tau, dtype=s.dtype, device=s.device).expand(n_trees)
@@ -100,16 +132,21 @@ def treepo_loss(
     V: Tensor,
     tree_ids: Tensor,
     num_trees: int | None = None,
+    importance_weights: Tensor | None = None,
 ) -> Tensor:
     """T7: TreePO's fixed-credit surrogate, mean over trees.
 
-        L_x = −(1/L_x) Σ_{i ∈ x} V_i Σ_j (log π_θ(a_ij) − log π_old(a_ij)).
+        L_x = −(1/L_x) Σ_{i ∈ x} V_i Σ_j w_ij (log π_θ(a_ij) − log π_old(a_ij)),   w_ij = 1 for a fresh tree.
 
-    Its gradient is −V_i/L_x per token in every block: equal to TreeOPSD's at θ = θ_old, but it never stops.
+    Its gradient is −V_i/L_x per token in every block: equal to TreeOPSD's at θ = θ_old, but it never stops. A
+    stale tree's tokens carry `importance_weights` w_ij = min(π_old/μ, C) per token (the decoupled form).
     """
     num_turns = V.numel()
     n_trees = _per_tree(tree_ids, num_trees)
-    ratio_sum = turn_sum(logps - old_logps.detach(), turn_ids, num_turns)
+    log_ratio = logps - old_logps.detach()
+    if importance_weights is not None:
+        log_ratio = log_ratio * importance_weights.detach().to(log_ratio)
+    ratio_sum = turn_sum(log_ratio, turn_ids, num_turns)
     lengths = turn_token_counts(turn_ids, num_turns).to(ratio_sum.dtype)
     tree_tokens = torch.zeros(n_trees, dtype=ratio_sum.dtype, device=ratio_sum.device).index_add(0, tree_ids, lengths)
     per_tree = torch.zeros(n_trees, dtype=ratio_sum.dtype, device=ratio_sum.device).index_add(
@@ -132,6 +169,7 @@ def zero_credit_anchor(
     tau: Tensor | float,
     tree_ids: Tensor,
     num_trees: int | None = None,
+    importance_weights: Tensor | None = None,
 ) -> Tensor:
     """The part of T5 that TreeOPSD's zero-credit turns contribute, on its own: a q = 1/2 anchor, mean over trees.
 
@@ -140,10 +178,11 @@ def zero_credit_anchor(
     Per-token gradient ∂A_x/∂log π_θ(a_ij) = (τ/L_x)(p_i − 1/2) on those turns (0 elsewhere): descent moves each
     by τ(1/2 − p_i)/L_x, back toward s_i = 0. TreePO's loss plus this anchor is TreePO with TreeOPSD's pull on
     zero-credit turns; TreeOPSD's loss with `keep = V ≠ 0` is TreeOPSD without it (an ablation of T5's two parts).
+    `importance_weights`: per turn, as `treeopsd_loss` takes them.
     """
     half = torch.full_like(V, 0.5, dtype=torch.float64)
     return treeopsd_loss(logps, old_logps, turn_ids, half, tau, tree_ids, num_trees=num_trees,
-                         keep=zero_credit_turns(V))
+                         keep=zero_credit_turns(V), importance_weights=importance_weights)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -210,6 +249,7 @@ def atpo_loss(
     epsilon_low: float = 0.2,
     epsilon_high: float = 0.2,
     num_trees: int | None = None,
+    importance_weights: Tensor | None = None,
 ) -> Tensor:
     """AT2PO A5: Agentic Turn-based Policy Optimization, one importance ratio and one clip per turn.
 
@@ -226,10 +266,14 @@ def atpo_loss(
     Args:
         advantages: A_i per unique turn (detached here).
         turn_weights: w_i per unique turn, the weight of each of its tokens in its tree (sum_i w_i L_i = 1 per tree).
+        importance_weights: a stale tree's per-turn weights (`turn_importance_weights`, the geometric mean of
+            π_old/μ over the turn, like r_i), multiplying each turn's term; None: a fresh tree.
     """
     num_turns = _num_weighted_turns(advantages, turn_weights)
     r = turn_mean_log_ratio(logps, old_logps, turn_ids, num_turns).exp()
     term = clipped_surrogate(r, advantages.detach().to(r), epsilon_low, epsilon_high)
+    if importance_weights is not None:
+        term = term * importance_weights.detach().to(term)
     lengths = turn_token_counts(turn_ids, num_turns).to(r)
     return -_weighted_tree_mean(turn_weights.to(r) * lengths * term, tree_ids, num_trees)
 
@@ -250,6 +294,7 @@ def clipped_token_loss(
     epsilon_low: float = 0.2,
     epsilon_high: float = 0.2,
     num_trees: int | None = None,
+    importance_weights: Tensor | None = None,
 ) -> Tensor:
     """GRPO's token-level clipped surrogate with per-turn (TreeAdv: per-segment, D3) advantages.
 
@@ -258,13 +303,16 @@ def clipped_token_loss(
 
     With `credit.path_token_weights` this equals GRPO's seq-mean-token-mean over the tree's K flat trajectories, each
     token taking its segment's advantage (TreeAdv D3–D4, GRPO variant); with per-turn values as advantages it is the
-    "GRPO loss" arm of AT2PO's ablation against `atpo_loss`.
+    "GRPO loss" arm of AT2PO's ablation against `atpo_loss`. A stale tree's tokens carry `importance_weights`
+    [n_tokens] (`truncated_importance_weights`), ℓ_t → w_t ℓ_t: decoupled PPO.
     """
     num_turns = _num_weighted_turns(advantages, turn_weights)
     mask = _trained(turn_ids)
     ids = turn_ids[mask]
     ratio = (logps[mask] - old_logps[mask].detach()).exp()
     term = clipped_surrogate(ratio, advantages.detach().to(ratio)[ids], epsilon_low, epsilon_high)
+    if importance_weights is not None:
+        term = term * importance_weights[mask].detach().to(term)
     per_turn = ratio.new_zeros(num_turns).index_add(0, ids, turn_weights.to(ratio)[ids] * term)
     return -_weighted_tree_mean(per_turn, tree_ids, num_trees)
 
@@ -290,6 +338,7 @@ def gspo_token_loss(
     epsilon_low: float = 3e-4,
     epsilon_high: float = 4e-4,
     num_trees: int | None = None,
+    importance_weights: Tensor | None = None,
 ) -> Tensor:
     """TreeAdv D4: GSPO-token (GSPO paper §4.3) over the K root-to-leaf sequences a tree encodes.
 
@@ -304,21 +353,26 @@ def gspo_token_loss(
 
     Args:
         advantages: A per unique turn (segment); pair_paths, pair_turns, path_trees: `credit.path_turn_pairs(trees)`.
+        importance_weights: a stale tree's per-token weights w_t (`truncated_importance_weights`): each token's
+            term is w_t·min(·) (the sequence ratio s_k stays against π_old); None: a fresh tree, every w_t = 1.
     """
     num_turns, num_paths = advantages.numel(), path_trees.numel()
     pair_paths, pair_turns, path_trees = (x.to(logps.device) for x in (pair_paths, pair_turns, path_trees))
-    lengths = turn_token_counts(turn_ids, num_turns).to(logps.dtype)
     s_path, path_len = _path_ratios(logps, old_logps, turn_ids, num_turns, pair_paths, pair_turns, num_paths)
-    # π_θ/sg[π_θ] is 1 in value; its turn mean carries d/dlog π_θ(y_t) = 1/L_i, so L_i·min(·) sums the turn's tokens.
+    w = torch.ones_like(logps) if importance_weights is None else importance_weights.detach().to(logps)
+    # Σ_{t ∈ i} w_t min(s_{k,t} A_i, clip(s_{k,t}) A_i) with s_{k,t} = s_k in value: the turn's weight W_i = Σ_t w_t
+    # times min(·) of s_k · (Σ_t w_t π_θ/sg[π_θ]) / W_i, whose value is s_k and whose d/dlog π_θ(y_t) is s_k w_t / W_i.
+    # With every w_t = 1, W_i = L_i: the turn's tokens summed.
+    mass = turn_sum(w, turn_ids, num_turns)
     unit = (logps - logps.detach()).exp()
-    unit_turn = turn_sum(unit, turn_ids, num_turns) / lengths.clamp(min=1)
+    unit_turn = turn_sum(unit * w, turn_ids, num_turns) / torch.where(mass > 0, mass, torch.ones_like(mass))
     s_pair = s_path[pair_paths] * unit_turn[pair_turns]
-    term = lengths[pair_turns] * clipped_surrogate(
+    term = mass[pair_turns] * clipped_surrogate(
         s_pair, advantages.detach().to(logps)[pair_turns], epsilon_low, epsilon_high
     )
     per_path = logps.new_zeros(num_paths).index_add(0, pair_paths, term) / path_len.clamp(min=1)
     n_trees = _per_tree(path_trees, num_trees)
-    paths_per_tree = lengths.new_zeros(n_trees).index_add(0, path_trees, torch.ones_like(per_path))
+    paths_per_tree = mass.new_zeros(n_trees).index_add(0, path_trees, torch.ones_like(per_path))
     per_tree = logps.new_zeros(n_trees).index_add(0, path_trees, per_path) / paths_per_tree.clamp(min=1)
     return -per_tree.mean()
 
@@ -437,6 +491,7 @@ def dual_clip_loss(
     c: float = 3.0,
     *,
     epsilon_high: float | None = None,
+    importance_weights: Tensor | None = None,
 ) -> Tensor:
     """TreeFlex F3: per-token PPO clip loss with the dual clip for negative advantages (Ye et al. 2020), c = 3.
 
@@ -450,6 +505,8 @@ def dual_clip_loss(
     Args:
         advantages: A per token (e.g. `process_advantages` gathered by each token's turn).
         epsilon_high: upper clip (default ε).
+        importance_weights: a stale search's per-token weights w_t (`truncated_importance_weights`): l_t → w_t l_t,
+            the dual clip's cap still on r_t against π_old; None: a fresh search.
     """
     if c <= 1.0:
         raise ValueError(f"The dual-clip constant c must exceed 1, got c = {c}.")
@@ -457,7 +514,8 @@ def dual_clip_loss(
     ratio = (logps - old_logps.detach()).exp()
     A = advantages.detach().to(ratio)
     clipped = -clipped_surrogate(ratio, A, epsilon, eps_high)
-    return torch.where(A < 0, torch.minimum(clipped, -c * A), clipped)
+    per_token = torch.where(A < 0, torch.minimum(clipped, -c * A), clipped)
+    return per_token if importance_weights is None else per_token * importance_weights.detach().to(per_token)
 
 
 AGGREGATION_MODES = ("token", "block", "rollout", "role")

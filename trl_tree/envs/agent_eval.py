@@ -23,7 +23,7 @@ import torch
 from trl_tree.rewards import exact_match_score, extract_answer, f1_score, is_well_formed
 from trl_tree.rollout.engine import Continuation, _cut_at_eos, rollout_session
 from trl_tree.rollout.prefix_cache import PrefixKVStore, left_padded, supports_reuse
-from trl_tree.rollout.turn_loop import Branch, SamplerSettings, TurnLoop
+from trl_tree.rollout.turn_loop import Branch, SamplerSettings, TurnLoop, TurnLoopPorts
 
 
 class AgentTemplate:
@@ -217,12 +217,14 @@ def run_agent(
     """
     template = AgentTemplate(tokenizer, tools, settings.chat_template_kwargs, settings.observation_special_tokens)
     loop = TurnLoop(
-        engine=engine if engine is not None else GreedyEngine(
-            model, template.tokenizer, settings.batch_size, settings.reuse_prefixes
+        TurnLoopPorts(
+            engine=engine if engine is not None else GreedyEngine(
+                model, template.tokenizer, settings.batch_size, settings.reuse_prefixes
+            ),
+            parse=template.parse,
+            observation_ids=template.observation_ids,
         ),
-        parse=template.parse,
-        observation_ids=template.observation_ids,
-        settings=settings,
+        settings,
     )
     tool_map = {tool.__name__: tool for tool in tools}
     branches = []
@@ -233,11 +235,13 @@ def run_agent(
     if model is not None:
         model.eval()  # no dropout in greedy decoding
     try:
-        # one batch of questions at a time, to the end: the reused keys and values of a batch are dropped before the
-        # next batch starts, so memory holds one batch's histories, not every question's
-        for start in range(0, len(branches), settings.batch_size):
-            with rollout_session(loop.engine):
-                loop.run(branches[start : start + settings.batch_size])
+        # the loop's tool pool lives as long as this evaluation: its threads stop when it ends, Ctrl-C included
+        with loop:
+            # one batch of questions at a time, to the end: the reused keys and values of a batch are dropped before
+            # the next batch starts, so memory holds one batch's histories, not every question's
+            for start in range(0, len(branches), settings.batch_size):
+                with rollout_session(loop.ports.engine):
+                    loop.run(branches[start : start + settings.batch_size])
     finally:
         if model is not None:
             model.train(was_training)

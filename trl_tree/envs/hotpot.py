@@ -41,6 +41,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from ..rollout.tools import MAX_OBSERVATION_CHARS, ToolFatalError, batched_tool
+from ..text import shorten
 
 logger = logging.getLogger(__name__)
 
@@ -540,14 +541,23 @@ def _parse_remote_hit(entry: dict[str, Any]) -> dict[str, Any]:
     """A Search-R1 server result entry (``{"document": {...}, "score"}`` or a bare document) as a hit.
 
     A document with ``title`` and ``text`` (``trl-tree retrieval-server`` sends them beside ``contents``) is read from
-    them: ``contents`` (``"Title"\ntext``) cannot carry a title that contains a quote or a newline exactly."""
+    them: ``contents`` (``"Title"\ntext``) cannot carry a title that contains a quote or a newline exactly. An entry of
+    another shape raises TypeError or KeyError (`RemoteRetriever._parse` names the server and the API)."""
+    if not isinstance(entry, dict):
+        raise TypeError(f"a passage is a {type(entry).__name__}, not an object")
     doc = entry.get("document", entry)
+    if not isinstance(doc, dict):
+        raise TypeError(f"a passage's 'document' is a {type(doc).__name__}, not an object")
     if "text" in doc and "title" in doc:
         title, text = doc["title"], doc["text"]
     elif "contents" in doc:
         title, text = split_contents(doc["contents"])
-    else:
+    elif "text" in doc:
         title, text = doc.get("title", ""), doc["text"]
+    else:
+        raise KeyError(f"a passage has neither 'contents' nor 'text' (its keys: {sorted(doc)})")
+    if not isinstance(text, str) or not isinstance(title, str):
+        raise TypeError("a passage's title and text must be strings")
     return _hit({"id": str(doc.get("id", "")), "title": title, "text": text}, entry.get("score", 0.0))
 
 
@@ -568,6 +578,16 @@ SEARCH_R1_SERVER_HELP = (
     "--retriever_name e5 --retriever_model intfloat/e5-base-v2`, which serves POST /retrieve on port 8000), and wait "
     "until it has loaded its index"
 )
+SEARCH_R1_RESPONSE = (
+    'JSON {"result": [row, ...]} with one row per query, in order, a row a list of passages {"document": {"id", '
+    '"contents"}, "score"} or bare documents {"id", "contents"}'
+)
+DEFAULT_MAX_CONSECUTIVE_FAILURES = 3  # failed requests in a row that stop the run (see RemoteRetriever)
+
+
+class RetrievalAPIError(ValueError):
+    """A retrieval server answered, but not with Search-R1's API (HTML, another JSON shape, a row per query missing).
+    Not retried: an answer of the wrong shape comes back the same the next time."""
 
 
 class RemoteRetriever:
@@ -575,11 +595,15 @@ class RemoteRetriever:
     ``trl-tree retrieval-server`` (:mod:`trl_tree.envs.retrieval_server`) or Search-R1's own.
 
     The request is ``{"queries": [...], "topk": k, "return_scores": true}`` and the response
-    ``{"result": [[{"document": {"id", "contents"}, "score"}, ...], ...]}``. Every request has a timeout and failed
-    connections, timeouts and 5xx answers are retried a bounded number of times with exponential backoff, so one
-    search fails with a ``ConnectionError`` after at most about ``(max_retries + 1) * timeout + backoff *
-    2**max_retries`` seconds instead of hanging a rollout forever. The search tool's caller turns that error into the
-    model's observation, so a slow query or a server restarting for a minute does not end a run.
+    ``{"result": [[{"document": {"id", "contents"}, "score"}, ...], ...]}``; an answer of another shape (HTML, other
+    JSON, a row count that is not the query count) raises :class:`RetrievalAPIError` naming the server and what
+    Search-R1's API answers. Every request has a timeout and failed connections, timeouts and 5xx answers are retried
+    a bounded number of times with exponential backoff, so one search fails with a ``ConnectionError`` after at most
+    about ``(max_retries + 1) * timeout + backoff * 2**max_retries`` seconds instead of hanging a rollout forever.
+    ``deadline`` (the script passes the trainer's ``tool_timeout``) bounds a search, its retries and pauses included:
+    once it has passed, the caller has stopped waiting (the tool call is already answered "timed out"), so the search
+    raises TimeoutError instead of retrying on against a slow server in a thread nobody waits for. The search tool's
+    caller turns these errors into the model's observation, so a slow query or a brief hiccup does not end a run.
 
     Requests go through one ``httpx.Client`` whose pool keeps up to ``max_connections`` connections alive: searches
     made concurrently (the trainer's tool workers) each take a pooled connection instead of opening a TCP connection
@@ -587,17 +611,33 @@ class RemoteRetriever:
     ``KEEPALIVE_EXPIRY`` seconds, before a uvicorn server (5 s by default, as Search-R1's) closes them, so a search
     never goes out on a connection the server is closing. A process that forks gets a client of its own.
 
-    A server that keeps failing ends the run, through a failure-rate breaker: when more than ``max_failure_rate`` of
-    the last ``window`` searches failed (counted once at least ``min_calls`` searches were made), the failing search
-    raises :class:`~trl_tree.rollout.tools.ToolFatalError` naming the server, which stops training instead of letting
-    it finish on rollouts whose every search returned an error. A rate over a sliding window, rather than a count of
-    consecutive failures, because each failed search has already been retried: the breaker must tolerate sporadic
-    failures (a few timed-out queries among hundreds) yet catch a server that fails most searches while answering
-    some, whose occasional success would reset a consecutive count forever. ``min_calls`` keeps one early failure from
-    reading as a 100% rate. Before that, the first failure of an episode (failures until the window holds none again)
-    is logged as a warning, once, so a degrading server shows in the log before it stops the run.
-    ``max_failure_rate=1.0`` turns the breaker off. Every search of the run counts, from any thread: copies of the
-    retriever share it and its record. A batched search (several queries in one request) counts once.
+    A server that stops answering ends the run: the search that finds it gone raises
+    :class:`~trl_tree.rollout.tools.ToolFatalError` naming the server, which stops training instead of letting it
+    train on rollouts whose every search returned an error, and every later search raises it too, at once (the
+    breaker stays open: a search abandoned at its deadline may be the one that trips it, and its error reaches no
+    one). Two rules trip the breaker:
+
+    - ``max_consecutive_failures`` (3) failed requests in a row, whatever came before: each has already been retried
+      ``max_retries`` times (a refused connection for about ``backoff * (2**max_retries - 1)`` = 3.5 s by default), so
+      three with no answer between them mean a server that failed every attempt for seconds to minutes, not a slow
+      query. A tree's rollout makes a search request per round of its turn loop, several per generation, so a server
+      that dies stops the run in the generation it died in, before training on it (a generation with fewer search
+      rounds than that trains once on error observations first). ``None`` turns this rule off;
+    - more than ``max_failure_rate`` of the last ``window`` searches failed (counted once ``min_calls`` searches were
+      made): a server that fails most searches while answering some, whose occasional answer resets the count of the
+      first rule. Searches, not requests, are counted: a batched request of 200 queries that the server answered is
+      200 answered searches, and a failed one 200 failed searches, so a window measures the same share of searches
+      whatever the batching. ``max_failure_rate=1.0`` turns this rule off.
+
+    Sporadic failures (a timed-out request among successes) trip neither: each is an error observation for the model,
+    and the first failure of an episode (failures until the window holds none again) is logged as a warning, once, so
+    a degrading server shows in the log before it stops the run. Every search of the run counts, from any thread:
+    copies of the retriever share it and its record.
+
+    ``server``: the child process serving ``url`` when this run started it (a
+    :class:`~trl_tree.envs.retrieval_server.RetrievalServerProcess`, or anything whose ``exit_error()`` returns None
+    while it runs and why it is gone after): every search polls it first and after a failed attempt, so a server that
+    exits stops the run at the next search, naming its exit code and log, without waiting for retries to fail.
 
     :meth:`check` makes one request, to fail at start-up rather than in the first rollout.
     """
@@ -613,8 +653,11 @@ class RemoteRetriever:
         backoff: float = 0.5,
         max_failure_rate: float = 0.5,
         min_calls: int = 20,
-        window: int = 50,
+        window: int = 1000,
         max_connections: int = 64,
+        max_consecutive_failures: int | None = DEFAULT_MAX_CONSECUTIVE_FAILURES,
+        deadline: float | None = None,
+        server: Any = None,
     ):
         if not 0.0 <= max_failure_rate <= 1.0:
             raise ValueError(
@@ -627,17 +670,36 @@ class RemoteRetriever:
             )
         if max_connections < 1:
             raise ValueError(f"max_connections must be at least 1; got {max_connections}.")
+        if max_consecutive_failures is not None and (
+            isinstance(max_consecutive_failures, bool)
+            or not isinstance(max_consecutive_failures, int)
+            or max_consecutive_failures < 1
+        ):
+            raise ValueError(
+                f"max_consecutive_failures is a number of failed requests in a row that stops the run (at "
+                f"least 1), or None to never stop for it; got {max_consecutive_failures!r}."
+            )
+        if deadline is not None and not (isinstance(deadline, (int, float)) and 0 < deadline < float("inf")):
+            raise ValueError(
+                f"deadline is the seconds a search may take, retries included (positive, finite), or "
+                f"None for no deadline; got {deadline!r}."
+            )
         try:
             import httpx  # noqa: F401 - here, not at the first search, whose ImportError would read as a failed search
         except ImportError as e:
-            raise ImportError("RemoteRetriever needs httpx: `pip install trl-tree[retrieval]` (or `pip install "
-                              "httpx`).") from e
+            raise ImportError(
+                "RemoteRetriever needs httpx: `pip install trl-tree[retrieval]` (or `pip install httpx`)."
+            ) from e
         self.endpoint = url.rstrip("/") + ("" if url.rstrip("/").endswith("/retrieve") else "/retrieve")
         self.timeout, self.max_retries, self.backoff = timeout, max_retries, backoff
         self.max_failure_rate, self.min_calls, self.window = max_failure_rate, min_calls, window
+        self.max_consecutive_failures, self.deadline, self.server = max_consecutive_failures, deadline, server
         self.max_connections = max_connections
-        self._recent: deque[bool] = deque(maxlen=window)  # True: that search failed
+        self._recent: deque[bool] = deque(maxlen=window)  # one entry per search (query): True if it failed
+        self._consecutive = 0  # failed requests since the last answered one
+        self._consecutive_searches = 0  # the searches of those requests
         self._failing = False  # in an episode of failures: its first failure has been logged
+        self._tripped: str | None = None  # the breaker's message once it has stopped the run
         self._lock = threading.Lock()  # tools may run in worker threads (tool_execution="thread") or concurrently
         self._http = None  # the httpx.Client, made at the first request (and again in a forked process)
         self._http_pid: int | None = None
@@ -670,23 +732,57 @@ class RemoteRetriever:
                 self._http.close()
             self._http = None
 
-    def _post(self, payload: dict[str, Any]) -> dict[str, Any]:
-        """One POST; raises httpx.HTTPStatusError on a 4xx/5xx, httpx.TransportError on a failed connection or
-        timeout, ValueError on a body that is not JSON."""
-        response = self._client().post(self.endpoint, json=payload)
-        response.raise_for_status()
-        return response.json()
+    def _not_search_r1(self, what: str) -> RetrievalAPIError:
+        return RetrievalAPIError(
+            f"Retrieval server {self.endpoint} did not answer Search-R1's API: {what}. Expected {SEARCH_R1_RESPONSE}. "
+            "Is --retriever_url the address of a Search-R1 retrieval server (`trl-tree retrieval-server` or "
+            "Search-R1's retrieval_server.py), and not of another service?"
+        )
 
-    def _post_with_retries(self, payload: dict[str, Any]) -> dict[str, Any]:
-        """POST, retrying on connection errors, timeouts and 5xx; a 4xx is the caller's error and is not retried."""
+    def _post(self, payload: dict[str, Any], timeout: float | None = None) -> Any:
+        """One POST; raises httpx.HTTPStatusError on a 4xx/5xx, httpx.TransportError on a failed connection or
+        timeout, RetrievalAPIError on a body that is not JSON."""
+        response = self._client().post(self.endpoint, json=payload, timeout=timeout or self.timeout)
+        response.raise_for_status()
+        try:
+            return response.json()
+        except ValueError as e:  # HTML from a proxy or another service, a cut body
+            kind = response.headers.get("content-type") or "no content type"
+            raise self._not_search_r1(
+                f"HTTP {response.status_code} with a body that is not JSON ({kind}: {shorten(repr(response.text), 200)})"
+            ) from e
+
+    def _remaining(self, started: float) -> float | None:
+        return None if self.deadline is None else self.deadline - (time.monotonic() - started)
+
+    def _abandoned(self, attempts: int, last_error: BaseException | None) -> TimeoutError:
+        last = f"; the last error: {_describe_http_error(last_error)}" if last_error is not None else ""
+        return TimeoutError(
+            f"Retrieval server {self.endpoint}: the search passed its deadline of {self.deadline:g}s (the trainer's "
+            f"tool_timeout) after {attempts} attempt(s) and is not retried further{last}."
+        )
+
+    def _post_with_retries(self, payload: dict[str, Any]) -> Any:
+        """POST, retrying on connection errors, timeouts and 5xx until `max_retries` or the search's `deadline`; a 4xx
+        is the caller's error and a wrong-shape answer the server's API, neither retried. The child server (if any) is
+        polled before each attempt and after a failed one."""
         import httpx
 
+        started = time.monotonic()
         last_error: Exception | None = None
         for attempt in range(self.max_retries + 1):
             if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
+                pause = self.backoff * 2 ** (attempt - 1)
+                remaining = self._remaining(started)
+                if remaining is not None and remaining <= pause:
+                    raise self._abandoned(attempt, last_error) from last_error
+                time.sleep(pause)
+            self._check_server()
+            remaining = self._remaining(started)
+            if remaining is not None and remaining <= 0:
+                raise self._abandoned(attempt, last_error) from last_error
             try:
-                return self._post(payload)
+                return self._post(payload, self.timeout if remaining is None else min(self.timeout, remaining))
             except httpx.HTTPStatusError as e:
                 if e.response.status_code < 500:
                     raise RuntimeError(
@@ -696,59 +792,120 @@ class RemoteRetriever:
                 last_error = e
             except (httpx.TransportError, OSError) as e:  # refused, reset, closed, DNS, timeouts
                 last_error = e
+                self._check_server()  # a child that exited refuses connections: say why now, not after the retries
         raise ConnectionError(
             f"Retrieval server {self.endpoint} did not answer after {self.max_retries + 1} attempts "
             f"(timeout {self.timeout}s each): {_describe_http_error(last_error)}. Is the server running?"
         ) from last_error
 
     def _parse(self, response: Any, queries: list[str], topk: int) -> list[list[dict[str, Any]]]:
-        if not isinstance(response, dict) or len(response.get("result", ())) != len(queries):
-            raise ValueError(f"Unexpected response from {self.endpoint}: {str(response)[:300]}")
-        return [[_parse_remote_hit(entry) for entry in row[:topk]] for row in response["result"]]
+        """The hits of a Search-R1 answer, or RetrievalAPIError saying how the answer departs from the API."""
+        if not isinstance(response, dict) or "result" not in response:
+            got = f"a JSON {type(response).__name__}" if not isinstance(response, dict) else f"keys {sorted(response)}"
+            raise self._not_search_r1(f"the answer has no 'result' ({got}: {shorten(repr(response), 200)})")
+        rows = response["result"]
+        if not isinstance(rows, list):
+            raise self._not_search_r1(f"'result' is a {type(rows).__name__} ({shorten(repr(rows), 200)}), not a list")
+        if len(rows) != len(queries):
+            raise self._not_search_r1(f"'result' has {len(rows)} rows for {len(queries)} queries")
+        hits = []
+        for i, row in enumerate(rows):
+            if not isinstance(row, list):
+                raise self._not_search_r1(f"row {i} of 'result' is a {type(row).__name__}, not a list of passages")
+            try:
+                hits.append([_parse_remote_hit(entry) for entry in row[:topk]])
+            except (KeyError, TypeError) as e:
+                raise self._not_search_r1(f"row {i} of 'result': {e.args[0] if e.args else e}") from e
+        return hits
 
     def search(self, queries: list[str], topk: int = DEFAULT_TOPK) -> list[list[dict[str, Any]]]:
         """Top-``topk`` passages per query from the server.
 
-        A failed search raises its error (``ConnectionError`` when the server does not answer, after the retries), or
-        ``ToolFatalError`` when it takes the failure rate past ``max_failure_rate`` (see the class docstring).
+        A failed search raises its error (``ConnectionError`` when the server does not answer, after the retries;
+        ``TimeoutError`` past ``deadline``; ``RetrievalAPIError`` for an answer of the wrong shape), or
+        ``ToolFatalError`` when the server is gone (see the class docstring).
         """
         queries = list(queries)
+        self._raise_if_tripped()
         payload = {"queries": queries, "topk": topk, "return_scores": True}
         try:
             hits = self._parse(self._post_with_retries(payload), queries, topk)
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, ToolFatalError):
             raise
         except BaseException as error:  # any failure counts, the trainer's tool deadline (a BaseException) included
-            self._record(error)
+            self._record(error, len(queries))
             raise
-        self._record(None)
+        self._record(None, len(queries))
         return hits
 
-    def _record(self, error: BaseException | None) -> None:
-        """Count one search in the window; warn at the first failure of an episode, raise past the failure rate."""
+    def _fatal(self, message: str) -> ToolFatalError:
+        return ToolFatalError(
+            f"{message}. Stopping the run, which would otherwise train on searches that return only errors and learn "
+            "nothing from them. Check that the server is running and reachable from this machine (its log may say "
+            "why it fails), then resume from the last checkpoint (a RemoteRetriever with a higher "
+            "max_failure_rate or max_consecutive_failures tolerates more)."
+        )
+
+    def _trip(self, message: str) -> ToolFatalError:
+        """Open the breaker for good (under `_lock`): every later search raises this message at once."""
+        if self._tripped is None:
+            self._tripped = message
+        return self._fatal(self._tripped)
+
+    def _raise_if_tripped(self) -> None:
+        if self._tripped is not None:
+            raise self._fatal(self._tripped)
+
+    def _check_server(self) -> None:
+        """ToolFatalError when the child process serving the URL has exited (`server`)."""
+        why = self.server.exit_error() if self.server is not None else None
+        if why is not None:
+            with self._lock:
+                raise self._trip(f"Retrieval server {self.endpoint} is gone: {why}")
+
+    def _record(self, error: BaseException | None, searches: int) -> None:
+        """Count one request of `searches` searches; warn at the first failure of an episode, raise when a rule of the
+        breaker trips (see the class docstring)."""
         with self._lock:
-            self._recent.append(error is not None)
+            if self._tripped is not None:  # another thread's search stopped the run meanwhile
+                raise self._fatal(self._tripped) from error
+            self._recent.extend([error is not None] * searches)
             failures, calls = sum(self._recent), len(self._recent)
             if error is None:
+                self._consecutive = self._consecutive_searches = 0
                 self._failing = self._failing and failures > 0  # the episode ends when the window forgets it
                 return
+            self._consecutive += 1
+            self._consecutive_searches += searches
+            reason = None
             if calls >= self.min_calls and failures > self.max_failure_rate * calls:
-                raise ToolFatalError(
-                    f"Retrieval server {self.endpoint} failed {failures} of the last {calls} searches, more than "
-                    f"max_failure_rate={self.max_failure_rate:g}. Stopping the run, which would otherwise train on "
-                    "searches that return only errors and learn nothing from them. Check that the server is running "
-                    "and reachable from this machine (its log may say why it fails), then resume from the last "
-                    "checkpoint; a RemoteRetriever with a higher max_failure_rate tolerates more. The last error: "
-                    f"{error}"
-                ) from error
+                reason = (
+                    f"failed {failures} of the last {calls} searches, more than "
+                    f"max_failure_rate={self.max_failure_rate:g}"
+                )
+            elif self.max_consecutive_failures is not None and self._consecutive >= self.max_consecutive_failures:
+                reason = (
+                    f"failed {self._consecutive} requests in a row ({self._consecutive_searches} searches, each "
+                    f"request after {self.max_retries + 1} attempts) with no answer between them: "
+                    f"max_consecutive_failures={self.max_consecutive_failures}"
+                )
+            if reason is not None:
+                raise self._trip(f"Retrieval server {self.endpoint} {reason}; the last error: {error}") from error
             first = not self._failing
             self._failing = True
         if first:
             logger.warning(
                 "Retrieval server %s failed a search (%s); the model gets an error observation and training goes on. "
-                "It stops if more than %g of the last %d searches fail (now %d of %d). Further failures are not "
-                "logged until the server has answered %d searches in a row.",
-                self.endpoint, error, self.max_failure_rate, self.window, failures, calls, self.window,
+                "It stops after %s failed requests in a row, or if more than %g of the last %d searches fail (now %d "
+                "of %d). Further failures are not logged until the server has answered %d searches in a row.",
+                self.endpoint,
+                error,
+                self.max_consecutive_failures,
+                self.max_failure_rate,
+                self.window,
+                failures,
+                calls,
+                self.window,
             )
 
     def check(self) -> None:

@@ -14,7 +14,9 @@ whether it needs per-token entropies from generation, for a sampler its leaves a
 loss the metric names it returns (`Loss.returns`). Registration refuses a name taken already, and a loss whose
 declaration cannot hold: a clipped loss returns "clip_ratio", reads `epsilon` and `epsilon_high`, and reads a credit
 kind that numbers the sequences its clip counts are per (`TurnCredit.clip_sequences`); its registered `compute`
-refuses a call that returns other metrics than it declares.
+refuses a call that returns other metrics than it declares. Every loss also declares how it trains a unit sampled by
+an older behaviour policy (`Loss.staleness`, `STALE_FORMS`; a clipped loss in the decoupled form), and a loss that
+declares none is refused.
 
 The package is the machinery and the catalogue, which importing it registers:
 
@@ -30,9 +32,10 @@ test launchers list from here.
 
 Adding a method: its math in `trl_tree/credit.py` / `trl_tree/losses.py` (pure functions citing their equations), a
 registration in the catalogue module of each new component (a loss that reads more than A declares its credit kind,
-a `TurnCredit` dataclass subclass, next to its `prepare` in `loss_entries`; and the metrics it returns) and a
-`Method` entry in `method_entries` for a named preset. Then run the suite: the tests enumerate the tables, and those
-that need something per component (a tiny configuration that trains it, its golden record) fail saying what to add.
+a `TurnCredit` dataclass subclass registered with `@credit_kind`, next to its `prepare` in `loss_entries`; and the
+metrics it returns) and a `Method` entry in `method_entries` for a named preset. Then run the suite: the tests
+enumerate the tables (tests/test_registries.py checks every credit's and every loss's properties), and those that need
+something per component (a tiny configuration that trains it, its golden records) fail saying what to add.
 
 TreeFlex is registered too (sampler "two_role", credit "search", loss "dual_clip") but keeps its own trainer:
 its unit is not a rollout tree but a task's group of complete searches, each a list of causal blocks grown by a
@@ -69,8 +72,12 @@ from .registry import (
     LOSSES,
     METHODS,
     SAMPLERS,
+    STALE_CAP_FIELD,
+    STALE_FORMS,
+    STALE_TARGET_FIELD,
     ClipCounts,
     Credit,
+    Largest,
     Loss,
     Method,
     Paper,
@@ -82,6 +89,7 @@ from .registry import (
     components_of,
     exported_classes,
     fields_read,
+    importance_cap,
     method_of_config,
     needs_entropies,
     preset,
@@ -89,6 +97,7 @@ from .registry import (
     register_loss,
     register_method,
     register_sampler,
+    stale_form,
     summary_of,
     turn_credit,
 )
@@ -97,9 +106,10 @@ from .sampler_entries import ANCHOR_RULES, EXPANSION_MODES
 __all__ = [
     "ANCHOR_RULES", "CLIP_FIELDS", "CLIP_METRIC", "CORE_CLASSES", "CREDITS", "ClipCounts", "Credit", "EXPANSION_MODES",
     "FlexCredit", "LOSSES", "METHODS", "Loss", "Method", "PENALTY_MODES", "Paper", "PathCredit", "PathWeightedCredit",
-    "REWARD_STDS", "SAMPLERS", "Sampler", "TREEOPSD_PAPER", "TeacherCredit", "TurnCredit",
+    "REWARD_STDS", "SAMPLERS", "STALE_CAP_FIELD", "STALE_FORMS", "STALE_TARGET_FIELD", "Sampler", "TREEOPSD_PAPER",
+    "TeacherCredit", "TurnCredit", "Largest",
     "check_choice", "check_fields", "check_units", "choice", "clip_epsilons", "components_of", "epsilon_high",
-    "exported_classes", "fields_read", "leaf_advantages", "method_of_config", "needs_entropies", "preset",
-    "register_credit", "register_loss", "register_method", "register_sampler", "summary_of", "turn_credit",
-    "zero_credit_anchor",
+    "exported_classes", "fields_read", "importance_cap", "leaf_advantages", "method_of_config", "needs_entropies",
+    "preset", "register_credit", "register_loss", "register_method", "register_sampler", "stale_form", "summary_of",
+    "turn_credit", "zero_credit_anchor",
 ]

@@ -19,10 +19,6 @@ def _check_reward_std(args) -> None:
     check_choice("reward_std", args.reward_std, REWARD_STDS)
 
 
-# the tree credits back up standardised leaf rewards: each reads `reward_std`, and the pages show its A_k
-_STANDARDISED = {"fields": {"reward_std": "standardisation of the leaf rewards"}, "check": _check_reward_std}
-
-
 def leaf_advantages(tree, args) -> Tensor:
     """A_k of the tree's K leaves: T1 / D1 (sample std, no epsilon) or A3 (population std + 1e-6): what the
     standardising credits back up, so the pages' per-leaf view of each (`Credit.view`)."""
@@ -30,6 +26,14 @@ def leaf_advantages(tree, args) -> Tensor:
     if args.reward_std == "population":
         return credit.standardize(rewards, ddof=0, eps=1e-6)
     return credit.standardize(rewards)
+
+
+# the tree credits back up standardised leaf rewards: each reads `reward_std`, and the pages show its A_k
+_STANDARDISED = {
+    "fields": {"reward_std": "standardisation of the leaf rewards"},
+    "check": _check_reward_std,
+    "view": leaf_advantages,
+}
 
 
 @register_credit("likelihood", **_STANDARDISED)
@@ -71,6 +75,7 @@ def _path(tree, args):
     unit="group",
     view=lambda group, args: credit.group_normalize(group.scores),  # each search's score within its group
     check=lambda args: check_choice("penalty_mode", args.penalty_mode, PENALTY_MODES),
+    applies_penalties=True,  # F2: the turn's process penalty enters its advantage
 )
 def _search(group, args):
     """TreeFlex F1–F2: group-relative advantage of each complete search, plus the turn's process penalty."""

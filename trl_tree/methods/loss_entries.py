@@ -1,5 +1,7 @@
 """The losses, each registered with its `prepare`, the credit kind it reads (declared here, next to its `prepare`),
-the config fields it reads and the metrics it returns (the math: `trl_tree.losses`)."""
+the config fields it reads, the metrics it returns and how it trains a stale unit (`staleness`; the math:
+`trl_tree.losses`). Each registered function adapts the one `LossInputs` to its pure function: the log-probs its
+ratio is taken against and the importance weights, if any, come from `_stale`."""
 
 from __future__ import annotations
 
@@ -10,13 +12,43 @@ import torch
 from torch import Tensor
 
 from .. import credit, losses
-from ..batch import LossInputs, TurnCredit, per_unit
-from .registry import CLIP_METRIC, ClipCounts, check_choice, register_loss
+from ..batch import LossInputs, TurnCredit, credit_kind, per_unit
+from .registry import (
+    CLIP_METRIC,
+    STALE_CAP_FIELD,
+    STALE_TARGET_FIELD,
+    ClipCounts,
+    check_choice,
+    importance_cap,
+    register_loss,
+    stale_form,
+)
 
 _CLIP = {
     "epsilon": "ε: clip range of the ratio (lower side)",
     "epsilon_high": "ε_high: upper clip range (default: ε)",
+    **STALE_CAP_FIELD,  # every clipped loss trains stale samples in the decoupled form
 }
+_DECOUPLED = ("decoupled",)
+
+
+def _stale(batch: LossInputs, args, loss: str, per: str) -> tuple[Tensor, Tensor | None]:
+    """What the loss `loss` reads of a possibly stale micro-batch in its form (`methods.stale_form`, docs/design.md
+    §3 "Stale samples"): the log-probs its ratio is taken against, and the importance weights (None: none).
+
+    "behaviour": μ's log-probs, no weights (TreeOPSD as its paper defines it). "decoupled": π_old's, and the
+    truncated weights min(π_old/μ, C) `per` "token" (`losses.truncated_importance_weights`) or "turn" (the
+    geometric mean over the turn, `losses.turn_importance_weights`, for the losses with one ratio per turn). For a
+    fresh micro-batch μ = π_old: the same log-probs and every weight exactly 1.
+    """
+    if stale_form(args, loss) == "behaviour":
+        return batch.behaviour_logps, None
+    cap = importance_cap(args)
+    if per == "turn":
+        return batch.old_logps, losses.turn_importance_weights(
+            batch.old_logps, batch.behaviour_logps, batch.turn_ids, batch.num_turns, cap
+        )
+    return batch.old_logps, losses.truncated_importance_weights(batch.old_logps, batch.behaviour_logps, cap)
 
 
 def epsilon_high(args) -> float:
@@ -34,6 +66,7 @@ def _plain(tree, A, args) -> TurnCredit:
     return TurnCredit(A=A)
 
 
+@credit_kind
 @dataclass
 class TeacherCredit(TurnCredit):
     """TreeOPSD's credit (the "treeopsd" loss): A and the frozen teacher q_i = 1/2 + V_i/τ with its temperature τ
@@ -48,6 +81,7 @@ def _teacher(tree, A, args) -> TeacherCredit:
     return TeacherCredit(A=A, q=q, tau=torch.tensor(tau, dtype=torch.float64))
 
 
+@credit_kind
 @dataclass
 class PathCredit(TurnCredit):
     """A and the root-to-leaf paths through each turn as a DFS range [path_lo, path_hi) of the tree's `num_paths`
@@ -66,6 +100,7 @@ def _with_paths(tree, A, args) -> PathCredit:
     return PathCredit(A=A, path_lo=lo, path_hi=hi, num_paths=num_paths)
 
 
+@credit_kind
 @dataclass
 class PathWeightedCredit(PathCredit):
     """The paths, and w: each turn's per-token weight under GRPO's seq-mean-token-mean over the tree's root-to-leaf
@@ -130,23 +165,27 @@ def _check_treepo(args) -> None:
 
 
 @register_loss(
-    "treeopsd", prepare=_teacher, credit_kind=TeacherCredit,
-    fields={"target_radius": "ρ: teacher radius, q ∈ [1/2 − ρ, 1/2 + ρ]", **_ZERO_CREDIT},
+    "treeopsd", prepare=_teacher, credit_kind=TeacherCredit, staleness=("behaviour", "decoupled"),
+    fields={"target_radius": "ρ: teacher radius, q ∈ [1/2 − ρ, 1/2 + ρ]", **_ZERO_CREDIT, **STALE_TARGET_FIELD,
+            **STALE_CAP_FIELD},
     returns=("treeopsd/abs_p_minus_q/block_{block}",),
     credit_metrics=_teacher_gaps,
     check=_check_teacher,
 )
 def _treeopsd(batch: LossInputs, args):
     """TreeOPSD T5: the turn-level Bernoulli forward-KL to the frozen teacher q; logs how far each turn still is
-    from it, |σ(s_i) − q_i|. With `zero_credit_anchor=False`, turns with V_i = 0 are left out of the sum."""
+    from it, |σ(s_i) − q_i|. With `zero_credit_anchor=False`, turns with V_i = 0 are left out of the sum. A stale
+    tree's s_i is measured against the behaviour policy μ that sampled it, as the teacher is (the paper's form);
+    `stale_target="decoupled"` measures it against π_old with each turn's KL weighted by min(π_old/μ, C)."""
     c = batch.credit
+    reference, weights = _stale(batch, args, "treeopsd", per="turn")
     keep = None if zero_credit_anchor(args, "treeopsd") else ~losses.zero_credit_turns(c.A)
     loss = losses.treeopsd_loss(
-        batch.logps, batch.old_logps, batch.turn_ids, c.q, c.tau, batch.tree_ids, num_trees=batch.num_trees,
-        keep=keep,
+        batch.logps, reference, batch.turn_ids, c.q, c.tau, batch.tree_ids, num_trees=batch.num_trees,
+        keep=keep, importance_weights=weights,
     )
     with torch.no_grad():
-        s = losses.turn_mean_log_ratio(batch.logps, batch.old_logps, batch.turn_ids, batch.num_turns)
+        s = losses.turn_mean_log_ratio(batch.logps, reference, batch.turn_ids, batch.num_turns)
         gap = (torch.sigmoid(s) - c.q).abs()
     return loss, {"treeopsd/abs_p_minus_q/block_{block}": gap}
 
@@ -156,54 +195,67 @@ def _treepo_credit(tree, A, args) -> TurnCredit:
     return _teacher(tree, A, args) if zero_credit_anchor(args, "treepo") else _plain(tree, A, args)
 
 
-@register_loss("treepo", prepare=_treepo_credit, fields=_ZERO_CREDIT, check=_check_treepo)
+@register_loss("treepo", prepare=_treepo_credit, staleness=_DECOUPLED, fields={**_ZERO_CREDIT, **STALE_CAP_FIELD},
+               check=_check_treepo)
 def _treepo(batch: LossInputs, args):
     """T7: TreeOPSD's first-block gradient in every block; with `zero_credit_anchor=True`, plus TreeOPSD's q = 1/2
-    pull on zero-credit turns (`losses.zero_credit_anchor`)."""
+    pull on zero-credit turns (`losses.zero_credit_anchor`). A stale tree: decoupled, each token's log-ratio against
+    π_old weighted by min(π_old/μ, C) (the anchor, one ratio per turn, by the turn's geometric-mean weight)."""
+    reference, weights = _stale(batch, args, "treepo", per="token")
     loss = losses.treepo_loss(
-        batch.logps, batch.old_logps, batch.turn_ids, batch.credit.A, batch.tree_ids, num_trees=batch.num_trees
+        batch.logps, reference, batch.turn_ids, batch.credit.A, batch.tree_ids, num_trees=batch.num_trees,
+        importance_weights=weights,
     )
     if zero_credit_anchor(args, "treepo"):
         TeacherCredit.require(batch.credit, "the 'treepo' loss with zero_credit_anchor=True")
         c = batch.credit
+        reference, turn_weights = _stale(batch, args, "treepo", per="turn")
         loss = loss + losses.zero_credit_anchor(
-            batch.logps, batch.old_logps, batch.turn_ids, c.A, c.tau, batch.tree_ids, num_trees=batch.num_trees
+            batch.logps, reference, batch.turn_ids, c.A, c.tau, batch.tree_ids, num_trees=batch.num_trees,
+            importance_weights=turn_weights,
         )
     return loss, {}
 
 
-@register_loss("atpo", prepare=_path_weighted, credit_kind=PathWeightedCredit, fields=_CLIP,
+@register_loss("atpo", prepare=_path_weighted, credit_kind=PathWeightedCredit, staleness=_DECOUPLED, fields=_CLIP,
                returns=(CLIP_METRIC,))
 def _atpo(batch: LossInputs, args):
-    """AT2PO A5: one ratio and one clip per turn, GRPO's path aggregation."""
+    """AT2PO A5: one ratio and one clip per turn, GRPO's path aggregation. A stale tree: decoupled, each turn's
+    term weighted by its geometric-mean min(π_old/μ, C)."""
     c = batch.credit
+    reference, weights = _stale(batch, args, "atpo", per="turn")
     loss = losses.atpo_loss(
-        batch.logps, batch.old_logps, batch.turn_ids, c.A, c.w, batch.tree_ids, num_trees=batch.num_trees,
-        **clip_epsilons(args),
+        batch.logps, reference, batch.turn_ids, c.A, c.w, batch.tree_ids, num_trees=batch.num_trees,
+        importance_weights=weights, **clip_epsilons(args),
     )
     with torch.no_grad():
         return loss, {CLIP_METRIC: _clip_counts(losses.turn_clip_counts, batch, args)}
 
 
-@register_loss("grpo", prepare=_path_weighted, credit_kind=PathWeightedCredit, fields=_CLIP,
+@register_loss("grpo", prepare=_path_weighted, credit_kind=PathWeightedCredit, staleness=_DECOUPLED, fields=_CLIP,
                returns=(CLIP_METRIC,))
 def _grpo(batch: LossInputs, args):
-    """GRPO's token-level clipped surrogate over root-to-leaf paths (AT2PO's ablation, TreeAdv D4)."""
+    """GRPO's token-level clipped surrogate over root-to-leaf paths (AT2PO's ablation, TreeAdv D4). A stale tree:
+    decoupled, each token's term weighted by min(π_old/μ, C)."""
     c = batch.credit
+    reference, weights = _stale(batch, args, "grpo", per="token")
     loss = losses.clipped_token_loss(
-        batch.logps, batch.old_logps, batch.turn_ids, c.A, c.w, batch.tree_ids, num_trees=batch.num_trees,
-        **clip_epsilons(args),
+        batch.logps, reference, batch.turn_ids, c.A, c.w, batch.tree_ids, num_trees=batch.num_trees,
+        importance_weights=weights, **clip_epsilons(args),
     )
     with torch.no_grad():
         return loss, {CLIP_METRIC: _clip_counts(losses.token_clip_counts, batch, args)}
 
 
-@register_loss("gspo_token", prepare=_with_paths, credit_kind=PathCredit, fields=_CLIP, returns=(CLIP_METRIC,))
+@register_loss("gspo_token", prepare=_with_paths, credit_kind=PathCredit, staleness=_DECOUPLED, fields=_CLIP,
+               returns=(CLIP_METRIC,))
 def _gspo_token(batch: LossInputs, args):
-    """TreeAdv D4: GSPO-token over the tree's K root-to-leaf sequences."""
+    """TreeAdv D4: GSPO-token over the tree's K root-to-leaf sequences. A stale tree: decoupled, the sequence
+    ratios against π_old and each token's term weighted by min(π_old/μ, C)."""
+    reference, weights = _stale(batch, args, "gspo_token", per="token")
     loss = losses.gspo_token_loss(
-        batch.logps, batch.old_logps, batch.turn_ids, batch.credit.A, *_path_pairs(batch),
-        num_trees=batch.num_trees, **clip_epsilons(args),
+        batch.logps, reference, batch.turn_ids, batch.credit.A, *_path_pairs(batch),
+        num_trees=batch.num_trees, importance_weights=weights, **clip_epsilons(args),
     )
     with torch.no_grad():
         return loss, {CLIP_METRIC: _clip_counts(losses.gspo_token_clip_counts, batch, args)}
@@ -217,6 +269,7 @@ def _check_dual_clip(args) -> None:
         raise ValueError(f"dual_clip_c must exceed 1; got {args.dual_clip_c}.")
 
 
+@credit_kind
 @dataclass
 class FlexCredit(TurnCredit):
     """TreeFlex's credit (the "dual_clip" loss) over a group's turns: A, w the F4 aggregation as each turn's per-token
@@ -251,14 +304,17 @@ def _flex_weights(group, A, args) -> FlexCredit:
     },
     returns=(CLIP_METRIC, "treeflex/dual_clip_fraction"),
     unit="group",
+    staleness=_DECOUPLED,
     check=_check_dual_clip,
 )
 def _dual_clip(batch: LossInputs, args):
-    """TreeFlex F3–F4: the mean over the micro-batch's groups of Σ_t w_{turn(t)} · dual_clip(r_t, A_{turn(t)})."""
+    """TreeFlex F3–F4: the mean over the micro-batch's groups of Σ_t w_{turn(t)} · dual_clip(r_t, A_{turn(t)}). A
+    stale group: decoupled, each token's term weighted by min(π_old/μ, C)."""
     c, ids = batch.credit, batch.turn_ids
     A, w = c.A[ids], c.w[ids]
-    per_token = losses.dual_clip_loss(batch.logps, batch.old_logps, A, epsilon=args.epsilon, c=args.dual_clip_c,
-                                      epsilon_high=epsilon_high(args))
+    reference, weights = _stale(batch, args, "dual_clip", per="token")
+    per_token = losses.dual_clip_loss(batch.logps, reference, A, epsilon=args.epsilon, c=args.dual_clip_c,
+                                      epsilon_high=epsilon_high(args), importance_weights=weights)
     loss = (w.to(per_token) * per_token).sum() / max(int(batch.num_trees), 1)
     with torch.no_grad():
         ratio = (batch.logps - batch.old_logps).exp()

@@ -6,11 +6,11 @@ from .registry import Method, Paper, register_method
 
 # TreeOPSD and its control TreePO come from one paper: both cards cite it
 TREEOPSD_PAPER = Paper(
-    title="TreeOPSD: Building finite posterior distillation targets from shared-prefix trees",
+    title="Tree-Aware Posterior Distillation for Long-Horizon Agentic Reinforcement Learning",  # the paper's own
     id="2610.23181",
     citation=(
         "@article{zou2026treeopsd,\n"
-        "    title   = {{TreeOPSD: Building Finite Posterior Distillation Targets from Shared-Prefix Trees}},\n"
+        "    title   = {{Tree-Aware Posterior Distillation for Long-Horizon Agentic Reinforcement Learning}},\n"
         "    author  = {Heming Zou and others},\n"
         "    year    = 2026,\n"
         "    eprint  = {arXiv:2610.23181},\n"
@@ -26,30 +26,68 @@ _TREEFLEX_NOT_THE_EXAMPLE = (
     "run the generic script on your data, or use TreeFlexTrainer from Python"
 )
 
-register_method(Method(
-    "treeopsd", "TreeOPSD", "trl_tree.trainer.config:TreeOPSDConfig", "trl_tree.trainer.treeopsd:TreeOPSDTrainer",
-    "init_expand", "likelihood", "treeopsd",
-    "tree rollouts, likelihood-weighted turn credit, turn-level Bernoulli forward-KL to a bounded teacher",
-    paper=TREEOPSD_PAPER,
-))
-register_method(Method(
-    "treepo", "TreePO", "trl_tree.trainer.config:TreePOConfig", "trl_tree.trainer.treepo:TreePOTrainer",
-    "init_expand", "likelihood", "treepo", "TreeOPSD's trees and credit with the fixed-credit surrogate",
-    paper=TREEOPSD_PAPER,
-))
-register_method(Method(
-    "at2po", "AT2PO", "trl_tree.trainer.config:AT2POConfig", "trl_tree.trainer.at2po:AT2POTrainer",
-    "entropy_guided", "child_softmax", "atpo", "entropy-guided expansion, turn credit, the ATPO loss",
-))
-register_method(Method(
-    "treeadv", "TreeAdv", "trl_tree.trainer.config:TreeAdvConfig", "trl_tree.trainer.treeadv:TreeAdvTrainer",
-    "token_entropy", "leaf_mean", "grpo", "branching at high-entropy tokens, segment advantages, GRPO or GSPO-token",
-))
-register_method(Method(
-    "treeflex", "TreeFlex", "trl_tree.trainer.config:TreeFlexConfig", "trl_tree.trainer.treeflex:TreeFlexTrainer",
-    "two_role", "search", "dual_clip",
-    "complete searches of causal blocks as group members, turn penalties, dual clip",
-    example_unfit=_TREEFLEX_NOT_THE_EXAMPLE,
-))
+register_method(
+    Method(
+        "treeopsd",
+        "TreeOPSD",
+        "trl_tree.trainer.config:TreeOPSDConfig",
+        "trl_tree.trainer.treeopsd:TreeOPSDTrainer",
+        "init_expand",
+        "likelihood",
+        "treeopsd",
+        "tree rollouts, likelihood-weighted turn credit, turn-level Bernoulli forward-KL to a bounded teacher",
+        paper=TREEOPSD_PAPER,
+    )
+)
+register_method(
+    Method(
+        "treepo",
+        "TreePO",
+        "trl_tree.trainer.config:TreePOConfig",
+        "trl_tree.trainer.treepo:TreePOTrainer",
+        "init_expand",
+        "likelihood",
+        "treepo",
+        "TreeOPSD's trees and credit with the fixed-credit surrogate",
+        paper=TREEOPSD_PAPER,
+    )
+)
+register_method(
+    Method(
+        "at2po",
+        "AT2PO",
+        "trl_tree.trainer.config:AT2POConfig",
+        "trl_tree.trainer.at2po:AT2POTrainer",
+        "entropy_guided",
+        "child_softmax",
+        "atpo",
+        "entropy-guided expansion, turn credit, the ATPO loss",
+    )
+)
+register_method(
+    Method(
+        "treeadv",
+        "TreeAdv",
+        "trl_tree.trainer.config:TreeAdvConfig",
+        "trl_tree.trainer.treeadv:TreeAdvTrainer",
+        "token_entropy",
+        "leaf_mean",
+        "grpo",
+        "branching at high-entropy tokens, segment advantages, GRPO or GSPO-token",
+    )
+)
+register_method(
+    Method(
+        "treeflex",
+        "TreeFlex",
+        "trl_tree.trainer.config:TreeFlexConfig",
+        "trl_tree.trainer.treeflex:TreeFlexTrainer",
+        "two_role",
+        "search",
+        "dual_clip",
+        "complete searches of causal blocks as group members, turn penalties, dual clip",
+        example_unfit=_TREEFLEX_NOT_THE_EXAMPLE,
+    )
+)
 
 # the generic trainer every method is a preset of (`TreeConfig(sampler=..., credit=..., loss=...)`)

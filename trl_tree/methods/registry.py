@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
-from ..batch import LossInputs, TurnCredit
+from ..batch import CREDIT_KINDS, LossInputs, TurnCredit
 
 # ---------------------------------------------------------------------------------------------------------------
 # The entries
@@ -77,18 +77,22 @@ class Credit:
 
     Attributes:
         view: `(unit, args) -> [K]`: the per-leaf (per-search) values the rollout-tree pages show for this credit,
-            the quantity it backs up to turns; a credit with its own leaf values declares them, or the pages would
-            show numbers it never used.
+            the quantity it backs up to turns. Every credit declares it (the catalogue's standardising credits pass
+            `leaf_advantages`), so the pages never show numbers a credit never used.
         check: `(args) -> None`: validation of its own `fields` (run only when it is the chosen credit).
+        applies_penalties: whether its values add the turns' process penalties Q (`Turn.penalty`, recorded on
+            failed or malformed tool calls whatever the method): the rollout-tree pages show a turn's Q only then,
+            so a page never shows a penalty its credit did not apply.
     """
 
     name: str
     values: Callable[[Any, Any], Tensor]
     fields: dict[str, str]
+    view: Callable[[Any, Any], Tensor]
     needs_entropies: bool = False
     unit: str = "tree"
-    view: Callable[[Any, Any], Tensor] = lambda unit, args: _standardised_leaves(unit, args)
     check: Callable[[Any], None] = lambda args: None
+    applies_penalties: bool = False
 
     @property
     def summary(self) -> str:
@@ -104,6 +108,27 @@ class ClipCounts(NamedTuple):
     [n_paths, 3] (`losses.path_clip_counts`), logged as GRPO's `clip_ratio/*` over every rank's paths."""
 
     counts: Tensor
+
+
+class Largest(NamedTuple):
+    """A metric logged as the largest of every rank's values (a plain tensor metric is their mean)."""
+
+    values: Tensor
+
+
+# How a loss trains a unit sampled by an older behaviour policy μ (π_old: the policy at the start of the batch's
+# optimizer blocks; docs/design.md §3, "Stale samples"). A loss declares the forms it supports, the first its own.
+STALE_FORMS = {
+    "behaviour": "its log-ratio (and teacher) measured against the behaviour policy μ that sampled the unit",
+    "decoupled": "its ratio against π_old, times the truncated importance weight min(π_old/μ, C), detached",
+}
+STALE_CAP_FIELD = {
+    "behaviour_importance_cap": "C: a stale token's importance weight min(π_old/μ, C) is truncated at C (≥ 1)",
+}
+STALE_TARGET_FIELD = {
+    "stale_target": "which policy a stale unit's log-ratio is measured against: behaviour (μ) | decoupled (π_old, "
+                    "weighted by min(π_old/μ, C)); None: the loss's own",
+}
 
 
 @dataclass(frozen=True)
@@ -126,17 +151,27 @@ class Loss:
             like `compute`'s besides the mean |A| every loss gets.
         check: `(args) -> None`, raising a `ValueError` that names the field when the configuration cannot train
             with this loss (run by config validation).
+        staleness: the forms (`STALE_FORMS`) in which it trains a unit sampled by an older behaviour policy, its
+            own first; `stale_form(args, name)` is the one a configuration trains with. Declared by every loss and
+            checked at registration: a clipped loss is "decoupled" only (its clip is a trust region around π_old),
+            "decoupled" reads `behaviour_importance_cap`, and a loss with several forms reads `stale_target`.
+        linear_in_credit: at its first block (θ = θ_old, fresh units) its gradient is linear in the credit and is
+            the policy gradient: ∂loss/∂log π_θ of each trained token of turn i is −c·A_i with c > 0 (zero where
+            A_i = 0). The suite checks it of every loss that declares it (tests/test_registries.py); a loss with a
+            term that is not (a KL to a reference policy, an entropy bonus) declares False.
     """
 
     name: str
     prepare: Callable[[Any, Tensor, Any], TurnCredit]
     compute: Callable[[LossInputs, Any], tuple[Tensor, dict[str, Any]]]
     fields: dict[str, str]
+    staleness: tuple[str, ...]
     credit_kind: type[TurnCredit] = TurnCredit
     returns: tuple[str, ...] = ()
     unit: str = "tree"
     credit_metrics: Callable[[list[TurnCredit]], dict[str, Any]] = lambda credits: {}
     check: Callable[[Any], None] = lambda args: None
+    linear_in_credit: bool = True
 
     @property
     def clipped(self) -> bool:
@@ -252,8 +287,13 @@ def register_sampler(name: str, **spec) -> Callable:
 
 
 def register_credit(name: str, **spec) -> Callable:
-    """Decorator: register `values(unit, args) -> V` as the credit `name`."""
+    """Decorator: register `values(unit, args) -> V` as the credit `name`, with the per-leaf values it backs up
+    (`view`, see `Credit`) and its other `Credit` attributes as keywords."""
     _free(CREDITS, "credit", name)
+    if not callable(spec.get("view")):
+        raise ValueError(f"Credit {name!r} declares no view: pass view=(unit, args) -> [K], the per-leaf values it "
+                         "backs up to turns, which the rollout-tree pages show (a credit of standardised leaf "
+                         "rewards: view=trl_tree.methods.leaf_advantages).")
 
     def register(values):
         CREDITS[_free(CREDITS, "credit", name)] = Credit(name=name, values=values, **spec)
@@ -265,7 +305,11 @@ def register_credit(name: str, **spec) -> Callable:
 def _check_loss_declaration(name: str, credit_kind: type[TurnCredit], returns: tuple[str, ...],
                             fields: dict[str, str]) -> None:
     """Refuse a loss whose declaration cannot hold at run time: the clip metrics, the clip fields and the credit
-    kind go together (a clipped loss found otherwise only as a KeyError deep in a training step)."""
+    kind go together (a clipped loss found otherwise only as a KeyError deep in a training step); the credit kind is
+    a registered one (its micro-batches travel by its name: `trl_tree.batch.credit_kind`)."""
+    if CREDIT_KINDS.get(getattr(credit_kind, "__name__", None)) is not credit_kind:
+        raise ValueError(f"Loss {name!r} reads the credit kind {credit_kind!r}, which is not registered: decorate it "
+                         "with `@trl_tree.batch.credit_kind` (above @dataclass), next to its `prepare`.")
     clipped = CLIP_METRIC in returns
     missing = [f for f in CLIP_FIELDS if f not in fields]
     if clipped and missing:
@@ -281,15 +325,43 @@ def _check_loss_declaration(name: str, credit_kind: type[TurnCredit], returns: t
                          f"({', '.join(kinds)}) or a subclass of one, with a `prepare` that builds it.")
 
 
-def register_loss(name: str, *, prepare: Callable, credit_kind: type[TurnCredit] = TurnCredit,
-                  returns: tuple[str, ...] = (), fields: dict[str, str] | None = None, **spec) -> Callable:
+def _check_staleness_declaration(name: str, staleness: tuple[str, ...], returns: tuple[str, ...],
+                                 fields: dict[str, str]) -> None:
+    """Refuse a loss that does not say how it trains a stale unit, or says it in a form that cannot hold: every loss
+    trains trees that an asynchronous producer may have sampled with an older policy (docs/design.md §3, "Stale
+    samples"), so none may leave it to chance."""
+    forms = ", ".join(f"{form!r} ({meaning})" for form, meaning in STALE_FORMS.items())
+    if not staleness:
+        raise ValueError(f"Loss {name!r} declares no staleness treatment: register it with staleness=(FORM, ...), "
+                         f"the forms in which it trains a unit sampled by an older behaviour policy μ, its own "
+                         f"first; the forms: {forms}.")
+    unknown = [form for form in staleness if form not in STALE_FORMS]
+    if unknown or len(set(staleness)) != len(staleness):
+        raise ValueError(f"Loss {name!r} declares staleness={staleness}: each form once, among {forms}.")
+    if CLIP_METRIC in returns and staleness != ("decoupled",):
+        raise ValueError(f"Loss {name!r} returns {CLIP_METRIC!r}, so its ratio is clipped to a trust region around "
+                         f"π_old, but declares staleness={staleness}: a clipped loss trains stale samples in the "
+                         "decoupled form only, staleness=('decoupled',) (the ratio against π_old, times the "
+                         "truncated weight min(π_old/μ, C)).")
+    missing = [f for f in (*(STALE_CAP_FIELD if "decoupled" in staleness else {}),
+                           *(STALE_TARGET_FIELD if len(staleness) > 1 else {})) if f not in fields]
+    if missing:
+        raise ValueError(f"Loss {name!r} declares staleness={staleness} but does not read {', '.join(missing)}: the "
+                         "decoupled form reads its truncation cap (fields={**STALE_CAP_FIELD, ...}), a loss with "
+                         "several forms the choice among them (fields={**STALE_TARGET_FIELD, ...}).")
+
+
+def register_loss(name: str, *, prepare: Callable, staleness: tuple[str, ...] = (),
+                  credit_kind: type[TurnCredit] = TurnCredit, returns: tuple[str, ...] = (),
+                  fields: dict[str, str] | None = None, **spec) -> Callable:
     """Decorator: register `compute(batch, args) -> (loss, metrics)` as the loss `name`, with its `prepare`, the
-    credit kind both share and the metric names it returns (`Loss.returns`), refusing an inconsistent declaration.
-    The registered `compute` checks the micro-batch's kind first (`TurnCredit.require`) and the metric names it
-    returns after (a set comparison per micro-batch)."""
+    forms in which it trains stale samples (`Loss.staleness`), the credit kind both share and the metric names it
+    returns (`Loss.returns`), refusing an inconsistent declaration. The registered `compute` checks the micro-batch's
+    kind first (`TurnCredit.require`) and the metric names it returns after (a set comparison per micro-batch)."""
     _free(LOSSES, "loss", name)
-    returns, fields = tuple(returns), dict(fields or {})
+    returns, fields, staleness = tuple(returns), dict(fields or {}), tuple(staleness)
     _check_loss_declaration(name, credit_kind, returns, fields)
+    _check_staleness_declaration(name, staleness, returns, fields)
 
     def register(compute):
         @functools.wraps(compute)
@@ -302,7 +374,8 @@ def register_loss(name: str, *, prepare: Callable, credit_kind: type[TurnCredit]
             return loss, metrics
 
         LOSSES[_free(LOSSES, "loss", name)] = Loss(name=name, prepare=prepare, compute=checked, fields=fields,
-                                                   credit_kind=credit_kind, returns=returns, **spec)
+                                                   staleness=staleness, credit_kind=credit_kind, returns=returns,
+                                                   **spec)
         return compute
 
     return register
@@ -317,13 +390,6 @@ def check_choice(name: str, value, valid: tuple) -> None:
     """A component's check of a config field that takes one of `valid`."""
     if value not in valid:
         raise ValueError(f"{name} must be one of {valid}; got {value!r}.")
-
-
-def _standardised_leaves(unit, args) -> Tensor:
-    """The default `Credit.view`: the standardised leaf rewards the catalogue's credits back up to turns."""
-    from .credit_entries import leaf_advantages  # the catalogue imports this module: resolved when first called
-
-    return leaf_advantages(unit, args)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -384,10 +450,39 @@ CORE_CLASSES = {
 
 
 def check_fields(args) -> None:
-    """Each chosen component's validation of its own fields (`Sampler.check`, `Credit.check`, `Loss.check`): the
-    fields of components not chosen are not read, so they are not checked either."""
+    """Each chosen component's validation of its own fields (`Sampler.check`, `Credit.check`, `Loss.check`), and the
+    chosen loss's staleness fields (`stale_form`, `importance_cap`): the fields of components not chosen are not
+    read, so they are not checked either."""
     for component in components_of(args):
         component.check(args)
+    stale_form(args, args.loss)
+    if "decoupled" in LOSSES[args.loss].staleness:
+        importance_cap(args)
+
+
+def stale_form(args, loss: str) -> str:
+    """The form (`STALE_FORMS`) in which the loss `loss` trains a stale unit under `args`: `stale_target` when set
+    (one of the forms the loss declares), else the loss's own, the first it declares."""
+    forms = LOSSES[loss].staleness
+    chosen = getattr(args, "stale_target", None)
+    if chosen is None:
+        return forms[0]
+    if chosen not in forms:
+        raise ValueError(f"stale_target={chosen!r}, but the {loss!r} loss trains stale samples only in the form"
+                         f"{'s' if len(forms) > 1 else ''} {', '.join(map(repr, forms))} (None: its own, "
+                         f"{forms[0]!r}).")
+    return chosen
+
+
+def importance_cap(args) -> float:
+    """C of the decoupled form's weight min(π_old/μ, C), checked: a finite number ≥ 1, so that a fresh sample's
+    weight, exactly 1, is never cut (at staleness 0 every loss is then exactly its synchronous self)."""
+    cap = args.behaviour_importance_cap
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 1.0 <= cap < float("inf"):
+        raise ValueError(f"behaviour_importance_cap C truncates a stale token's importance weight min(π_old/μ, C): "
+                         f"it must be a finite number ≥ 1 (a fresh token's weight is 1 and must not be cut); got "
+                         f"{cap!r}.")
+    return float(cap)
 
 
 def exported_classes() -> dict[str, str]:

@@ -40,6 +40,11 @@ class HFPorts:
         unwrapped_for_generation: a context manager yielding the module to call `generate` on, with the weights
             gathered as GRPOTrainer gathers them (ZeRO-3, FSDP).
         cache, max_prefix_cache_bytes: `TreeConfig.generation_cache` and `max_prefix_cache_bytes`.
+        precision: a context manager under which every forward of a call runs (the prefix store's prefill and
+            `generate`): the trainer's mixed-precision autocast, so that generation computes in the dtypes its packed
+            forward computes in. Needed because a PEFT model's `generate` bypasses the autocast that accelerate wraps
+            around its `forward`: under bf16 the prefill (a `forward`) stored bf16 values that the un-autocast
+            `generate` then attended with float32 queries (issue 59). Nothing by default (a model used alone).
     """
 
     eos_ids: set[int]
@@ -51,6 +56,7 @@ class HFPorts:
     unwrapped_for_generation: Callable[[], contextlib.AbstractContextManager[Any]]
     cache: str = "static"
     max_prefix_cache_bytes: int | None = None
+    precision: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
 
 
 @dataclass
@@ -201,7 +207,7 @@ class HFEngine:
             prefixes, max_new_tokens = [[self.pad_id]], [1]
         device = self.ports.device()
         budget = max(max_new_tokens)
-        with self.ports.unwrapped_for_generation() as unwrapped:
+        with self.ports.unwrapped_for_generation() as unwrapped, self.ports.precision():
             store = self.prefix_store if self._reuses_prefixes(unwrapped) and not dummy else None
             plan = store.plan(prefixes, self.pad_id, unwrapped, budget) if store else left_padded(prefixes, self.pad_id)
             width = plan.input_ids.shape[1]

@@ -140,8 +140,10 @@ def same_random_state(a: tuple, b: tuple) -> bool:
     python_b, numpy_b, torch_b = b
     if python_a != python_b or (numpy_a is None) != (numpy_b is None) or (torch_a is None) != (torch_b is None):
         return False
-    if numpy_a is not None and not (numpy_a[0] == numpy_b[0] and all(
-            (x == y).all() if hasattr(x, "all") else x == y for x, y in zip(numpy_a[1:], numpy_b[1:]))):
+    if numpy_a is not None and not (
+        numpy_a[0] == numpy_b[0]
+        and all((x == y).all() if hasattr(x, "all") else x == y for x, y in zip(numpy_a[1:], numpy_b[1:]))
+    ):
         return False
     return torch_a is None or bool((torch_a == torch_b).all())
 
@@ -165,17 +167,47 @@ _MAX_DEPTH = 8  # an environment's state nested deeper than this is not judged p
 _MAX_VALUES = 100_000  # nor is one with more values than this (walking it would cost about as much as copying it)
 # An id or address of remote state is a plain string, which no type check tells from data: an attribute named like
 # one (split at "_" and camelCase) makes the environment replayed. A false alarm only costs replays.
-_REMOTE_NAME_PARTS = frozenset({
-    "session", "sessions", "sid", "client", "conn", "connection", "socket", "sock", "url", "uri", "endpoint", "host",
-    "hostname", "server", "remote", "channel", "stub",
-})
+_REMOTE_NAME_PARTS = frozenset(
+    {
+        "session",
+        "sessions",
+        "sid",
+        "client",
+        "conn",
+        "connection",
+        "socket",
+        "sock",
+        "url",
+        "uri",
+        "endpoint",
+        "host",
+        "hostname",
+        "server",
+        "remote",
+        "channel",
+        "stub",
+    }
+)
 _PLAIN_SCALARS = (type(None), bool, int, float, complex, str, bytes, range, type(Ellipsis))
-_PLAIN_VALUES = (datetime.date, datetime.time, datetime.timedelta, decimal.Decimal, fractions.Fraction,
-                 pathlib.PurePath, enum.Enum)
+_PLAIN_VALUES = (
+    datetime.date,
+    datetime.time,
+    datetime.timedelta,
+    decimal.Decimal,
+    fractions.Fraction,
+    pathlib.PurePath,
+    enum.Enum,
+)
 _SEQUENCES = (list, tuple, set, frozenset, collections.deque)
 _MAPPINGS = (dict, collections.OrderedDict, collections.Counter, collections.defaultdict)
-_LOCKS = (type(threading.Lock()), type(threading.RLock()), threading.Condition, threading.Event,
-          threading.Semaphore, threading.Barrier)
+_LOCKS = (
+    type(threading.Lock()),
+    type(threading.RLock()),
+    threading.Condition,
+    threading.Event,
+    threading.Semaphore,
+    threading.Barrier,
+)
 
 
 def copy_blocker(environment) -> str | None:
@@ -221,7 +253,9 @@ def copy_blocker(environment) -> str | None:
         children = _plain_children(value)
         if children is None:
             return f"{path} is {_what_it_is(value)}"
-        stack.extend((f"{path}{label}", child_name, child, depth + 1) for label, child_name, child in reversed(children))
+        stack.extend(
+            (f"{path}{label}", child_name, child, depth + 1) for label, child_name, child in reversed(children)
+        )
     return None
 
 
@@ -268,8 +302,9 @@ def _plain_children(value) -> list[tuple[str, str | None, Any]] | None:
     if numpy is not None and hasattr(numpy, "ndarray"):
         if isinstance(value, numpy.ndarray):
             return [] if value.dtype != object else None
-        if isinstance(value, (numpy.generic, numpy.random.Generator, numpy.random.RandomState,
-                              numpy.random.BitGenerator)):
+        if isinstance(
+            value, (numpy.generic, numpy.random.Generator, numpy.random.RandomState, numpy.random.BitGenerator)
+        ):
             return []
     if torch is not None and hasattr(torch, "Tensor") and isinstance(value, torch.Tensor):
         return []
@@ -280,12 +315,19 @@ def _plain_children(value) -> list[tuple[str, str | None, Any]] | None:
 
 def _what_it_is(value) -> str:
     """What a value that is not plain data is, for the message that says why an environment is replayed."""
-    known = [(socket.socket, "a socket"), (io.IOBase, "an open file or stream"), (types.ModuleType, "a module"),
-             (threading.Thread, "a thread"), (_LOCKS, "a lock or other threading primitive")]
-    for module, attribute, what in (("requests", "Session", "an HTTP session (requests.Session)"),
-                                    ("http.client", "HTTPConnection", "an HTTP connection"),
-                                    ("urllib3", "PoolManager", "an HTTP connection pool"),
-                                    ("urllib3", "HTTPConnectionPool", "an HTTP connection pool")):
+    known = [
+        (socket.socket, "a socket"),
+        (io.IOBase, "an open file or stream"),
+        (types.ModuleType, "a module"),
+        (threading.Thread, "a thread"),
+        (_LOCKS, "a lock or other threading primitive"),
+    ]
+    for module, attribute, what in (
+        ("requests", "Session", "an HTTP session (requests.Session)"),
+        ("http.client", "HTTPConnection", "an HTTP connection"),
+        ("urllib3", "PoolManager", "an HTTP connection pool"),
+        ("urllib3", "HTTPConnectionPool", "an HTTP connection pool"),
+    ):
         kind = getattr(sys.modules.get(module), attribute, None)
         if isinstance(kind, type):
             known.append((kind, what))
@@ -298,8 +340,10 @@ def _what_it_is(value) -> str:
         return f"a {type(value).__name__} (a callable may close over state outside the environment)"
     if type(value) in _MAPPINGS:
         return "a defaultdict whose default_factory is not a builtin type"
-    return (f"an object of class {type(value).__module__}.{type(value).__qualname__}, which the check does not know "
-            "(it may hold or point at state outside the environment)")
+    return (
+        f"an object of class {type(value).__module__}.{type(value).__qualname__}, which the check does not know "
+        "(it may hold or point at state outside the environment)"
+    )
 
 
 class EnvironmentPool:
@@ -332,6 +376,8 @@ class EnvironmentPool:
         self._handed_out: dict = {}
         # "auto": environments replayed from then on, because a copy could share state, failed, or fork() raised
         self._replayed: set = set()
+        for name, pool in self.instances.items():
+            _check_distinct(name, pool)
         if branching == "fork":
             for pool in self.instances.values():
                 if pool and not callable(getattr(pool[0], "fork", None)):
@@ -345,8 +391,21 @@ class EnvironmentPool:
         index = self._handed_out.get(name, 0)
         if index == len(pool):
             pool.append(self.factories[name]())
+            _check_distinct(name, pool)
         self._handed_out[name] = index + 1
         return pool[index]
+
+    def retire(self, environment) -> None:
+        """Take `environment` out of the pool for good: a call abandoned at its deadline may still run in it, so no
+        later batch may reset it (the pool makes a new instance in its place when one is needed). An instance not in
+        the pool (a branch's copy) needs nothing."""
+        for name, pool in self.instances.items():
+            for index, instance in enumerate(pool):
+                if instance is environment:
+                    del pool[index]
+                    if index < self._handed_out.get(name, 0):
+                        self._handed_out[name] -= 1
+                    return
 
     def release(self) -> None:
         """Every instance is free again (call when nothing of the last batch uses its environments any more)."""
@@ -370,7 +429,9 @@ class EnvironmentPool:
             blocker = copy_blocker(environment)
             if blocker is not None:
                 return self._replay_from_now_on(
-                    name, environment, f"a deep copy could share state with the original: {blocker}",
+                    name,
+                    environment,
+                    f"a deep copy could share state with the original: {blocker}",
                     f"If a deep copy of it is independent, set `{COPYABLE_ATTRIBUTE} = True` on the class (or give it "
                     "a fork() method); environment_branching='replay' skips this check.",
                 )
@@ -384,7 +445,9 @@ class EnvironmentPool:
                     "environment_branching='replay' (or 'auto'), or add a `fork(self)` method and use 'fork'."
                 ) from e
             return self._replay_from_now_on(
-                name, environment, f"it cannot be deep-copied ({type(e).__name__}: {e}) and has no fork()",
+                name,
+                environment,
+                f"it cannot be deep-copied ({type(e).__name__}: {e}) and has no fork()",
                 "Set environment_branching='replay' to skip the copy attempt.",
             )
 
@@ -399,8 +462,9 @@ class EnvironmentPool:
                     "as it was at its anchor: fix fork() so it returns one, or set environment_branching='auto' or "
                     "'replay' to rebuild branches by re-running their tool calls on a fresh instance."
                 ) from e
-            return self._replay_from_now_on(name, environment, what, "Fix fork(), or set environment_branching="
-                                            "'replay' to skip it.")
+            return self._replay_from_now_on(
+                name, environment, what, "Fix fork(), or set environment_branching='replay' to skip it."
+            )
 
     def _replay_from_now_on(self, name, environment, why: str, hint: str) -> None:
         """Under "auto": say once why environment `name` is not copied, and replay its branches from now on."""
@@ -409,10 +473,29 @@ class EnvironmentPool:
             "Environment %s is not copied for branching: %s. So its branches are rebuilt by replay (a fresh instance "
             "reset with the row, then the branch's recorded tool calls re-run in order), which assumes the "
             "environment reproduces them; a branch whose replay does not is %s (replay_divergence). %s",
-            type(environment).__name__, why,
-            "dropped from its tree" if self.divergence == "drop" else "an error", hint,
+            type(environment).__name__,
+            why,
+            "dropped from its tree" if self.divergence == "drop" else "an error",
+            hint,
         )
         return None
+
+
+def _check_distinct(name, pool: list) -> None:
+    """Every instance in the pool is its own object: a factory that returns one shared instance (`lambda: env`) would
+    give every tree and every replayed branch the same world, their calls overlapping and their updates lost."""
+    seen: set[int] = set()
+    for instance in pool:
+        if id(instance) in seen:
+            which = "environment_factory" if name is None else f"environment factory {name!r}"
+            raise ValueError(
+                f"The {which} returned the same {type(instance).__name__} instance more than once: every tree's root "
+                "and every replayed branch needs an environment of its own (their calls run concurrently and each "
+                "reset would wipe the others' state). Pass a factory that builds a new instance on each call, e.g. "
+                "the class itself (environment_factory=MyEnv) or `lambda: MyEnv(config)`, not `lambda: env`; state "
+                "that must be shared (a client, a corpus) goes in a module-level object the instances read."
+            )
+        seen.add(id(instance))
 
 
 def _no_fork_message(environment) -> str:
@@ -557,7 +640,8 @@ class TreeEnvironment:
             "its tree before credit and count it in tree/diverged_branches (TreeFlex's searches are not dropped). "
             "Give the environment a fork() method or make its randomness reproducible (`random`, NumPy's or torch's "
             "global generator, or a generator seeded by the row).",
-            ReplayDivergenceWarning, stacklevel=3,
+            ReplayDivergenceWarning,
+            stacklevel=3,
         )
 
 

@@ -211,11 +211,11 @@ class FlexKit:
 
     def any_active(self, flag: bool) -> bool:
         """Whether any rank still has work (a collective on multi-process runs: call it on every rank)."""
-        return self.loop.any_active(flag)
+        return self.loop.ports.any_active(flag)
 
     def generate(self, prefixes: list[list[int]], budgets: list[int]):
         """One batched engine call (one `Continuation` per prefix). Every rank must call it equally often."""
-        return self.loop.engine.generate(prefixes, budgets)
+        return self.loop.ports.engine.generate(prefixes, budgets)
 
     def branch(self, context_ids: list[int], tools: dict[str, Callable], env=None) -> Branch:
         """A new `Branch` (a block to grow with `loop.run`) whose context is `context_ids`."""

@@ -7,14 +7,16 @@ can be copied, a snapshot of it before every turn (so a branch can restart from 
 then; without snapshots it is rebuilt by replaying the recorded calls, see `TreeEnvironment`).
 
 A round of the loop is one batched engine call that continues every ready branch by one turn (or one chunk of it),
-then the tool calls of the turns that ended, all at once (`tool_executor`). On multi-process runs, `any_active` is a
-collective: every rank keeps calling the engine (with nothing, if it has nothing left) until no rank has work, so all
-ranks issue the same number of generate calls. The samplers (`samplers.py`) decide which branches to start and where
-to restart them; this loop only grows them.
+then the tool calls of the turns that ended, all at once (`tool_executor`). What the loop needs of its owner (the
+engine, action parsing, observation ids, the any-rank-active vote, its metrics) is one typed port, `TurnLoopPorts`.
+On multi-process runs, `any_active` is a collective: every rank keeps calling the engine (with nothing, if it has
+nothing left) until no rank has work, so all ranks issue the same number of generate calls. The samplers
+(`samplers.py`) decide which branches to start and where to restart them; this loop only grows them.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 from collections.abc import Callable
@@ -31,10 +33,26 @@ from .env_branching import (
     fork_environment,
     same_random_state,
 )
-from .tool_executor import CallLimits, PlannedCall, ToolExecutor, check_max_concurrent_tool_calls, plan_jobs, wait_for
-from .tools import MAX_OBSERVATION_CHARS, ToolResult, check_tool_execution, error_result, run_tool_call
+from .tool_executor import (
+    CallLimits,
+    PlannedCall,
+    ToolExecutor,
+    advise_on_failing_round,
+    check_max_concurrent_tool_calls,
+    plan_jobs,
+    wait_for,
+)
+from .tools import (
+    MAX_OBSERVATION_CHARS,
+    ToolResult,
+    check_tool_execution,
+    check_tool_timeout,
+    error_result,
+    run_tool_call,
+)
 
 INVALID_TOOL_NAME = "invalid_tool_call"
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -73,6 +91,9 @@ class Branch:
     take_snapshots: bool = False
     diverged_at: int | None = None
     round: int = 0  # the sampling round that created the branch (0: initial trajectories); the tree view shows it
+    # the turn whose call on `env` timed out while it may still run there (its thread was left behind): the branch
+    # ends at that turn, since its environment may change behind the model's back (docs/design.md §5)
+    abandoned_at: int | None = None
 
     @property
     def completion_len(self) -> int:
@@ -200,6 +221,7 @@ class SamplerSettings:
 
     def __post_init__(self):
         check_tool_execution(self.tool_execution)
+        check_tool_timeout(self.tool_timeout)
         check_chunk_tokens(self.chunk_tokens)
         check_max_tool_calls_per_turn(self.max_tool_calls_per_turn)
         check_max_concurrent_tool_calls(self.max_concurrent_tool_calls)
@@ -247,6 +269,54 @@ def check_max_tool_calls_per_turn(cap: int | None) -> None:
         )
 
 
+@dataclass
+class ToolStats:
+    """What the loop's tool calls cost: calls run, seconds the loop stood still waiting for them (with nothing to
+    generate meanwhile), observations dropped for want of room in the trajectory's budget, branches ended because a
+    call on their environment was abandoned at its deadline. Threads stuck in tools are process-wide:
+    `tools.stuck_tool_threads()`."""
+
+    calls: int = 0
+    wait_seconds: float = 0.0
+    dropped_observations: int = 0
+    abandoned_environments: int = 0  # branches ended by a timed-out call still running on their environment
+
+
+@dataclass(frozen=True)
+class TurnLoopPorts:
+    """What the turn loop needs of its owner (a trainer, the agent evaluation, a test), narrowly: built in one place
+    by each owner (`TreeTrainer._build_turn_loop`), as the pipeline's `PipelinePorts` are.
+
+    Attributes:
+        engine: the generation backend (`GenerationEngine`: `generate(prefixes, max_new_tokens)`).
+        parse: `parse(action_ids, prefix_ids) -> assistant message dict` (with `tool_calls` when the action calls
+            tools), e.g. TRL's `parse_response` bound to the tokenizer.
+        observation_ids: `observation_ids(tool_messages) -> token ids` for the tool responses and the next
+            assistant header (TRL's `_get_tool_suffix_ids`).
+        any_active: `any_active(local_flag) -> bool`, the vote across ranks on whether any still has work (a
+            collective on multi-process runs; this process's own flag on one).
+        tool_stats: the loop's metrics, what its tool calls cost, counted here for the owner to read.
+        event_loop: where async tools run (GRPOTrainer's `async_loop`); None: a new event loop per call.
+    """
+
+    engine: GenerationEngine
+    parse: Callable[[list[int], list[int]], dict]
+    observation_ids: Callable[[list[dict]], list[int]]
+    any_active: Callable[[bool], bool] = lambda flag: flag
+    tool_stats: ToolStats = field(default_factory=ToolStats)
+    event_loop: Any = None
+
+    def __post_init__(self):
+        if not callable(getattr(self.engine, "generate", None)):
+            raise TypeError(
+                f"TurnLoopPorts.engine must be a generation backend with `generate(prefixes, max_new_tokens)` "
+                f"(trl_tree.rollout.engine.GenerationEngine); got {type(self.engine).__name__}."
+            )
+        for name in ("parse", "observation_ids", "any_active"):
+            if not callable(getattr(self, name)):
+                raise TypeError(f"TurnLoopPorts.{name} must be callable; got {type(getattr(self, name)).__name__}.")
+
+
 class TurnLoop:
     """Continues branches one turn at a time: generate, parse tool calls, run them, append the observation.
 
@@ -259,44 +329,51 @@ class TurnLoop:
     tools' timing. Calls on a branch's stateful environment always complete within their round (see `_run_round`).
 
     Args:
-        engine: the generation backend.
-        parse: `parse(action_ids, prefix_ids) -> assistant message dict` (with `tool_calls` when the action calls
-            tools), e.g. TRL's `parse_response` bound to the tokenizer.
-        observation_ids: `observation_ids(tool_messages) -> token ids` for the tool responses and the next
-            assistant header (TRL's `_get_tool_suffix_ids`).
-        any_active: `any_active(local_flag) -> bool` across ranks (identity on one process).
+        ports: what the loop needs of its owner (`TurnLoopPorts`: the engine, action parsing, observation ids, the
+            any-rank-active vote, the metrics it counts into, the event loop of async tools).
         settings: budgets and tool limits.
-        event_loop: where async tools run (GRPOTrainer's `async_loop`); None: a new event loop per call.
     """
 
-    def __init__(
-        self,
-        engine: GenerationEngine,
-        parse: Callable[[list[int], list[int]], dict],
-        observation_ids: Callable[[list[dict]], list[int]],
-        settings: SamplerSettings,
-        any_active: Callable[[bool], bool] = lambda flag: flag,
-        event_loop=None,
-    ):
-        self.engine = engine
-        self.parse = parse
-        self.observation_ids = observation_ids
+    def __init__(self, ports: TurnLoopPorts, settings: SamplerSettings):
+        if not isinstance(ports, TurnLoopPorts):
+            raise TypeError(
+                f"TurnLoop takes its owner's ports as one TurnLoopPorts(engine=..., parse=..., observation_ids=...) "
+                f"and then its SamplerSettings; got {type(ports).__name__} for the ports."
+            )
+        if not isinstance(settings, SamplerSettings):
+            raise TypeError(f"TurnLoop's settings must be a SamplerSettings; got {type(settings).__name__}.")
+        self.ports = ports
         self.settings = settings
-        self.any_active = any_active
-        self.event_loop = event_loop
         self.executor = ToolExecutor(settings.max_concurrent_tool_calls) if settings.concurrent_tools else None
-        self.tool_stats = ToolStats()
         self._waiting: list[_ToolRequest] = []  # requests in flight while generation goes on (chunked rounds)
         # per environment class, whether its calls were seen drawing from the global random generators (absent: not
         # known yet). Such calls run one at a time, so that replay knows the random state each ran with (`_run_round`)
         self._environment_draws: dict[type, bool] = {}
+        self._blocks_checked: set[str] = set()  # tools whose content blocks were rendered once (`_check_blocks_render`)
+
+    @property
+    def tool_stats(self) -> ToolStats:
+        """What the loop's tool calls cost so far (`ports.tool_stats`)."""
+        return self.ports.tool_stats
+
+    def close(self) -> None:
+        """Stop the tool pool's threads (`ToolExecutor.close`). Whoever builds a loop closes it when done with it, on
+        every exit path (`with TurnLoop(...) as loop:`); a closed loop may still run, restarting its pool."""
+        if self.executor is not None:
+            self.executor.close()
+
+    def __enter__(self) -> TurnLoop:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def run_call(self, call: dict, tools: dict[str, Callable]) -> ToolResult:
         """Run one parsed tool call with the loop's limits and execution mode (replay re-runs recorded calls through
         this too, so a replayed call runs exactly as the original did)."""
         s = self.settings
         execution = s.tool_execution if not s.concurrent_tools else "thread"
-        return run_tool_call(call, tools, s.tool_timeout, s.max_observation_chars, execution, self.event_loop)
+        return run_tool_call(call, tools, s.tool_timeout, s.max_observation_chars, execution, self.ports.event_loop)
 
     def run(
         self,
@@ -318,7 +395,7 @@ class TurnLoop:
                     branches.extend(hook(branch))
 
         self._waiting = []
-        while self.any_active(any(not b.done for b in branches)):
+        while self.ports.any_active(any(not b.done for b in branches)):
             while self._waiting and not self._ready(branches):  # nothing to generate: wait for a tool to land
                 completed(self._collect(block=True))
             completed(self.step([b for b in branches if not b.done]))
@@ -342,9 +419,9 @@ class TurnLoop:
         """
         ready = self._ready(active)
         budgets = [self._turn_budget(b) for b in ready]
-        chunk = self.settings.chunk_tokens if getattr(self.engine, "resumes_turns", False) else None
+        chunk = self.settings.chunk_tokens if getattr(self.ports.engine, "resumes_turns", False) else None
         asked = budgets if chunk is None else [min(budget, chunk) for budget in budgets]
-        outputs = self.engine.generate([b.prefix_ids for b in ready], asked)
+        outputs = self.ports.engine.generate([b.prefix_ids for b in ready], asked)
         ended: list[tuple[Branch, _ToolRequest | None]] = []
         for branch, out, budget, n in zip(ready, outputs, budgets, asked):
             if n < budget and not out.finished and len(out.ids) == n:  # cut by the chunk, not a budget: goes on
@@ -392,7 +469,7 @@ class TurnLoop:
             branch.snapshots.append(_snapshot(branch) if needed else None)
         # A backend that returns no token (no EOS either) gives an empty action: TRL's response parser fails on it,
         # so it is an empty assistant message without tool calls, which ends the trajectory (scored like any leaf).
-        message = (self.parse(ids, branch.prefix_ids[: branch.turn_starts[-1]]) if ids  # the whole assistant turn
+        message = (self.ports.parse(ids, branch.prefix_ids[: branch.turn_starts[-1]]) if ids  # the whole assistant turn
                    else {"role": "assistant", "content": ""})
         calls = message.get("tool_calls") or []
         malformed = not calls and bool(branch.tools) and _looks_like_tool_call(message)
@@ -444,14 +521,14 @@ class TurnLoop:
             return
         for order, request in enumerate(requests):
             request.order = order
-        self.tool_stats.calls += sum(len(r.calls) for r in requests)
+        self.ports.tool_stats.calls += sum(len(r.calls) for r in requests)
         serial = [r for r in requests if self._one_at_a_time(r)]
         drew: dict[type, bool] = {}
         start = time.monotonic()
         for request in serial:
             cls = type(request.branch.env)
             drew[cls] = self._run_serially(request) or drew.get(cls, False)
-        self.tool_stats.wait_seconds += time.monotonic() - start  # the loop stands still while they run
+        self.ports.tool_stats.wait_seconds += time.monotonic() - start  # the loop stands still while they run
         if self.executor is not None:  # environments seen drawing stay serial; the others join the pool
             for cls, did in drew.items():
                 self._environment_draws[cls] = self._environment_draws.get(cls, False) or did
@@ -460,7 +537,7 @@ class TurnLoop:
         if pooled:
             environments = [r.branch.env for r in pooled]
             state = capture_random_state() if any(env is not None for env in environments) else None
-            limits = CallLimits(self.settings.tool_timeout, self.settings.max_observation_chars, self.event_loop)
+            limits = CallLimits(self.settings.tool_timeout, self.settings.max_observation_chars, self.ports.event_loop)
             jobs, where = plan_jobs([r.calls for r in pooled], environments, limits)
             for request, slots in zip(pooled, where):
                 request.slots, request.random_state = slots, state
@@ -470,6 +547,7 @@ class TurnLoop:
             self._wait([job for r in now for job, _ in r.slots])
             if state is not None and not same_random_state(state, capture_random_state()):
                 self._environment_calls_drew_randomness(now)
+            advise_on_failing_round([result for r in now for result in r.gathered()])
         self._attach_in_order(serial + now)
 
     def _one_at_a_time(self, request: _ToolRequest) -> bool:
@@ -501,7 +579,7 @@ class TurnLoop:
         try:
             wait_for(jobs, self.executor, first=first)
         finally:
-            self.tool_stats.wait_seconds += time.monotonic() - start
+            self.ports.tool_stats.wait_seconds += time.monotonic() - start
 
     def _collect(self, block: bool) -> list[Branch]:
         """Attach the results of requests in flight that have landed (`block`: wait for one first, as no branch can
@@ -545,16 +623,48 @@ class TurnLoop:
             ran = zip(request.calls, results, states)
             branch.env_calls += [RecordedCall(request.t, p.call, r.content, r.failed, state) for p, r, state in ran]
         self._record_tool_results(branch, turn, results)
+        if branch.env is not None and any(r.abandoned for r in results):
+            self._abandon_environment(branch, request.t)
+            return
         # the model sees each message cut at max_observation_chars; the conversation keeps the full content
-        obs = self.observation_ids([r.observation_message for r in results])
+        obs = self.ports.observation_ids([r.observation_message for r in results])
+        self._check_blocks_render(results)
         if branch.completion_len + len(obs) >= self.settings.max_completion_length:
             branch.done = True  # no room for the answer: end here, as TRL drops overlong tool results
             turn.observation_dropped = True
-            self.tool_stats.dropped_observations += 1
+            self.ports.tool_stats.dropped_observations += 1
             return
         turn.observation_ids = list(obs)
         branch.messages.extend(r.message for r in results)
         branch.prefix_ids = branch.prefix_ids + list(obs)
+
+    def _check_blocks_render(self, results: list[ToolResult]) -> None:
+        """Content blocks reach the chat template as they are (GRPOTrainer's rule), and some templates render them as
+        nothing (Qwen3's shows an empty `<tool_response>`): the model would read nothing and no call would count as
+        failed. Checked once per tool, by rendering its blocks against an empty message; said in a warning."""
+        for result in results:
+            if not isinstance(result.observation, list) or result.name in self._blocks_checked:
+                continue
+            self._blocks_checked.add(result.name)
+            empty = {**result.observation_message, "content": ""}
+            if self.ports.observation_ids([result.observation_message]) == self.ports.observation_ids([empty]):
+                logger.warning(
+                    "Tool %s returned content blocks (a list of dicts with a \"type\"), which the chat template "
+                    "renders to nothing: the model reads an empty tool response. Return a str (or a value whose str() "
+                    "the model should read) instead.", result.name,
+                )
+
+    def _abandon_environment(self, branch: Branch, t: int) -> None:
+        """A call on the branch's environment timed out and its thread was left running it: the instance may change
+        behind the model's back for as long as that call runs. The branch ends at turn t (like a dropped observation,
+        without the answer, so the model is never shown a world it did not see change), counted in `tool_stats` and
+        the trainers' `tools/abandoned_environments`; the instance leaves the environment pool, so no later batch
+        resets it under the call (the pool makes a new one)."""
+        branch.done = True
+        branch.abandoned_at = t
+        self.ports.tool_stats.abandoned_environments += 1
+        if branch.environment is not None:
+            branch.environment.pool.retire(branch.env)
 
     def _record_tool_results(self, branch: Branch, turn: Turn, results) -> None:
         """Count the turn's tool calls and failures, and put the process penalty on the turn that made them."""
@@ -562,16 +672,6 @@ class TurnLoop:
         branch.calls_per_turn[-1] = len(results)
         branch.failures_per_turn[-1] = failures
         turn.penalty = self.settings.failure_penalty * failures
-
-
-@dataclass
-class ToolStats:
-    """What the loop's tool calls cost: calls run, seconds the loop stood still waiting for them (with nothing to
-    generate meanwhile), observations dropped for want of room in the trajectory's budget."""
-
-    calls: int = 0
-    wait_seconds: float = 0.0
-    dropped_observations: int = 0
 
 
 @dataclass(eq=False)

@@ -27,6 +27,27 @@ SELECTING_ARGUMENTS = ("reward_funcs", "reward_model_name_or_path", "tools", "en
 HOTPOT_DATASET = "hotpotqa/hotpot_qa"
 
 
+# The offline tiny model (`trl_tree.testing.tiny_model_path()`: a 2-layer Qwen3 built locally, no download) by a name
+# the command line takes, `--model_name_or_path tiny`, in both forms; a local folder of that name still wins.
+TINY_MODEL_NAME = "tiny"
+
+
+def is_tiny_model_name(name: str | None) -> bool:
+    """Whether `name` is `TINY_MODEL_NAME` and not a local folder: the offline tiny model."""
+    from pathlib import Path
+
+    return name == TINY_MODEL_NAME and not Path(name).exists()
+
+
+def resolve_model_name(name: str | None) -> str | None:
+    """`name`, or the folder of the offline tiny model (built on first use) when `name` is `TINY_MODEL_NAME`."""
+    if not is_tiny_model_name(name):
+        return name
+    from trl_tree.testing import tiny_model_path
+
+    return tiny_model_path()
+
+
 class NoRewardError(ValueError):
     """User data named without a reward, tools or an environment (see the module docstring)."""
 

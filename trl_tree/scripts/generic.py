@@ -37,7 +37,10 @@ from typing import Any
 
 from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
 
-from trl_tree.scripts import SELECTING_ARGUMENTS  # noqa: F401  (its fields that select it: `script_for`)
+from trl_tree.scripts import (
+    SELECTING_ARGUMENTS,  # noqa: F401  (its fields that select it: `script_for`)
+    resolve_model_name,
+)
 from trl_tree.scripts.hotpot import machine_defaults, method_config, trainer_class_for
 
 # local data files, by suffix: the `datasets` builder that reads them
@@ -95,9 +98,13 @@ def prepared_parser(method: str, argv: list[str], prog: str | None = None) -> Tr
 
 
 def parse_args(method: str = "treeopsd", argv: list[str] | None = None, prog: str | None = None):
-    """(script_args, training_args, model_args, dataset_args) from the command line and `--config`."""
+    """(script_args, training_args, model_args, dataset_args) from the command line and `--config`; the model
+    `tiny` is the offline tiny model's folder (`trl_tree.scripts.resolve_model_name`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    return prepared_parser(method, argv, prog=prog).parse_args_and_config(argv)
+    parsed = prepared_parser(method, argv, prog=prog).parse_args_and_config(argv)
+    script_args, training_args, model_args, dataset_args = parsed
+    model_args.model_name_or_path = resolve_model_name(model_args.model_name_or_path)
+    return script_args, training_args, model_args, dataset_args
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -166,13 +173,62 @@ def reward_function(name: str):
 def load_reward_funcs(script_args: TreeScriptArguments) -> list:
     """The reward model (by name, loaded by the trainer) and the reward functions, in that order."""
     rewards: list = [script_args.reward_model_name_or_path] if script_args.reward_model_name_or_path else []
-    rewards += [reward_function(name) for name in script_args.reward_funcs or []]
+    functions = [reward_function(name) for name in script_args.reward_funcs or []]
+    problem = reward_dependency_problems(list(script_args.reward_funcs or []), functions)
+    if problem is not None:
+        raise ValueError(problem)
+    rewards += functions
     if not rewards:
         raise ValueError(
             "No reward: give --reward_funcs (TRL's short names such as accuracy_reward, or import paths of reward "
             "functions) and/or --reward_model_name_or_path."
         )
     return rewards
+
+
+REWARDS_EXTRA = "trl-tree[rewards]"  # pyproject.toml: the packages TRL's own reward functions import when called
+
+
+def missing_packages(function) -> list[str]:
+    """The modules `function` checks for with an `is_<module>_available()` helper that report False: the convention
+    of TRL and transformers for optional dependencies (`accuracy_reward` calls `is_math_verify_available()` and raises
+    ImportError only when first called, after the launch and the model load). Nested functions' code is searched too;
+    a callable object is read through its `__call__`."""
+    target = function if hasattr(function, "__code__") else type(function).__call__
+    code, namespace = getattr(target, "__code__", None), getattr(target, "__globals__", {})
+    if code is None:
+        return []
+    names, todo = set(), [code]
+    while todo:
+        current = todo.pop()
+        names |= set(current.co_names)
+        todo += [c for c in current.co_consts if hasattr(c, "co_names")]
+    missing = []
+    for name in sorted(names):
+        check = namespace.get(name)
+        if not (name.startswith("is_") and name.endswith("_available") and callable(check)):
+            continue
+        try:
+            available = check()
+        except Exception:  # noqa: BLE001 - a check that cannot answer is not evidence of a missing package
+            continue
+        if available is False:
+            missing.append(name.removeprefix("is_").removesuffix("_available"))
+    return missing
+
+
+def reward_dependency_problems(names: list[str], rewards: list) -> str | None:
+    """The named reward functions whose optional dependencies are not installed (`missing_packages`), with the pip
+    line that installs them; None when every one can run. Checked before the launch, where the error otherwise came
+    21 s later, from the first reward call, under accelerate's traceback."""
+    problems = []
+    for name, function in zip(names, rewards, strict=True):
+        for module in missing_packages(function):
+            problems.append(f"--reward_funcs {name} needs the package `{module}`, which is not installed: "
+                            f"pip install {module.replace('_', '-')}")  # fmt: skip
+    if not problems:
+        return None
+    return "; ".join(problems) + f' (or pip install "{REWARDS_EXTRA}", which brings what TRL\'s rewards need).'
 
 
 def load_tools(script_args: TreeScriptArguments) -> list | None:
@@ -233,11 +289,13 @@ def _local_data_is_conversational(script_args: TreeScriptArguments, dataset_args
 
     try:
         if path.is_file():
-            data = load_dataset(_FILE_BUILDERS[path.suffix], data_files={"train": str(path)}, split="train",
-                                streaming=True)
+            data = load_dataset(
+                _FILE_BUILDERS[path.suffix], data_files={"train": str(path)}, split="train", streaming=True
+            )
         else:
-            data = load_dataset(str(path), name=script_args.dataset_config, split=script_args.dataset_train_split,
-                                streaming=True)
+            data = load_dataset(
+                str(path), name=script_args.dataset_config, split=script_args.dataset_train_split, streaming=True
+            )
         row = next(iter(data), None)
     except Exception:  # noqa: BLE001 - data that does not read is the launched script's to report, as before
         return None
@@ -246,7 +304,10 @@ def _local_data_is_conversational(script_args: TreeScriptArguments, dataset_args
 
 def _require_model_and_data(script_args: TreeScriptArguments, model_args: ModelConfig, dataset_args) -> None:
     if model_args.model_name_or_path is None:
-        raise ValueError("--model_name_or_path is required: the Hub id or local folder of the policy to train.")
+        raise ValueError(
+            "--model_name_or_path is required: the Hub id or local folder of the policy to train (`tiny`: the "
+            "offline 2-layer Qwen3 of trl_tree.testing, for trying a command without a download)."
+        )
     if script_args.dataset_name is None and not dataset_args.datasets:
         raise ValueError(
             "No data: give --dataset_name (a Hub id, a folder or a data file) or `datasets:` in --config."

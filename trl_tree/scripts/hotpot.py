@@ -200,7 +200,10 @@ def _checkpointing_key_for_this_transformers(recipe: dict[str, Any]) -> dict[str
     recipe uses the new name, read as the old one where the installed transformers (>= 5.2 is supported) lacks it."""
     from transformers import TrainingArguments
 
-    if "activation_checkpointing" in recipe and "activation_checkpointing" not in TrainingArguments.__dataclass_fields__:
+    if (
+        "activation_checkpointing" in recipe
+        and "activation_checkpointing" not in TrainingArguments.__dataclass_fields__
+    ):
         recipe["gradient_checkpointing"] = recipe.pop("activation_checkpointing")
     return recipe
 
@@ -253,11 +256,14 @@ def make_parser(method: str = "treeopsd", prog: str | None = None) -> TrlParser:
 def _wants_offline(argv: list[str]) -> bool:
     """Peek at the data, model and `offline_defaults` arguments (command line and `--config`) without building the
     training config, whose validation depends on the defaults still to be chosen."""
+    from trl_tree.scripts import is_tiny_model_name
+
     peek = TrlParser((HotpotScriptArguments, ModelConfig))
     script_args, model_args, _ = peek.parse_args_and_config(argv, return_remaining_strings=True)
     if script_args.offline_defaults is not None:
         return script_args.offline_defaults
-    return script_args.dataset_name is None and model_args.model_name_or_path is None
+    model = model_args.model_name_or_path
+    return script_args.dataset_name is None and (model is None or is_tiny_model_name(model))
 
 
 def prepared_parser(method: str, argv: list[str], prog: str | None = None) -> TrlParser:
@@ -274,9 +280,14 @@ def prepared_parser(method: str, argv: list[str], prog: str | None = None) -> Tr
 
 def parse_args(method: str = "treeopsd", argv: list[str] | None = None, prog: str | None = None):
     """(script_args, training_args, model_args) from the command line and `--config`, over the defaults of
-    `prepared_parser`."""
+    `prepared_parser`. The model `tiny` is the offline default's tiny model, as if none were named."""
+    from trl_tree.scripts import is_tiny_model_name
+
     argv = list(sys.argv[1:] if argv is None else argv)
-    return prepared_parser(method, argv, prog=prog).parse_args_and_config(argv)
+    script_args, training_args, model_args = prepared_parser(method, argv, prog=prog).parse_args_and_config(argv)
+    if is_tiny_model_name(model_args.model_name_or_path):
+        model_args.model_name_or_path = None  # `_model_path` gives the tiny model, and the summary says it is
+    return script_args, training_args, model_args
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -335,17 +346,19 @@ def stop_retrieval_servers() -> None:
         _OWN_SERVERS.pop().stop()
 
 
-def build_retriever(script_args: HotpotDataArguments, examples: list[dict]):
-    """The retriever behind the search tool (see `HotpotScriptArguments.retriever`)."""
+def build_retriever(script_args: HotpotDataArguments, examples: list[dict], deadline: float | None = None):
+    """The retriever behind the search tool (see `HotpotScriptArguments.retriever`). `deadline`: the seconds a remote
+    search may take, retries included (the trainer's `tool_timeout`: past it nobody waits for the search)."""
     from trl_tree.envs import BM25Retriever, DenseRetriever, RemoteRetriever, build_corpus, load_corpus
 
     if script_args.retriever in ("remote", "server"):
-        url = script_args.retriever_url
+        url, server = script_args.retriever_url, None
         if script_args.retriever == "server":
-            url = start_retrieval_server(script_args, examples).url
+            server = start_retrieval_server(script_args, examples)
+            url = server.url
         # One search now: without it a missing server shows only after the model has loaded, as searches that all
-        # fail (and, past the retriever's failure rate, a stopped run).
-        retriever = RemoteRetriever(url)
+        # fail (and then a stopped run). A server of our own is polled before every search: its exit stops the run.
+        retriever = RemoteRetriever(url, deadline=deadline, server=server)
         try:
             retriever.check()
         except ConnectionError as e:
@@ -367,7 +380,7 @@ def build_search_tool(script_args: HotpotScriptArguments, training_args, example
     from trl_tree.envs.hotpot import DEFAULT_MAX_CHARS
 
     return make_search_tool(
-        build_retriever(script_args, examples),
+        build_retriever(script_args, examples, deadline=training_args.tool_timeout),
         topk=script_args.topk,
         max_chars=training_args.max_observation_chars or DEFAULT_MAX_CHARS,
         long_query=script_args.long_query,
@@ -421,8 +434,10 @@ def describe_reward_curve(curve: list[float]) -> str:
     third = -(-len(curve) // 3)  # rounded up: 4 points give halves, not a single first and last point
     first, last = sum(curve[:third]) / third, sum(curve[-third:]) / third
     shown = f": {points}" if len(curve) <= 24 else f" ({len(curve)} logged steps)"
-    return (f"training reward{shown}; mean of the first third {first:.3f}, of the last third {last:.3f} "
-            f"({last - first:+.3f})")
+    return (
+        f"training reward{shown}; mean of the first third {first:.3f}, of the last third {last:.3f} "
+        f"({last - first:+.3f})"
+    )
 
 
 def tree_view_index(output_dir: str) -> str | None:
@@ -667,7 +682,9 @@ def _print_summary(summary: dict[str, Any]) -> None:
                 )
         if prefix + "before" in summary and prefix + "after" in summary:
             before, after = summary[prefix + "before"], summary[prefix + "after"]
-            lines.append(f"EM change on the same {what} questions: {after['exact_match'] - before['exact_match']:+.3f}")
+            lines.append(
+                f"EM change on the same {what} questions: {after['exact_match'] - before['exact_match']:+.3f}"
+            )
             if after["format_rate"] < before["format_rate"] - 0.05:
                 lines.append(
                     f"note: fewer {what} answers are well-formed after training ({before['format_rate']:.2f} -> "
@@ -682,8 +699,10 @@ def _print_summary(summary: dict[str, Any]) -> None:
         )
     lines.append(f"model saved to {summary['output_dir']} ({summary['seconds']:.0f}s in all)")
     if summary.get("tree_view"):
-        lines.append(f"rollout trees: open {summary['tree_view']} in a browser "
-                     f"(`trl-tree view {summary['output_dir']}` renders them again)")
+        lines.append(
+            f"rollout trees: open {summary['tree_view']} in a browser "
+            f"(`trl-tree view {summary['output_dir']}` renders them again)"
+        )
     print("\n".join(lines), flush=True)
 
 

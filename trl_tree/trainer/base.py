@@ -15,7 +15,7 @@ prompt rendering and environments, TRL's reward computation, the model's forward
 collaborators built in `__init__` from what they read (TRL's private names reached only through `trl_internals`,
 here): `prompts.PromptRenderer` (render and check the prompts, parse a turn after them),
 `environments.RootEnvironments` (the environment pool, resets, a root's tools) and `scoring.LeafScorer` (TRL's
-reward computation on every leaf, padded per rank; this class sets `environments` for TRL); `generation_logging`
+reward computation on every leaf, padded per rank, the leaves' environments with them); `generation_logging`
 (the generation metrics) is still a mixin; the generation backends get their ports from `engine_ports`.
 
 The configuration chooses the sampler, the credit and the loss independently from the method table
@@ -37,14 +37,16 @@ from ..batch import LossInputs, TurnCredit
 from ..packing import attend_tree_rows_by_chains, unwrap_model
 from ..rollout.engine import HFEngine
 from ..rollout.samplers import TreeRoot
-from ..rollout.turn_loop import SamplerSettings, TurnLoop
+from ..rollout.turn_loop import SamplerSettings, TurnLoop, TurnLoopPorts
 from ..tree import RolloutTree
 from ..tree_unit import TreeUnits
-from . import collaborators, components, engine_ports, model_card, prompt_loading, resume
+from . import async_rollouts, collaborators, components, engine_ports, model_card, prompt_loading, resume
 from . import metrics as tree_metrics
 from .config import TreeConfig, TreeTrainerConfig
 from .environments import hide_fork
 from .generation_logging import GenerationLogging
+from .prompts import check_dataset_prompts, warn_unseen_tools
+from .run_lock import holds_output_dir
 from .scoring import check_completion_formats, guarded_reward_funcs
 from .tree_view_logging import TreeViewRecorder
 
@@ -79,13 +81,19 @@ class TreeTrainer(GenerationLogging, GRPOTrainer):
             )
         trl_internals.check_installed()  # a TRL release that renamed what we build on fails here, with the names
         datasets = [("train_dataset", kwargs.get("train_dataset")), ("eval_dataset", kwargs.get("eval_dataset"))]
+        # every row's prompt shape, before anything reads a row (`prompts.check_dataset_prompts`)
+        check_dataset_prompts(
+            type(self).__name__, datasets, owns_prompts=kwargs.get("environment_factory") is not None
+        )
         check_completion_formats(type(self).__name__, reward_funcs, datasets)
+        warn_unseen_tools(type(self).__name__, datasets, kwargs.get("tools"))
         super().__init__(model, reward_funcs, args=args, **kwargs)
         if self._forwards_tree_rows():  # sdpa -> tree_sdpa: a tree row's visible pairs only
             attend_tree_rows_by_chains(self.model)
         # The dataloader yields prompts, one tree each: a micro-batch of per_device_train_batch_size trajectories of
         # budget is per_device_train_batch_size / G trees (GRPO's micro-batch holds the same prompts, G times each).
         trl_internals.set_train_batch_size(self, args.trees_per_micro_batch)
+        self.add_callback(resume.TrainBatchSizeInState())  # the state records the arguments' batch size, not trees
         components.check_enough_prompts(args, self.train_dataset)
         self._resize_completion_logs(args.prompts_per_generation * args.leaves_per_tree)
         if self.environment_factories is not None:
@@ -109,6 +117,10 @@ class TreeTrainer(GenerationLogging, GRPOTrainer):
         self._completions_shown_at: int | None = None  # the step whose completions table `log` last showed
         if self._tree_view is not None:
             self.add_callback(self._tree_view)
+        # max_staleness > 0: a rollout worker grows the next generation batches while this one trains
+        self._async_rollouts: async_rollouts.AsyncRollouts | None = None
+        if args.max_staleness > 0:
+            async_rollouts.use_rollout_worker(self, args.max_staleness)
 
     # ---------------------------------------------------------------- set-up
 
@@ -145,16 +157,22 @@ class TreeTrainer(GenerationLogging, GRPOTrainer):
         (`trl_tree.methods.needs_entropies`)."""
         return methods.needs_entropies(self.args)
 
-    def _build_turn_loop(self) -> TurnLoop:
+    def _build_turn_loop(self, engine=None) -> TurnLoop:
+        """The turn loop the sampler grows trees with; `engine` (the rollout worker's) instead of this trainer's."""
         settings = SamplerSettings.from_config(self.args, max_completion_length=self.max_completion_length)
-        return TurnLoop(
-            engine=_EngineProxy(self),
+        return TurnLoop(self.turn_loop_ports(engine), settings)
+
+    def turn_loop_ports(self, engine=None) -> TurnLoopPorts:
+        """The turn loop's narrow view of this trainer, built here only: the generation backend (this trainer's,
+        looked up per call, or `engine`), TRL's action parsing and observation rendering, the vote across ranks on
+        whether any still has work, and GRPOTrainer's event loop for async tools."""
+        return TurnLoopPorts(
+            engine=_EngineProxy(self) if engine is None else engine,
             parse=self._parse_action,
             # tool and environment text is untrusted: its control strings are tokenized as text by default
             observation_ids=functools.partial(
                 trl_internals.tool_suffix_ids, self, special_tokens=self.args.observation_special_tokens
             ),
-            settings=settings,
             any_active=self._any_rank_active,
             event_loop=getattr(self, "async_loop", None),  # GRPOTrainer starts it when a tool is async
         )
@@ -185,7 +203,10 @@ class TreeTrainer(GenerationLogging, GRPOTrainer):
         generate_every = self.args.steps_per_generation * self.num_iterations
         step = trl_internals.micro_step(self)
         if step % generate_every == 0 or trl_internals.buffered_inputs(self) is None:
-            batches = self._generate_micro_batches(generation_batch, self.args.steps_per_generation)
+            if self._async_rollouts is not None:  # grown ahead by the rollout worker (`async_rollouts`)
+                batches = self._async_rollouts.micro_batches(generation_batch)
+            else:
+                batches = self._generate_micro_batches(generation_batch, self.args.steps_per_generation)
             trl_internals.set_buffered_inputs(self, batches)
         return trl_internals.buffered_inputs(self)[step % self.args.steps_per_generation]
 
@@ -211,7 +232,8 @@ class TreeTrainer(GenerationLogging, GRPOTrainer):
         """Algorithm 1's generation phase (`trl_tree.pipeline.generation_batch`) with this trainer's unit and ports:
         grow and score one unit per prompt, then pack, recompute π_old and compute credit per micro-batch; logged."""
         mode = "train" if self.model.training else "eval"
-        result = pipeline.generation_batch(self.rollout_unit(mode), self.pipeline_ports(), inputs, num_chunks)
+        with async_rollouts.generation_turn(self):  # evaluation takes turns with a rollout worker
+            result = pipeline.generation_batch(self.rollout_unit(mode), self.pipeline_ports(), inputs, num_chunks)
         self._log_generation(mode, result)
         return result.batches
 
@@ -234,7 +256,6 @@ class TreeTrainer(GenerationLogging, GRPOTrainer):
         return TreeUnits(
             self.sampler, self.generation_engine, trl_internals.tokenizer(self).pad_token_id, self.args.packing,
             unwrap_model(self.model).config, self.mask_truncated_completions,
-            note=lambda name, value: trl_internals.metrics(self, mode)[name].append(value),
         )
 
     def pipeline_ports(self) -> pipeline.PipelinePorts:
@@ -254,9 +275,13 @@ class TreeTrainer(GenerationLogging, GRPOTrainer):
     def _prepare_roots(self, inputs):
         """The pipeline's `prepare` port: per row, its prompt (`prompts.PromptRenderer`), its environment reset
         (`environments.RootEnvironments`; its tools and state are the tree's root) and the rendered prompt ids."""
-        prompts = self.prompt_renderer.dataset_prompts(inputs)
         if self._tree_view is not None:  # the tree view shows each prompt's question and gold answer from its row
             self._tree_view.note_rows(inputs)
+        return self._rollout_roots(inputs)
+
+    def _rollout_roots(self, inputs):
+        """`_prepare_roots` without the tree view's note (the rollout worker's port: its batch is logged later)."""
+        prompts = self.prompt_renderer.dataset_prompts(inputs)
         envs, handles = self.root_environments.reset(inputs, prompts)
         prompt_ids = self.prompt_renderer.render_prompts(prompts)
         roots = [
@@ -266,10 +291,9 @@ class TreeTrainer(GenerationLogging, GRPOTrainer):
         return prompts, roots
 
     def _score_leaves(self, inputs, prompts, branches_per_tree) -> pipeline.LeafScores:
-        """The pipeline's `score` port (`scoring.LeafScorer`): TRL's reward functions on every leaf, with the leaves'
-        environments as TRL reads them (`self.environments`)."""
+        """The pipeline's `score` port (`scoring.LeafScorer`): TRL's reward functions on every leaf, the leaves'
+        environments handed to the reward computation with their rows (`trl_internals.calculate_rewards`)."""
         rows = self.scorer.leaf_rows(inputs, prompts, branches_per_tree)
-        self.environments = rows.envs if self.environment_factories is not None else None
         mode = "train" if self.model.training else "eval"
         return self.scorer.score(rows, branches_per_tree, mode)
 
@@ -311,10 +335,24 @@ class TreeTrainer(GenerationLogging, GRPOTrainer):
 
     # ---------------------------------------------------------------- checkpoints
 
+    @holds_output_dir  # one run per output_dir (`run_lock`)
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
-        """transformers' `train`, resuming only from a complete checkpoint (`resume.checkpoint_to_resume`)."""
+        """transformers' `train`, resuming only from a complete checkpoint (`resume.checkpoint_to_resume`); a rollout
+        worker's session ends with it, on every path (`async_rollouts`)."""
         checkpoint = resume.checkpoint_to_resume(resume_from_checkpoint, self.args.output_dir)
-        return super().train(checkpoint, *args, **kwargs)
+        try:
+            return super().train(checkpoint, *args, **kwargs)
+        finally:
+            if self._async_rollouts is not None:
+                self._async_rollouts.close()
+            self._turn_loop.close()  # the tool pool's threads stop with training (a later call starts new ones)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """transformers' micro-batches of one optimizer step; with a rollout worker, read from the epoch iterator
+        wrapped so the worker can read the next generation batches' rows ahead, in the loop's order."""
+        if self._async_rollouts is not None:
+            epoch_iterator = self._async_rollouts.read_ahead(epoch_iterator)
+        return super().get_batch_samples(epoch_iterator, num_batches, device)
 
     def end(self) -> None:
         """transformers' `end` (finish the trackers, destroy the process group), in order: every process waits for
@@ -325,6 +363,9 @@ class TreeTrainer(GenerationLogging, GRPOTrainer):
         left to interpreter exit: 1 two-process run in 20 ended with SIGABRT ("terminate called without an active
         exception") after training had succeeded. transformers before 5.18 has no `Trainer.end`; Accelerate's
         `end_training` is what it calls."""
+        turn_loop = getattr(self, "_turn_loop", None)  # None: `__init__` failed before building it
+        if turn_loop is not None:
+            turn_loop.close()
         self.accelerator.wait_for_everyone()
         self.model_wrapped = self.model  # the DDP / DeepSpeed wrapper and, with it, the reducer's gloo work
         self.accelerator.free_memory()

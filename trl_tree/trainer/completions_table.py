@@ -10,12 +10,17 @@ is shown once, on its first printed row, with the system prompt cut to its start
 `MAX_MESSAGE_CHARS` and each tool call is on a line of its own; the tree column describes the tree on the first
 printed row of each tree, so "the tree above" is always printed above. What is saved and sent to the trackers
 (GRPOTrainer's parquet file, W&B, Trackio) keeps every row in full.
+
+Off a terminal (a log file, CI, `| tee`) rich renders the table at 80 columns, one word a line: about 580 of the
+HotpotQA job's 620 lines (issue 59). There each printed row is one line instead (`compact_lines`: the tree, the
+rewards, the advantage, the prompt once per tree and the completion, each cut), then where the tree pages are.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import sys
 from dataclasses import dataclass
 
 from ..text import shorten
@@ -153,3 +158,40 @@ def _cut(text: str, n: int) -> str:
 
 def _is_messages(value) -> bool:
     return isinstance(value, list) and all(isinstance(m, dict) for m in value)
+
+
+COMPACT_FIELD_CHARS = 160  # a prompt's or completion's text on a compact line
+
+
+def stdout_is_terminal() -> bool:
+    """Whether the console is a terminal (the table), else a log (`compact_lines`)."""
+    return sys.stdout.isatty()
+
+
+def compact_lines(table: Table, step: int) -> list[str]:
+    """The prepared rows off a terminal: one line per row (no line breaks inside), in the table's order."""
+    lines = []
+    for i, (prompt, completion) in enumerate(zip(table.prompts, table.completions, strict=True)):
+        parts = [f"[completions step {step}]"]
+        tree = table.extra.get(TREE_COLUMN)
+        if tree and tree[i]:
+            parts.append(_one_line(str(tree[i]).replace("\n", "; "), COMPACT_FIELD_CHARS))
+        rewards = ", ".join(f"{name} {values[i]:.3g}" for name, values in table.rewards.items())
+        parts.append(f"reward {rewards}" if rewards else "no reward")
+        parts.append(f"advantage {table.advantages[i]:+.3g}")
+        if prompt != SAME_PROMPT:
+            parts.append(f"prompt: {_one_line(_text(prompt), COMPACT_FIELD_CHARS)}")
+        parts.append(f"completion: {_one_line(_text(completion), COMPACT_FIELD_CHARS)}")
+        lines.append(" | ".join(parts))
+    return lines
+
+
+def _text(value) -> str:
+    """A prompt or completion (prepared by `compact_prompt` / `compact_messages`) as text, messages joined by " / "."""
+    if _is_messages(value):
+        return " / ".join(str(m.get("content") or "") for m in value)
+    return str(value)
+
+
+def _one_line(text: str, n: int) -> str:
+    return _cut(" ".join(text.split()), n)

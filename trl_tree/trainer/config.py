@@ -213,6 +213,19 @@ class TreeTrainerConfig(GRPOConfig):
         vllm_importance_sampling_correction (`bool`, defaults to `False`, unlike GRPO): not applied: π_old is
             recomputed by the training model, and the sampler's log-probs are not used. With `use_vllm=True` it must
             stay False, so that the run does not silently differ from the GRPO run it replaces.
+        behaviour_importance_cap (`float`, defaults to `3.0`): C, where a stale token's importance weight
+            min(π_old/μ, C) is truncated (μ: the older policy that sampled the tree, π_old: the policy at the start
+            of its optimizer blocks; GRPO's `vllm_importance_sampling_clip_max` for the same kind of weight). Read by
+            the losses in the decoupled form (every clipped loss and TreePO; TreeOPSD with `stale_target=
+            "decoupled"`); a finite number ≥ 1, so that a fresh sample's weight, 1, is never cut (docs/design.md §3,
+            "Stale samples").
+        max_staleness (`int`, defaults to `0`): TRL's `AsyncGRPOTrainer` name, counted in generation batches here
+            (docs/design.md, "Asynchronous rollouts"). `0`: the synchronous trainer, unchanged. s > 0: a rollout
+            worker thread with its own copy of the policy grows the next s generation batches while the trainer runs
+            the optimizer blocks of the current one; batch b is sampled by the weights after batch b − s (fewer
+            after a start, a new epoch), its log-probs kept as the behaviour policy's (`behaviour_logps`) beside
+            π_old, and nothing is dropped. One process, the HF or a custom engine, tree samplers; vLLM, several
+            processes, TreeFlex and resuming are refused with why (`trl_tree.trainer.async_rollouts`).
         Rejected when set to anything but GRPOConfig's default, all named in one error with what to use instead
         (`TreeTrainerConfig.unused_grpo_options`): loss_type, scale_rewards, delta, importance_sampling_level, beta,
         num_iterations, top_entropy_quantile, entropy_coef, use_adaptive_entropy, off_policy_mask_threshold,
@@ -287,6 +300,14 @@ class TreeTrainerConfig(GRPOConfig):
     vllm_importance_sampling_correction: bool = field(
         default=False, metadata={"help": "Not applied: π_old is recomputed by the training model (False with vLLM)."}
     )
+    behaviour_importance_cap: float = field(
+        default=3.0, metadata={"help": "C: a stale token's importance weight min(π_old/μ, C) in the decoupled losses "
+                               "(finite, ≥ 1)."}
+    )
+    max_staleness: int = field(
+        default=0, metadata={"help": "Generation batches a rollout worker grows ahead of the trainer, each sampled by "
+                             "weights at most this many generation batches old (0: synchronous)."}
+    )
 
     default_max_turns: ClassVar[int] = 5
     maps_tool_calling_iterations: ClassVar[bool] = True  # TreeFlex's max_turns is per segment, not per trajectory
@@ -296,6 +317,8 @@ class TreeTrainerConfig(GRPOConfig):
 
         if type(self) is TreeTrainerConfig:
             raise TypeError("TreeTrainerConfig is the shared base: use TreeConfig (or a preset) or TreeFlexConfig.")
+        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be an int >= 0 (0: synchronous), got {self.max_staleness!r}.")
         check_generations_fit(self)  # before the budget arithmetic derives the sampler's budget field from a G no
         # tree could hold
         self._check_composition()
@@ -418,6 +441,12 @@ class TreeConfig(TreeTrainerConfig):
             q_i = 1/2; "treepo" gives them no gradient). False with "treeopsd": they are left out of the KL; True with
             "treepo": the anchor, with TreeOPSD's τ, is added to the fixed-credit loss. The two are the ablation that
             separates TreeOPSD's finite target from its implicit anchor; other losses do not read it.
+        stale_target (`str`, *optional*): how the "treeopsd" loss trains a tree sampled by an older policy μ than
+            π_old, the policy at the start of its optimizer blocks. `"behaviour"`: as its paper defines it, the
+            log-ratio s_i measured against μ, the policy the teacher q_i is relative to. `"decoupled"` (an ablation):
+            s_i against π_old, each turn's KL weighted by min(π_old/μ, C) (`behaviour_importance_cap`). None: the
+            loss's own form ("behaviour" for "treeopsd"; the other losses train only in the decoupled form and
+            refuse "behaviour"). The two are one loss for a fresh tree (docs/design.md §3, "Stale samples").
         packing (`str`, defaults to `"tree"`): `"tree"` forwards each tree once as a packed row of its unique tokens
             with an ancestor-only attention mask (flex_attention / sdpa / eager); `"paths"` forwards one causal row
             per root-to-leaf path (any attention kernel, e.g. flash-attention) and still trains each unique token once.
@@ -453,6 +482,10 @@ class TreeConfig(TreeTrainerConfig):
     target_radius: float = field(default=0.25, metadata={"help": "ρ: q ∈ [1/2 − ρ, 1/2 + ρ], 0 < ρ < 1/2."})
     zero_credit_anchor: bool | None = field(
         default=None, metadata={"help": "Pull V = 0 turns toward π_old (None: treeopsd yes, treepo no; an ablation)."}
+    )
+    stale_target: str | None = field(
+        default=None, metadata={"help": "A stale tree's treeopsd log-ratio against: behaviour (μ, the paper) | "
+                                "decoupled (π_old, × min(π_old/μ, C); an ablation). None: the loss's own."}
     )
     packing: str = field(default="tree", metadata={"help": "'tree' (one packed row per tree), 'paths' or 'auto'."})
 

@@ -13,6 +13,7 @@ customises its checks.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from trl import GRPOConfig
 
@@ -22,7 +23,7 @@ from ..rollout.env_branching import ENVIRONMENT_BRANCHING, check_replay_divergen
 from ..rollout.prefix_cache import check_max_bytes
 from ..rollout.special_tokens import check_observation_special_tokens
 from ..rollout.tool_executor import check_max_concurrent_tool_calls
-from ..rollout.tools import check_tool_execution
+from ..rollout.tools import check_tool_execution, check_tool_timeout
 from ..rollout.turn_loop import check_chunk_tokens, check_max_tool_calls_per_turn
 from .config_budget import resolve_branches, resolve_budget
 
@@ -148,9 +149,30 @@ def apply_tool_calling_iterations(config) -> None:
     config.max_turns = k + 1
 
 
+def check_rollout_numbers(config) -> None:
+    """The numeric rollout fields have the type and range they are used with: a string, a bool, NaN or infinity
+    would otherwise fail mid-rollout (or, for `tool_timeout`, switch the deadline off without a word)."""
+    check_tool_timeout(config.tool_timeout)
+    counts = {"max_turns": False, "max_completion_length": False, "max_observation_chars": True,
+              "max_turn_tokens": True, "generation_chunk_tokens": True}
+    for name, optional in counts.items():
+        value = getattr(config, name)
+        if value is None and optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"{name} must be a positive whole number{' or None' if optional else ''}; got {value!r} "
+                f"({type(value).__name__})."
+            )
+    penalty = config.tool_failure_penalty
+    if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not math.isfinite(penalty):
+        raise ValueError(f"tool_failure_penalty must be a finite number; got {penalty!r} ({type(penalty).__name__}).")
+
+
 def check_tree_fields(config) -> None:
     """The rollout fields every tree config shares (turns, tools, environment branching, generation), each refused
     here with the reason and the valid values rather than failing mid-rollout."""
+    check_rollout_numbers(config)
     if config.max_turns is None or config.max_turns < 1:
         raise ValueError(f"max_turns must be ≥ 1 (assistant turns per trajectory); got {config.max_turns}.")
     from .components import MULTI_OBJECTIVE_AGGREGATIONS

@@ -50,6 +50,9 @@ def hf_ports(trainer) -> HFPorts:
         unwrapped_for_generation=lambda: _unwrapped_for_generation(trainer),
         cache=getattr(trainer.args, "generation_cache", "static"),
         max_prefix_cache_bytes=getattr(trainer.args, "max_prefix_cache_bytes", None),
+        # the autocast of the training forward (bf16 / fp16 as the config says), also around a PEFT model's
+        # `generate`, which accelerate's wrapped `forward` does not cover
+        precision=lambda: trainer.accelerator.autocast(),
     )
 
 

@@ -15,6 +15,7 @@ from trl.trainer.utils import nanstd
 
 from .. import credit, methods, pipeline, trl_internals
 from ..batch import TurnCredit
+from ..rollout.tools import stuck_tool_threads
 from ..tree import render_tree
 from . import completions_table
 from . import metrics as tree_metrics
@@ -69,10 +70,9 @@ class GenerationLogging:
               _set_for_the_block(self, "num_completions_to_print", 0)):  # TRL's own table: logged, not printed
             # Trackio files everything of this log at the trainer's step, not at its own count
             super().log(logs, start_time)
-            if self._tree_view is not None:
-                self._tree_view.write_ready()
+            pages = self._tree_view.write_ready() if self._tree_view is not None else []
         if table is not None:
-            self._print_completions(table)
+            self._print_completions(table, pages)
 
     def _log_rollout_metrics(self, mode, group_sizes: list[int], lengths: list[int], clipped: list[bool],
                              tool_calls: list[int], tool_failures: list[int], scores: pipeline.LeafScores) -> None:
@@ -100,6 +100,10 @@ class GenerationLogging:
             tools/failure_frequency      failed calls / calls (0 without calls)
             tools/dropped_observations   (trees) fraction of leaves that ended because a tool answer did not fit what
                                          was left of max_completion_length (the turn is marked observation_dropped)
+            tools/stuck_workers          threads still running a tool call past tool_timeout (mean over ranks;
+                                         `trl_tree.rollout.tools.stuck_tool_threads`; past a cap the run stops)
+            tools/abandoned_environments (environments) fraction of leaves ended because a call on their environment
+                                         timed out while it may still run there (`Branch.abandoned_at`)
         """
         metrics = trl_internals.metrics(self, mode)
         per_func, rewards = scores.per_func, scores.weighted
@@ -148,6 +152,11 @@ class GenerationLogging:
         if self.tools:  # a turn's tool answer that did not fit the token budget: the model never saw it
             dropped = [float(any(t.observation_dropped for t in b.turns)) for b in leaves]
             metrics["tools/dropped_observations"].append(self._mean_over_ranks(dropped))
+            # threads still running a tool call past its deadline (process-wide; the run stops past a cap)
+            metrics["tools/stuck_workers"].append(self._mean_over_ranks([float(stuck_tool_threads())]))
+        if self.environment_factories is not None:  # leaves ended by a timed-out call still running on their env
+            abandoned = [float(getattr(b, "abandoned_at", None) is not None) for b in leaves]
+            metrics["tools/abandoned_environments"].append(self._mean_over_ranks(abandoned))
         metrics["tree/leaves_per_tree"].append(self._mean_over_ranks([t.num_leaves for t in trees]))
         metrics["tree/unique_turns"].append(self._mean_over_ranks([t.num_turns for t in trees]))
         metrics["tree/unique_tokens"].append(self._mean_over_ranks([t.num_unique_tokens for t in trees]))
@@ -160,10 +169,18 @@ class GenerationLogging:
         for name, per_tree in result.grown.sampler_stats.items():  # what the sampler measured (TreeAdv: branch points)
             if per_tree:
                 metrics[name].append(self._mean_over_ranks(per_tree))
+        self._log_pack_metrics(metrics, result)
         if self.log_completions:
             self._log_tree_completions(prompts, trees, branches_per_tree, result.scores.per_func)
             if self._tree_view is not None:
                 self._tree_view.record_trees(mode, prompts, trees, branches_per_tree, per_turn, result.scores.per_func)
+
+    @staticmethod
+    def _log_pack_metrics(metrics, result: pipeline.GenerationBatch) -> None:
+        """What packing measured, one value per micro-batch of this rank ("auto" packing: `tree/packed_as_tree`,
+        1 when it chose tree rows), returned by the unit's `pack` in the batch rather than written while packing."""
+        for name, values in result.pack_metrics.items():
+            metrics[name].extend(values)
 
     def _log_tool_use(self, metrics, calls: list[int], failures: list[int]) -> None:
         """GRPOTrainer's tool metrics, one completion = one leaf (every call of its history, shared turns included):
@@ -255,8 +272,15 @@ class GenerationLogging:
             list(logs["advantages"]), {k: list(v) for k, v in logs["extra"].items()}, meta, rows,
         )
 
-    def _print_completions(self, table: completions_table.Table) -> None:
-        """TRL's table printer on the prepared rows (looked up on TRL's GRPO module, where GRPOTrainer calls it)."""
+    def _print_completions(self, table: completions_table.Table, pages: list | None = None) -> None:
+        """TRL's table printer on the prepared rows (looked up on TRL's GRPO module, where GRPOTrainer calls it) on a
+        terminal; off one (a log file, CI, `| tee`), one line per row and the path of the step's tree page
+        (`completions_table.compact_lines`), since rich would render the table at 80 columns, one word a line."""
+        if not completions_table.stdout_is_terminal():
+            lines = completions_table.compact_lines(table, self.state.global_step)
+            lines += [f"[completions step {self.state.global_step}] the rollout-tree page: {page}" for page in pages or []]
+            print("\n".join(lines), flush=True)
+            return
         import trl.trainer.grpo_trainer as grpo_module
 
         grpo_module.print_prompt_completions_sample(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import losses
-from ..methods import ClipCounts
+from ..methods import ClipCounts, Largest
 
 
 def max_over_ranks(accelerator, value: int) -> int:
@@ -54,9 +54,13 @@ def log_clip_ratio(metrics, accelerator, path_counts: torch.Tensor) -> None:
 
 def log_values(metrics, accelerator, values: dict, block: int | None = None) -> None:
     """A loss's or a credit's metrics (`trl_tree.methods.Loss`): a tensor is averaged over every rank's elements,
-    `ClipCounts` become GRPO's `clip_ratio/*`; "{block}" in a name is the optimizer block."""
+    `Largest` is their maximum (NaN when no rank has one), `ClipCounts` become GRPO's `clip_ratio/*`; "{block}" in a
+    name is the optimizer block."""
     for name, value in values.items():
         if isinstance(value, ClipCounts):
             log_clip_ratio(metrics, accelerator, value.counts)
+        elif isinstance(value, Largest):
+            gathered = gather_uneven(accelerator, value.values.detach().reshape(-1))
+            metrics[name.format(block=block)].append(gathered.max().item() if gathered.numel() else float("nan"))
         else:
             metrics[name.format(block=block)].append(mean_over_ranks(accelerator, value.detach().reshape(-1)))

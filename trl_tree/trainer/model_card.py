@@ -9,10 +9,15 @@ aggregation and the dual clip). So the tree trainers keep TRL's card (metadata, 
 method's and TRL's citations) and add a section with those hyperparameters, the dataset, the tools and reward
 functions the model was trained with, and trl-tree itself.
 
-Two things of TRL's card are fixed for models that do not come from the Hub: the base model of a model loaded from a
-local folder is named from the folder (or from the folder's own card, when it records a Hub base model) instead of
-"[None]", and the quick-start snippet loads the model from where this card lives (the Hub repository, else the output
-directory) instead of `model="None"`.
+The section sits inside TRL's "Training procedure" (which otherwise holds one sentence) and opens with the sampler,
+credit and loss the run combined, in their registered entries' words, and its key settings.
+
+What TRL's card gets wrong for these models is fixed: the base model of a model loaded from a local folder is named
+from the folder (or from the folder's own card, when it records a Hub base model) instead of "[None]"; the quick-start
+snippet loads the model from where this card lives (the Hub repository, else the output directory) instead of
+`model="None"`; a model trained with tools gets a quick start that renders its prompt with those tools' schemas, as
+training did (TRL's pipeline snippet shows the model none); and a PEFT (LoRA) run's card says its folder is an
+adapter, on which base model to load it, and loads it so (issue 59).
 
 Wiring (one line in ``TreeTrainer``'s class body)::
 
@@ -22,6 +27,7 @@ Wiring (one line in ``TreeTrainer``'s class body)::
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import re
 
@@ -30,7 +36,10 @@ TRL_TREE_NAME = "trl-tree"
 # The card lists exactly the fields the configured sampler, credit and loss read, with the meanings the method table
 # gives them (`trl_tree.methods`), so a card never shows, say, a teacher radius for a loss without a teacher.
 _COMPONENT_LABELS = {
-    "sampler": {"tree": "how the tree is grown", "group": "the rollout harness (complete searches made of causal blocks)"},
+    "sampler": {
+        "tree": "how the tree is grown",
+        "group": "the rollout harness (complete searches made of causal blocks)",
+    },
     "credit": {"tree": "how terminal rewards become turn credit", "group": "how terminal rewards become turn credit"},
     "loss": {"tree": "turn-level loss", "group": "turn-level loss"},
 }
@@ -48,6 +57,12 @@ _RUN_FIELDS = (
     ("top_p", "sampling top-p", None),
 )
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+# TRL's quick-start question, kept when the quick start is rewritten for tools or an adapter
+_QUICK_START_QUESTION = (
+    "If you had a time machine, but could only go to the past or the future once and never return, which would you "
+    "choose and why?"
+)
+TREE_SECTION_HEADING = "### Tree-structured training"  # under TRL's "## Training procedure"
 
 
 def _trl_tree_version() -> str:
@@ -107,17 +122,46 @@ def tools_and_rewards(trainer) -> list[str]:
     return lines
 
 
+def procedure_lines(args) -> list[str]:
+    """What the "Training procedure" section says first: the sampler, credit and loss the run combined, each in its
+    registered entry's own words (`trl_tree.methods`), and the settings that most change what was trained."""
+    from ..methods import components_of
+    from .components import num_generations_of
+
+    sampler, credit, loss = components_of(args)
+    lines = [
+        f"- **sampler** `{sampler.name}`: {sampler.summary}",
+        f"- **credit** `{credit.name}`: {credit.summary}",
+        f"- **loss** `{loss.name}`: {loss.summary}",
+    ]
+    key = [
+        f"learning rate {args.learning_rate:g}",
+        f"G = {num_generations_of(args)} trajectories of budget per prompt",
+    ]
+    if getattr(args, "num_optimizer_blocks", None):
+        key.append(f"E = {args.num_optimizer_blocks} optimizer blocks per generation batch")
+    if getattr(args, "max_turns", None):
+        key.append(f"at most {args.max_turns} turns")
+    steps = args.max_steps
+    key.append(f"{steps} optimizer step{'s' * (steps != 1)}" if steps > 0 else f"{args.num_train_epochs:g} epochs")
+    return lines + [f"- **key settings**: {', '.join(key)} (every one in the table below)."]
+
+
 def tree_section(trainer, dataset_name: str | None = None) -> str:
-    """The card section that records how the model was trained: method, trl-tree, tree and run hyperparameters."""
+    """The card section that records how the model was trained: method, trl-tree, the sampler, credit and loss,
+    tree and run hyperparameters. It sits inside TRL's "Training procedure" section, which otherwise holds one
+    sentence."""
     args = trainer.args
     name = getattr(trainer, "_name", type(trainer).__name__)
     paper = getattr(trainer, "_paper", {}) or {}
-    lines = ["## Tree-structured training", ""]
+    lines = [TREE_SECTION_HEADING, ""]
     intro = f"This model was trained with **{name}** in {TRL_TREE_NAME} {_trl_tree_version()}"
     intro += ", tree-structured agentic RL on top of TRL's `GRPOTrainer`"
     if paper.get("id"):
         intro += f" (paper: [arXiv:{paper['id']}](https://arxiv.org/abs/{paper['id']}))"
     lines += [intro + ".", ""]
+    if getattr(args, "sampler", None) is not None:
+        lines += [*procedure_lines(args), ""]
     if dataset_name:
         hub_link = f"[{dataset_name}](https://huggingface.co/datasets/{dataset_name})"
         link = hub_link if _is_hub_id(dataset_name) else f"`{dataset_name}`"
@@ -183,7 +227,11 @@ def _recorded_base_model(folder: str) -> str | None:
 
 def usage_model_id(trainer) -> str:
     """What the quick-start snippet loads: the Hub repository the model is pushed to, else its output directory."""
-    return getattr(trainer, "hub_model_id", None) or getattr(trainer.args, "hub_model_id", None) or trainer.args.output_dir
+    return (
+        getattr(trainer, "hub_model_id", None)
+        or getattr(trainer.args, "hub_model_id", None)
+        or trainer.args.output_dir
+    )
 
 
 def tree_model_card_text(
@@ -232,7 +280,21 @@ def tree_model_card_text(
         paper_id=paper.get("id"),
     )
     text = str(card)
-    if base_model is None:  # TRL's template links the base model unconditionally: "[None](https://huggingface.co/None)"
+    adapter_base = adapter_base_model(trainer.model)
+    quick_start = quick_start_code(trainer, adapter_base)
+    if quick_start is not None:
+        text = re.sub(
+            r"(## Quick start\n\n```python\n).*?(```)",
+            lambda m: m[1] + quick_start + m[2],
+            text,
+            count=1,
+            flags=re.DOTALL,
+        )
+    if adapter_base is not None:
+        text = text.replace("library_name: transformers", "library_name: peft", 1)
+        text = text.replace("\n\n## Quick start", f"\n\n{adapter_note(adapter_base)}\n\n## Quick start", 1)
+    # TRL's template links the base model unconditionally: "[None](https://huggingface.co/None)"
+    if base_model is None:
         text = text.replace("[None](https://huggingface.co/None)", base_model_text, 1)
     section = tree_section(trainer, dataset_name)
     marker = "### Framework versions\n\n"
@@ -241,6 +303,77 @@ def tree_model_card_text(
     else:  # a custom template without that heading: append
         text = text.rstrip() + "\n\n" + section
     return text
+
+
+def adapter_base_model(model) -> str | None:
+    """The base model a PEFT adapter is loaded on (its `base_model_name_or_path`: a Hub id or a folder), or None
+    when `model` is no PEFT model (its saved folder is then a whole model)."""
+    peft_config = getattr(model, "peft_config", None)
+    if not isinstance(peft_config, dict) or not peft_config:
+        return None
+    active = getattr(model, "active_adapter", None)
+    config = peft_config.get(active) if isinstance(active, str) else None
+    config = config or next(iter(peft_config.values()))
+    return getattr(config, "base_model_name_or_path", None) or "(not recorded in adapter_config.json)"
+
+
+def adapter_note(base: str) -> str:
+    """The card's words for a LoRA (PEFT) run: its folder is an adapter, not a model, and what it loads on."""
+    return (
+        f"**This folder holds a PEFT (LoRA) adapter, not a whole model**: load it on its base model `{base}` (the "
+        "`base_model_name_or_path` of its `adapter_config.json`), as the quick start does with peft's "
+        "`AutoPeftModelForCausalLM`, or merge it into the base model with `merge_and_unload()`."
+    )
+
+
+def _tool_schemas(trainer) -> list[dict]:
+    """The JSON schemas of the trainer's tools, as the chat template rendered them into every training prompt."""
+    from transformers.utils import get_json_schema
+
+    schemas = []
+    for tool in getattr(trainer, "tools", None) or []:
+        try:
+            schemas.append(tool if isinstance(tool, dict) else get_json_schema(tool))
+        except Exception:  # noqa: BLE001 - a tool without a schema TRL could read is named only, not rendered
+            continue
+    return schemas
+
+
+def quick_start_code(trainer, adapter_base: str | None) -> str | None:
+    """The quick start for a model trained with tools or as a PEFT adapter, in place of TRL's (a pipeline with no
+    tools, loading the folder as a whole model), or None to keep TRL's. It renders the prompt with the tools' schemas,
+    as training did, and loads an adapter with its base model."""
+    schemas = _tool_schemas(trainer)
+    if not schemas and adapter_base is None:
+        return None
+    model_id = usage_model_id(trainer)
+    lines = ["from transformers import AutoModelForCausalLM, AutoTokenizer"]
+    if adapter_base is not None:
+        lines = ["from peft import AutoPeftModelForCausalLM", "from transformers import AutoTokenizer"]
+    lines += [""]
+    if schemas:
+        names = ", ".join(s.get("function", s).get("name", "?") for s in schemas)
+        lines += [
+            f"# the tools the model was trained with ({names}): their schemas, as training rendered them into every "
+            "prompt;",
+            '# run its tool calls with your implementations and append each result as a {"role": "tool"} message',
+            f"tools = {json.dumps(schemas, indent=4)}",
+        ]
+    else:
+        lines += ["tools = None  # trained without tools"]
+    loader = "AutoPeftModelForCausalLM" if adapter_base is not None else "AutoModelForCausalLM"
+    comment = f"  # the adapter, on its base model {adapter_base}" if adapter_base is not None else ""
+    lines += [
+        f"question = {_QUICK_START_QUESTION!r}",
+        f"tokenizer = AutoTokenizer.from_pretrained({model_id!r})",
+        f"model = {loader}.from_pretrained({model_id!r}){comment}",
+        'messages = [{"role": "user", "content": question}]',
+        "inputs = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, return_dict=True, "
+        'return_tensors="pt")',
+        "output = model.generate(**inputs, max_new_tokens=128)",
+        'print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))',
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def create_tree_model_card(

@@ -6,6 +6,11 @@ redo its part here: read each row's `prompt`, tokenize it with TRL's chat templa
 max_prompt_length). A plain-text prompt is remembered for the response parser (`parse_action`), which would read it
 as the start of the assistant's message otherwise. Its own file so that the trainer module is the adapter from
 GRPOTrainer to the pipeline only.
+
+Every row's prompt is checked when the trainer is built, before GRPOTrainer reads any (`check_dataset_prompts`): its
+shape (None, an empty string or list, a message without its role or content, a non-message; `prompt_problem`), and,
+once the tokenizer is there, its length against the model's positions (`check_dataset_prompt_lengths`); each error
+names the row and the fix. Each batch's prompts are checked again, for streaming datasets and `generate_batch`.
 """
 
 from __future__ import annotations
@@ -52,7 +57,13 @@ class PromptRenderer:
                 "each example's prompt from 'prompt' (a string, or a list of chat messages): rename the column, or "
                 "pass environment_factory= when an environment's reset() provides the prompt."
             )
-        return [x.get("prompt", [{"role": "user", "content": ""}]) for x in inputs]
+        prompts = [x.get("prompt", [{"role": "user", "content": ""}]) for x in inputs]
+        # each batch too: a streaming dataset's rows, or those given to `generate_batch`, are not seen at start-up
+        for i, prompt in enumerate(prompts):
+            problem = prompt_problem(prompt, owns_prompts=self._owns_prompts, first=prompts[0])
+            if problem is not None:
+                raise ValueError(f"{self._owner}: row {i} of this batch {problem}")
+        return prompts
 
     def render_prompts(self, prompts: list) -> list:
         """The prompts' token ids (TRL's `_tokenize_prompts`: chat template and tool schemas), checked against the
@@ -163,6 +174,127 @@ class PromptRenderer:
                     "budget runs past the model's positions. Filter the dataset to prompts below "
                     f"{limit - budget} tokens or lower max_completion_length (said once per run)."
                 )
+
+
+PROMPT_FORMATS = (
+    "A prompt is a non-empty string (TRL's standard format) or a non-empty list of chat messages "
+    '[{"role": "user", "content": "..."}] (conversational).'
+)
+_FIX_ROWS = "Drop such rows (dataset.filter(lambda row: bool(row['prompt']))) or fill them in."
+
+
+def check_dataset_prompts(owner: str, datasets: list[tuple[str, object]], *, owns_prompts: bool) -> None:
+    """Every row's `prompt` of each dataset (train, eval, a dict of evals) checked for its shape when the trainer is
+    built, before GRPOTrainer is: a None, an empty string or list, or a message without its role or content is an
+    error naming the row and the fix (`prompt_problem`), where TRL fails with a bare IndexError (an empty list first,
+    read to tell the dataset's format) or the tokenizer's type error (None), or not at all until the row's batch comes
+    up, hours in. One pass over the column in Python (10,000 two-message chat prompts: 0.14 s on 2 busy cores, most of
+    it Arrow's conversion to Python); streaming datasets are checked per batch (`PromptRenderer.dataset_prompts`)."""
+    for name, dataset in datasets:
+        for key, one in dataset.items() if isinstance(dataset, dict) else [(None, dataset)]:
+            if not isinstance(one, Dataset) or "prompt" not in one.column_names:
+                continue
+            label = name if key is None else f"{name}[{key!r}]"
+            column, first = one.select_columns(["prompt"]).with_format(None), None
+            for start in range(0, len(column), 1024):
+                for i, prompt in enumerate(column[start : start + 1024]["prompt"], start):
+                    first = prompt if i == 0 else first
+                    problem = prompt_problem(prompt, owns_prompts=owns_prompts, first=first)
+                    if problem is not None:
+                        raise ValueError(
+                            f"{owner}: {label} row {i} {problem} Checked when the trainer is built, so "
+                            "that the row does not stop the run when its batch comes up."
+                        )
+
+
+def warn_unseen_tools(owner: str, datasets: list[tuple[str, object]], tools) -> None:
+    """Warn when the trainer is given `tools` but a dataset's prompts are plain strings: a plain-text prompt is fed
+    as it is, with no chat template to render the tools' schemas, so the model is never shown the tools (issue 59:
+    they were silently unseen). A warning, not an error: a model already trained on the tools may still call them."""
+    if not tools:
+        return
+    for name, dataset in datasets:
+        for key, one in dataset.items() if isinstance(dataset, dict) else [(None, dataset)]:
+            if not isinstance(one, Dataset) or "prompt" not in one.column_names or len(one) == 0:
+                continue
+            if isinstance(one[0]["prompt"], str):
+                label = name if key is None else f"{name}[{key!r}]"
+                names = ", ".join(getattr(t, "__name__", type(t).__name__) for t in tools)
+                logger.warning(
+                    "%s: %s has plain-string prompts, so the tools (%s) are never shown to the model: a plain-text "
+                    "prompt gets no chat template, which is what renders the tools' schemas into the prompt. Give "
+                    'the prompts as chat messages ([{"role": "user", "content": ...}]) for the model to see them.',
+                    owner, label, names,
+                )
+                return
+
+
+def prompt_problem(prompt, *, owns_prompts: bool = False, first=None) -> str | None:
+    """What is wrong with one dataset prompt, as the end of a sentence that starts with where it is ("row 3 "), with
+    the fix; None for a usable prompt. `first` is the first prompt of its dataset or batch, whose format (string or
+    messages) TRL renders the whole batch in. With an environment (`owns_prompts`) the messages may be empty: its
+    reset's observation is appended to the last one, as TRL's placeholder prompt `[{"role": "user", "content": ""}]`
+    relies on."""
+    if prompt is None:
+        return f"has no prompt (None). {PROMPT_FORMATS} {_FIX_ROWS}"
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            return f"has an empty prompt ({prompt!r}). {PROMPT_FORMATS} {_FIX_ROWS}"
+        if isinstance(first, list):
+            return _mixed_formats("a plain string", "chat messages")
+        return None
+    if not isinstance(prompt, list | tuple):
+        return f"has a prompt of type {type(prompt).__name__} ({_short(prompt)}). {PROMPT_FORMATS}"
+    if len(prompt) == 0:
+        return f"has an empty list of messages as its prompt. {PROMPT_FORMATS} {_FIX_ROWS}"
+    if isinstance(first, str):
+        return _mixed_formats("chat messages", "a plain string")
+    for j, message in enumerate(prompt):
+        if not isinstance(message, dict):
+            return (
+                f"has a prompt whose message {j} is a {type(message).__name__} ({_short(message)}), not a chat "
+                f"message. {PROMPT_FORMATS} Convert the rows (dataset.map)."
+            )
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not role:
+            return (
+                f"has a prompt whose message {j} has no role (role={role!r}; keys {sorted(message)}). Each "
+                'message needs "role" ("system", "user", "assistant" or "tool") and "content": rename its keys '
+                "(dataset.map) or fix the row."
+            )
+        if content is None and not message.get("tool_calls"):
+            return (
+                f"has a prompt whose message {j} (role {role!r}) has no content (content=None; keys "
+                f'{sorted(message)}). Each message needs "content" (a string, or a list of content blocks); only '
+                "an assistant message with tool_calls may go without. Fix the row, or drop it (dataset.filter)."
+            )
+        if content is not None and not isinstance(content, str | list):
+            return (
+                f"has a prompt whose message {j} (role {role!r}) has content of type {type(content).__name__} "
+                f"({_short(content)}): a message's content is a string, or a list of content blocks."
+            )
+    if not owns_prompts and all(_is_empty(m.get("content")) and not m.get("tool_calls") for m in prompt):
+        return (
+            f"has a prompt whose messages are all empty ({_short(prompt)}): the model would be asked nothing. "
+            f"{PROMPT_FORMATS} Fill such rows in, or drop them (dataset.filter)."
+        )
+    return None
+
+
+def _mixed_formats(this: str, first: str) -> str:
+    return (
+        f"is {this}, but the first prompt is {first}: TRL renders a batch in the format of its first prompt, so "
+        "every row needs the same one. Convert the rows to one format (dataset.map)."
+    )
+
+
+def _is_empty(content) -> bool:
+    return content is None or (isinstance(content, str) and not content.strip()) or content == []
+
+
+def _short(value, width: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def position_limit(model) -> int | None:

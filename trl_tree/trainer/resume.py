@@ -12,7 +12,12 @@ from one optimizer step to the next, per process:
 - **the sampler's own random generators** (init-expand's anchors, random expansion, a custom harness's draws). They
   are not the global ones transformers restores, so a resumed sampler would draw its first anchors again.
 
-Both are written to `trl_tree_state_{process_index}.pth` in the checkpoint folder by the trainer's `_save_rng_state`
+With a rollout worker (max_staleness > 0) a third: **the batches in flight**, admitted ahead and not yet trained. They
+are regenerated on resume, not saved: the state holds the weights each was admitted with, the worker's sampler state
+and the global random state after the last batch trained (`AsyncRollouts.checkpoint_state`, under "rollouts"), so the
+regenerated batches are the uninterrupted run's (docs/design.md, "Asynchronous rollouts").
+
+All are written to `trl_tree_state_{process_index}.pth` in the checkpoint folder by the trainer's `_save_rng_state`
 hook and read back by its `_load_rng_state` hook: transformers calls the first on every process when it saves a
 checkpoint, and the second on every process before the first resumed training step (after skipping the seen batches),
 so the resumed run takes its next micro-batch from the restored buffer instead of generating.
@@ -28,7 +33,13 @@ the old run would have, silently. So the state records every field that shapes t
 resumed run generates the batch anew, with a warning naming each field (old → new).
 
 `resume_from_checkpoint=True` goes through `last_complete_checkpoint`: transformers takes the newest `checkpoint-*`
-folder, even one a crash during the save left without its trainer state, and then fails on it.
+folder, even one a crash during the save left without its trainer state, and then fails on it. Whichever checkpoint is
+resumed, every file the resume reads is checked before anything loads (`check_checkpoint`): a file cut short by an
+interrupted save (the trainer state, the weights, the optimizer, scheduler and scaler, every RNG and trl-tree state
+file) is an error naming it, the checkpoint and the newest complete earlier one, where torch would fail after the
+weights had loaded with an error naming no file (`OSError: [Errno 22]` for a cut `rng_state.pth`). A checkpoint without
+its optimizer state (`save_only_model=True`) is refused unless `TRL_TREE_RESUME_WITHOUT_OPTIMIZER=1`: transformers
+would resume it with a fresh optimizer and schedule, without a word.
 """
 
 from __future__ import annotations
@@ -43,7 +54,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers.trainer import FSDP_MODEL_NAME, TRAINER_STATE_NAME
+from transformers import TrainerCallback
+from transformers.trainer import (
+    FSDP_MODEL_NAME,
+    OPTIMIZER_NAME,
+    OPTIMIZER_NAME_BIN,
+    SCHEDULER_NAME,
+    TRAINER_STATE_NAME,
+)
 from transformers.trainer_pt_utils import safe_globals
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import (
@@ -57,10 +75,13 @@ from transformers.utils import (
 from transformers.utils.import_utils import check_torch_load_is_safe
 
 from .. import methods, trl_internals
+from ..asynchronous import random_state
 
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "trl_tree_state_{rank}.pth"
+# set to 1 to resume a checkpoint without its optimizer state, with fresh ones (`check_optimizer_state`)
+RESUME_WITHOUT_OPTIMIZER = "TRL_TREE_RESUME_WITHOUT_OPTIMIZER"
 FORMAT_VERSION = 1
 STATE_KEYS = ("version", "step", "layout", "buffered_inputs", "sampler")
 
@@ -203,12 +224,14 @@ def _to_device(value, device):
 def save_state(trainer, output_dir: str) -> None:
     """Write this process's resume state into the checkpoint folder `output_dir`."""
     buffered = None if _generates_next(trainer) else _to_device(trl_internals.buffered_inputs(trainer), "cpu")
+    rollouts = getattr(trainer, "_async_rollouts", None)
     state = {
         "version": FORMAT_VERSION,
         "step": trl_internals.micro_step(trainer),
         "layout": _layout(trainer),
         "buffered_inputs": buffered,
-        "sampler": sampler_state(trainer.sampler),
+        "sampler": sampler_state(trainer.sampler),  # with a rollout worker: evaluation's (training's is the worker's)
+        "rollouts": rollouts.checkpoint_state() if rollouts is not None else None,
     }
     os.makedirs(output_dir, exist_ok=True)  # another process may not have created the folder yet
     # written under a temporary name and renamed: a crash mid-write (the buffer can be large) leaves no file that
@@ -236,6 +259,13 @@ def restore_state(trainer, checkpoint_dir: str) -> None:
     load_sampler_state(trainer.sampler, state["sampler"])
     trl_internals.set_micro_step(trainer, state["step"])
     trl_internals.set_buffered_inputs(trainer, _to_device(state["buffered_inputs"], trainer.accelerator.device))
+    saved_rollouts, rollouts = state.get("rollouts"), getattr(trainer, "_async_rollouts", None)
+    if rollouts is not None:  # the worker regenerates what was in flight, as the uninterrupted run grew it
+        rollouts.restore(saved_rollouts, state["sampler"])
+    elif saved_rollouts is not None:  # an asynchronous run's checkpoint resumed synchronously: its training stream
+        load_sampler_state(trainer.sampler, saved_rollouts["sampler"])
+        if saved_rollouts["random"] is not None:
+            random_state.restore(saved_rollouts["random"])
 
 
 def _read_state(path: str) -> dict | None:
@@ -307,13 +337,18 @@ _WEIGHTS = (SAFE_WEIGHTS_NAME, WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_IN
 def checkpoint_to_resume(resume_from_checkpoint, output_dir: str):
     """What `TreeTrainer.train` hands transformers: `True` becomes the newest *complete* checkpoint
     (`last_complete_checkpoint`; transformers takes the newest folder, which a crash during a save leaves partial, and
-    then fails on it); a checkpoint given by path whose trainer state is cut short is an error naming the file before
-    anything loads (`check_trainer_state`); anything else passes through."""
+    then fails on it); a checkpoint given by path with a file cut short is an error naming the file before anything
+    loads (`check_checkpoint`); either without its optimizer state is refused unless told (`check_optimizer_state`);
+    anything else passes through."""
     if resume_from_checkpoint is True:
-        return last_complete_checkpoint(output_dir)
-    if isinstance(resume_from_checkpoint, str | os.PathLike):
-        check_trainer_state(os.fspath(resume_from_checkpoint))  # before transformers loads the weights
-    return resume_from_checkpoint
+        checkpoint = last_complete_checkpoint(output_dir)
+    elif isinstance(resume_from_checkpoint, str | os.PathLike):
+        checkpoint = os.fspath(resume_from_checkpoint)
+        check_checkpoint(checkpoint)  # before transformers loads the weights
+    else:
+        return resume_from_checkpoint
+    check_optimizer_state(checkpoint)
+    return checkpoint
 
 
 def last_complete_checkpoint(output_dir: str) -> str:
@@ -373,8 +408,134 @@ def check_trainer_state(checkpoint_dir: str) -> None:
         ) from error
 
 
-def _earlier_complete(checkpoint_dir: str) -> str:
-    """' (the newest complete one is PATH)' for the checkpoints beside `checkpoint_dir` older than it, else ''."""
+def check_checkpoint(checkpoint_dir: str) -> None:
+    """Every file of `checkpoint_dir` that a resume reads, checked before anything loads: the trainer state
+    (`check_trainer_state`), then every weights, optimizer, scheduler, scaler, RNG and trl-tree state file
+    (`cut_files`). A file cut short is an error naming it, the checkpoint and the newest complete earlier one.
+
+    transformers loads the weights first, then the optimizer and scheduler, the trainer state and, at the first step,
+    the RNG states, with torch errors that name no file (a cut `rng_state.pth`: `OSError: [Errno 22] Invalid
+    argument`, after the weights had loaded). What is checked is the files' structure (a torch.save zip's central
+    directory, a safetensors header and its data's length), read from their ends in microseconds: a file an
+    interrupted save left short, not one damaged inside (whose torch error then stands)."""
+    check_trainer_state(checkpoint_dir)
+    if not os.path.isdir(checkpoint_dir):
+        return  # transformers' own error: "Can't find a valid checkpoint at ..."
+    broken = cut_files(checkpoint_dir)
+    if broken:
+        files = "; ".join(f"{os.path.join(checkpoint_dir, name)} {problem}" for name, problem in broken)
+        raise ValueError(
+            f"resume_from_checkpoint: {files}: the save that wrote it was interrupted (or the file was damaged since), "
+            f"so checkpoint {checkpoint_dir} cannot be resumed; nothing was loaded. Resume from an earlier "
+            f"checkpoint{_earlier_complete(checkpoint_dir)}, or pass resume_from_checkpoint=True, which takes the "
+            "newest complete one."
+        )
+
+
+def check_optimizer_state(checkpoint_dir: str) -> None:
+    """A checkpoint without its optimizer state (`save_only_model=True`, or the files removed) is refused unless
+    `TRL_TREE_RESUME_WITHOUT_OPTIMIZER=1`: transformers loads the optimizer and scheduler only when both files are
+    there and otherwise resumes the weights with fresh ones (AdamW's moments from zero, the schedule from its start),
+    without a word, so the run would not continue as the uninterrupted one. With the variable set, it resumes so and
+    says it."""
+    missing = missing_optimizer_state(checkpoint_dir)
+    if not missing:
+        return
+    what = (
+        f"{checkpoint_dir} has no {' and no '.join(missing)} (saved with save_only_model=True, or the files were "
+        "removed): transformers would resume its weights with a fresh optimizer and learning-rate schedule (the "
+        "optimizer's moments from zero, the schedule from its start), so the run would not continue as it would have"
+    )
+    if os.environ.get(RESUME_WITHOUT_OPTIMIZER, "").strip().lower() in ("1", "true", "yes", "on"):
+        logger.warning("resume_from_checkpoint: %s. Resuming so, as %s=1 asks.", what, RESUME_WITHOUT_OPTIMIZER)
+        return
+    raise ValueError(
+        f"resume_from_checkpoint: {what}; nothing was loaded. Resume from a checkpoint with its optimizer state"
+        f"{_earlier_complete(checkpoint_dir, with_optimizer=True)}, or set {RESUME_WITHOUT_OPTIMIZER}=1 to resume "
+        "from this one with a fresh optimizer and schedule."
+    )
+
+
+def missing_optimizer_state(checkpoint_dir: str) -> list[str]:
+    """Which of the optimizer and scheduler files transformers' `_load_optimizer_and_scheduler` needs are missing
+    (both, or it loads neither); none for DeepSpeed's layout (a `global_step*` folder holds the optimizer, which its
+    loader checks) or a folder that is not there (transformers' error)."""
+    if not os.path.isdir(checkpoint_dir):
+        return []
+    files = set(os.listdir(checkpoint_dir))
+    folders = [name for name in files if os.path.isdir(os.path.join(checkpoint_dir, name))]
+    if any(name.startswith("global_step") for name in folders):
+        return []
+    # transformers' own test: optimizer.pt, optimizer.bin, or a folder named for the optimizer (FSDP's sharded state)
+    has_optimizer = OPTIMIZER_NAME in files or OPTIMIZER_NAME_BIN in files or any("optimizer" in n for n in folders)
+    return [name for name, present in ((OPTIMIZER_NAME, has_optimizer), (SCHEDULER_NAME, SCHEDULER_NAME in files))
+            if not present]
+
+
+# The files a resume reads with torch.load (weights in the .bin layouts too), all torch.save zip archives
+_TORCH_FILE = re.compile(
+    r"^(?:optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state(?:_\d+)?\.pth|trl_tree_state_\d+\.pth"
+    r"|pytorch_model(?:-\d+-of-\d+)?\.bin|adapter_model\.bin)$"
+)
+
+
+def cut_files(checkpoint_dir: str) -> list[tuple[str, str]]:
+    """(name, what is wrong) for each file of `checkpoint_dir` that a resume reads and a save left cut short."""
+    broken = []
+    for name in sorted(os.listdir(checkpoint_dir)):
+        path = os.path.join(checkpoint_dir, name)
+        if not os.path.isfile(path):
+            continue
+        if _TORCH_FILE.match(name):
+            problem = _torch_file_problem(path)
+        elif name.endswith(".safetensors"):
+            problem = _safetensors_problem(path)
+        else:
+            continue
+        if problem is not None:
+            broken.append((name, problem))
+    return broken
+
+
+def _torch_file_problem(path: str) -> str | None:
+    """Why the torch.save file `path` cannot be whole: a zip archive (torch ≥ 1.6) is read from its end, where its
+    central directory is written last, so a cut one has none. Legacy (pickle) files are left to torch."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(2)
+    if head[:1] == b"\x80":  # the legacy format: a pickle, which no cheap check reads
+        return None
+    if head != b"PK":
+        return f"is cut short ({size} bytes; not a torch.save file)"
+    try:
+        with zipfile.ZipFile(path):
+            return None
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return f"is cut short ({size} bytes; not a complete torch.save file)"
+
+
+def _safetensors_problem(path: str) -> str | None:
+    """Why the safetensors file `path` cannot be whole: its header (8 bytes of length, then JSON) gives every tensor's
+    byte range, so the file's length must reach the last one."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        length = int.from_bytes(raw, "little") if len(raw) == 8 else None
+        if length is None or 8 + length > size:
+            return f"is cut short ({size} bytes; its header is incomplete)"
+        try:
+            header = json.loads(f.read(length))
+            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return "has an unreadable header (not a safetensors file)"
+    if 8 + length + end > size:
+        return f"is cut short ({size} of {8 + length + end} bytes)"
+    return None
+
+
+def _earlier_complete(checkpoint_dir: str, with_optimizer: bool = False) -> str:
+    """' (the newest complete one is PATH)' for the checkpoints beside `checkpoint_dir` older than it (that hold their
+    optimizer state too, `with_optimizer`), else ''."""
     parent, name = os.path.split(os.path.normpath(checkpoint_dir))
     own = _CHECKPOINT.match(name)
     if own is None or not os.path.isdir(parent):
@@ -384,18 +545,22 @@ def _earlier_complete(checkpoint_dir: str) -> str:
         if (m := _CHECKPOINT.match(other)) and int(m.group(1)) < int(own.group(1))
         and os.path.isdir(os.path.join(parent, other))
     )
+    which = " with its optimizer state" if with_optimizer else ""
     for _, other in reversed(older):
-        if not missing_parts(os.path.join(parent, other)):
-            return f" (the newest complete one is {os.path.join(parent, other)})"
-    return f" (none complete is left in {parent})" if older else ""
+        path = os.path.join(parent, other)
+        if not missing_parts(path) and not (with_optimizer and missing_optimizer_state(path)):
+            return f" (the newest complete one{which} is {path})"
+    return f" (none complete{which} is left in {parent})" if older else ""
 
 
 def missing_parts(checkpoint_dir: str) -> list[str]:
     """What `checkpoint_dir` lacks of a checkpoint a resume can read: transformers' trainer state (written last, by
     the main process), the model weights in any layout transformers loads (safetensors or bin, sharded, adapter,
     FSDP, DeepSpeed), and trl-tree's state file of every process whose RNG state was saved (none with
-    `save_only_model`). A process whose save had not begun when the run stopped leaves no trace to check; its restore
-    then falls back to resuming at the next generation batch (`restore_state`)."""
+    `save_only_model`), each of the files resume reads whole (`cut_files`). A process whose save had not begun when
+    the run stopped leaves no trace to check; its restore then falls back to resuming at the next generation batch
+    (`restore_state`). The optimizer state is not a part here: a checkpoint without it was saved so
+    (`save_only_model`), not cut by a crash (`check_optimizer_state`)."""
     files = set(os.listdir(checkpoint_dir))
     missing = []
     trainer_state = os.path.join(checkpoint_dir, TRAINER_STATE_NAME)
@@ -416,8 +581,7 @@ def missing_parts(checkpoint_dir: str) -> list[str]:
         if name not in files:
             missing.append(f"no {name}, which is saved after the RNG state (an older trl-tree saved none: pass such a "
                            "checkpoint's path to resume from it at the next generation batch)")
-        elif not zipfile.is_zipfile(os.path.join(checkpoint_dir, name)):
-            missing.append(f"{name} cut short (not a complete torch.save file)")
+    missing.extend(f"{name} {problem}" for name, problem in cut_files(checkpoint_dir))
     return missing
 
 
@@ -442,3 +606,17 @@ def _missing_weights(checkpoint_dir: str, files: set[str]) -> str | None:
             if shards - files:
                 return f"model weight shard(s) {sorted(shards - files)} of {index} missing"
     return None
+
+
+class TrainBatchSizeInState(TrainerCallback):
+    """Writes into the trainer state what transformers means by its `train_batch_size`: the per-device batch size
+    of the arguments (× GPUs of DataParallel), the number that `compare_trainer_and_checkpoint_args` checks a resumed
+    run's arguments against.
+
+    A tree trainer's dataloader batches prompts (`trees_per_micro_batch`: per_device_train_batch_size / G), so the
+    `_train_batch_size` it sets, which transformers copies into the state, is that count of trees; every resume with
+    unchanged arguments then warned "per_device_train_batch_size: 8 (from args) != 2 (from trainer_state.json)"
+    (issue 59). Set at the start of training, after a resumed state was compared, so every checkpoint saves it."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        state.train_batch_size = args.per_device_train_batch_size * max(1, args.n_gpu)

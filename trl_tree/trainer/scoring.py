@@ -43,7 +43,8 @@ def guarded_reward_funcs(funcs: list, names: list[str]) -> list:
 @dataclasses.dataclass
 class LeafRows:
     """Every leaf of a batch as TRL's `_calculate_rewards` reads it, padded to the widest rank (`n` are this
-    rank's own rows, `width` every rank's padded count); `envs` is what TRL reads as the trainer's `environments`."""
+    rank's own rows, `width` every rank's padded count); `envs` are the leaves' environments, which the reward
+    computation gets with the rows (TRL passes them to reward functions as `environments=`)."""
 
     inputs: list
     prompts: list
@@ -57,9 +58,10 @@ class LeafRows:
 class LeafScorer:
     """Leaves scored by the reward functions; held by `TreeTrainer` as `scorer`.
 
-    `calculate_rewards` is TRL's `_calculate_rewards` (inputs, prompts, completions, completion ids → per function),
-    `reward_weights` and `aggregation` GRPO's `reward_weights` and `multi_objective_aggregation`, `pending_logs`,
-    `completion_logs` and `metrics` (mode → dict) TRL's buffers that reward functions' logs are flushed into."""
+    `calculate_rewards` is TRL's `_calculate_rewards` (inputs, prompts, completions, completion ids, environments →
+    per function), `reward_weights` and `aggregation` GRPO's `reward_weights` and `multi_objective_aggregation`,
+    `pending_logs`, `completion_logs` and `metrics` (mode → dict) TRL's buffers that reward functions' logs are
+    flushed into."""
 
     def __init__(self, *, accelerator, calculate_rewards, reward_weights: torch.Tensor, aggregation: str,
                  pending_logs, completion_logs, metrics):
@@ -91,9 +93,9 @@ class LeafScorer:
         return LeafRows(leaf_inputs, leaf_prompts, completions, completion_ids, envs, n, width)
 
     def score(self, rows: LeafRows, branches_per_tree, mode: str) -> pipeline.LeafScores:
-        """TRL's reward functions on `rows` (the trainer has set its `environments` to `rows.envs`), this rank's
-        rows kept, with the weighted rewards and each tree's rewards for its credit."""
-        per_func = self._rewards_per_func(rows.inputs, rows.prompts, rows.completions, rows.completion_ids)
+        """TRL's reward functions on `rows` (with the leaves' environments, `rows.envs`), this rank's rows kept,
+        with the weighted rewards and each tree's rewards for its credit."""
+        per_func = self._rewards_per_func(rows.inputs, rows.prompts, rows.completions, rows.completion_ids, rows.envs)
         self._flush_reward_logs(rows.n, mode)
         start = self.accelerator.process_index * rows.width
         per_func = per_func[start : start + rows.n].cpu()

@@ -62,13 +62,31 @@ class TreeViewRecorder(TrainerCallback):
         self.pending: tuple[list[dict], int] | None = None  # the training batch's records, the micro-step it began
         self.to_log: list[tuple[str, dict, Path]] = []  # (page, data, its file) saved since the last log
         self.rows: list[dict] = []  # the dataset rows of the batch being generated (question, gold answer)
+        self.policy: tuple[int, int] | None = None  # (version, staleness) of that batch when a rollout worker grew it
         self.batches = 0  # training generation batches finished so far (resumed runs: since the resume)
 
     # ---------------------------------------------------------------- collect
 
-    def note_rows(self, rows: list[dict]) -> None:
-        """The dataset rows of the batch about to be generated, one per prompt (`TreeTrainer._prepare_roots`)."""
+    def note_rows(self, rows: list[dict], *, policy: tuple[int, int] | None = None) -> None:
+        """The dataset rows of the batch about to be generated (or logged), one per prompt
+        (`TreeTrainer._prepare_roots`). `policy`: (the version that sampled the batch, its staleness) when the rollout
+        worker grew it (`async_rollouts`); None: the trainer samples it itself, with π_old (`_policy`)."""
         self.rows = list(rows)
+        self.policy = policy
+
+    def _policy(self, mode: str) -> dict:
+        """The batch's `policy_version` and `staleness` for its records (docs/design.md §9: version b = the weights
+        after b generation batches). Sampled by the trainer itself, the batch's policy is π_old, version b at its
+        first micro-step, so staleness 0. An evaluation batch gets neither: it is sampled by the weights of the
+        moment, which need not be a version (evaluation may run between the optimizer steps of a batch)."""
+        if mode != "train":
+            return {}
+        if self.policy is not None:
+            version, staleness = self.policy
+        else:
+            per_batch = self.trainer.args.steps_per_generation * self.trainer.num_iterations
+            version, staleness = trl_internals.micro_step(self.trainer) // per_batch, 0
+        return {"policy_version": version, "staleness": staleness}
 
     def _rows(self, n: int) -> list[dict | None]:
         return self.rows if len(self.rows) == n else [None] * n
@@ -77,13 +95,14 @@ class TreeViewRecorder(TrainerCallback):
         """One generation batch's trees; `per_func`: every leaf's reward-function values (`LeafScores.per_func`)."""
         decode = self._decode
         columns = self._reward_columns(per_func, [len(b) for b in branches_per_tree])
-        args = self.trainer.args
+        args, policy = self.trainer.args, self._policy(mode)
         records = [
             tree_record(tree, credit, decode, prompt, leaf_rounds=[getattr(b, "round", 0) for b in branches],
                         reward_columns=cols, leaf_advantages=methods.CREDITS[args.credit].view(tree, args).tolist(),
                         with_entropy=self.trainer.needs_entropies, row=row,
                         turn_tools=[(getattr(b, "calls_per_turn", []), getattr(b, "failures_per_turn", []))
-                                    for b in branches])
+                                    for b in branches],
+                        abandoned=[getattr(b, "abandoned_at", None) is not None for b in branches], **policy)
             for prompt, tree, branches, credit, cols, row in zip(prompts, trees, branches_per_tree, per_turn, columns,
                                                                  self._rows(len(prompts)))
         ]
@@ -91,7 +110,8 @@ class TreeViewRecorder(TrainerCallback):
 
     def record_flex(self, mode: str, prompts, groups, per_turn) -> None:
         view = methods.CREDITS[self.trainer.args.credit].view  # the leaf values the credit backs up
-        records = [flex_record(g, credit, self._decode, p, view(g, self.trainer.args).tolist(), row=row)
+        policy = self._policy(mode)
+        records = [flex_record(g, credit, self._decode, p, view(g, self.trainer.args).tolist(), row=row, **policy)
                    for p, g, credit, row in zip(prompts, groups, per_turn, self._rows(len(prompts)))]
         self._record(mode, records)
 
@@ -158,8 +178,10 @@ class TreeViewRecorder(TrainerCallback):
         method = trainer._name
         if type(trainer).__name__ == "TreeTrainer":
             method = f"Tree ({args.sampler} × {args.credit} × {args.loss})"
+        credit = methods.CREDITS[args.credit]
         return page_data(gather_object(records), step=trainer.state.global_step, method=method, mode=mode,
-                         credit=args.credit, after_note=note, special_tokens=self._special_tokens(), batch=batch)
+                         credit=args.credit, after_note=note, special_tokens=self._special_tokens(), batch=batch,
+                         credit_summary=credit.summary, penalties=credit.applies_penalties)
 
     def _special_tokens(self) -> list[str]:
         """The tokenizer's special tokens (the chat template's `<|im_start|>`, `<|im_end|>`, `<|endoftext|>`, …), which

@@ -186,6 +186,7 @@ class TreeFlexTrainer(TreeTrainer):
         metrics["treeflex/penalised_turn_fraction"].append(self._mean_over_ranks([float(q < 0) for q in penalties]))
         metrics["treeflex/mean_turn_penalty"].append(self._mean_over_ranks(penalties))
         self.log_turn_credit(metrics, per_turn)
+        self._log_pack_metrics(metrics, result)
         for r, role in enumerate(self.harness.roles):
             share = [float(g.lengths[g.turn_role == r].sum() / g.lengths.sum().clamp(min=1)) for g in groups]
             metrics[f"treeflex/token_share/{role}"].append(self._mean_over_ranks(share))

@@ -11,11 +11,12 @@ from .text import number
 # Every field the page renders, by type: the renderer may then format numbers with int()/`:.2f` and put texts through
 # `_esc`, whatever a hand-edited file holds (a text where a number goes would otherwise reach the HTML unescaped, or
 # stop the rendering with a bare TypeError).
-_PAGE_TEXTS = ("method", "mode", "credit", "after_note")
+_PAGE_TEXTS = ("method", "mode", "credit", "credit_summary", "after_note")
 _RECORD_INTS = ("prompt_tokens", "num_leaves", "num_turns")
+_RECORD_OPTIONAL_INTS = ("policy_version", "staleness")  # absent in files saved before them: stay absent
 _RECORD_TEXTS = ("kind", "prompt", "question", "gold", "gold_column")
 _NODE_INTS = ("id", "parent", "tokens", "observation_tokens", "context_tokens", "multiplicity", "turn_offset", "round",
-              "tool_calls", "tool_failures")
+              "tool_calls", "tool_failures", "abandoned")
 _NODE_FLOATS = ("entropy", "penalty")
 _NODE_FLOAT_LISTS = ("rewards", "leaf_advantages")
 _NODE_TEXTS = ("kind", "label", "action", "observation", "context")
@@ -81,12 +82,17 @@ def checked_page(data) -> dict:
         if key in data:
             data[key] = _as_int(data[key], key)
     data["special_tokens"] = [str(t)[:60] for t in _as_list(data.get("special_tokens"), "special_tokens")[:200]]
+    if "penalties" in data and not isinstance(data["penalties"], bool):
+        raise ValueError(f"penalties: expected true or false, got {_shown(data['penalties'])}")
     prompts = []
     for x, record in enumerate(_as_list(data.get("prompts"), "prompts")):
         where = f"prompts[{x}]"
         record = dict(_as_dict(record, where))
         for key in _RECORD_INTS:
             record[key] = _as_int(record.get(key), f"{where}.{key}")
+        for key in _RECORD_OPTIONAL_INTS:
+            if key in record:
+                record[key] = _as_int(record[key], f"{where}.{key}")
         for key in _RECORD_TEXTS:
             if key in record:
                 record[key] = str(record[key])

@@ -52,6 +52,9 @@ def tree_record(
     with_entropy: bool = False,
     row: dict | None = None,
     turn_tools: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
+    abandoned: Sequence[bool] | None = None,
+    policy_version: int | None = None,
+    staleness: int | None = None,
 ) -> dict:
     """One prompt's rollout tree as page data.
 
@@ -72,6 +75,11 @@ def tree_record(
             `gold_answer`).
         turn_tools: per trajectory k, (tool calls, failed or malformed calls) of each turn on its path
             (`Branch.calls_per_turn`, `failures_per_turn`); a path of another length is skipped.
+        abandoned: per trajectory k, whether it ended because a call on its environment timed out while it may still
+            run there (`Branch.abandoned_at`): its leaf counts such trajectories (`abandoned`), the page marks it.
+        policy_version: the version of the policy that sampled the tree (docs/design.md §9: version b = the weights
+            after b generation batches; the rollout worker's version, or the trainer's own when it samples itself).
+        staleness: the policy versions between that and the batch's π_old (0: sampled by π_old itself).
     """
     per_turn, per_tree = _split_credit(credit, tree.num_turns)
     rounds = [None] * tree.num_turns
@@ -87,6 +95,10 @@ def tree_record(
     ending = [[] for _ in tree.turns]
     for k, leaf in enumerate(tree.leaf_of):
         ending[leaf].append(k)
+    if abandoned is not None and len(abandoned) != len(tree.paths):
+        raise ValueError(f"tree_view: abandoned has {len(abandoned)} entries for the tree's {len(tree.paths)} "
+                         "trajectories; pass one per trajectory, in the tree's order (its branches' `abandoned_at`).")
+    ended_abandoned = [sum(bool(abandoned[k]) for k in ks) if abandoned is not None else 0 for ks in ending]
     offsets = [0] * tree.num_turns  # where a segment starts inside its assistant turn (TreeAdv's split turns)
     nodes = []
     for i, turn in enumerate(tree.turns):
@@ -115,6 +127,8 @@ def tree_record(
         }
         if calls[i] is not None:
             node["tool_calls"], node["tool_failures"] = calls[i], failures[i]
+        if ended_abandoned[i]:  # the branch's last turn: its environment's call timed out (docs/design.md §5)
+            node["abandoned"] = ended_abandoned[i]
         if leaf_advantages is not None:
             node["leaf_advantages"] = [number(leaf_advantages[k]) for k in ending[i]]
         if reward_columns:
@@ -131,18 +145,30 @@ def tree_record(
         "paths": [list(p) for p in tree.paths],
         "per_tree": per_tree,
         "nodes": nodes,
+        **_policy_fields(policy_version, staleness),
     }
 
 
+def _policy_fields(policy_version: int | None, staleness: int | None) -> dict:
+    """The record's policy version and staleness, where known (files saved before them have neither)."""
+    fields = {}
+    if policy_version is not None:
+        fields["policy_version"] = int(policy_version)
+    if staleness is not None:
+        fields["staleness"] = int(staleness)
+    return fields
+
+
 def flex_record(group, credit: TurnCredit | dict[str, Any], decode: Callable[[list[int]], str], prompt,
-                search_advantages: Sequence[float] | None = None, *, row: dict | None = None) -> dict:
+                search_advantages: Sequence[float] | None = None, *, row: dict | None = None,
+                policy_version: int | None = None, staleness: int | None = None) -> dict:
     """One TreeFlex task as page data: its K complete searches, each a node whose children are its causal blocks
     (role, the end of the block's context), each block the chain of turns it generated with their credit.
 
     `credit` is the group's per-turn credit (`TreeFlexTrainer.turn_credit`, a `FlexCredit`: `A`, `penalty`, … in the
     group-wide turn order); turn nodes keep that index as their `id`, search and block nodes get ids after the turns.
     `search_advantages`: each search's group-normalised score (F1), shown on its node. `row`: the dataset row (its
-    question and gold answer)."""
+    question and gold answer). `policy_version`, `staleness`: as for `tree_record`."""
     per_turn, per_tree = _split_credit(credit, group.num_turns)
     nodes, next_id, turn = [], group.num_turns, 0
     trees = iter(group.trees)
@@ -189,16 +215,21 @@ def flex_record(group, credit: TurnCredit | dict[str, Any], decode: Callable[[li
         "rewards": [number(r) for r in group.scores.tolist()],
         "per_tree": per_tree,
         "nodes": _dfs(nodes),
+        **_policy_fields(policy_version, staleness),
     }
 
 
 def page_data(records: list[dict], *, step: int, method: str, mode: str = "train", credit: str = "",
-              after_note: str = "", special_tokens: Sequence[str] = (), batch: int | None = None) -> dict:
+              after_note: str = "", special_tokens: Sequence[str] = (), batch: int | None = None,
+              credit_summary: str = "", penalties: bool | None = None) -> dict:
     """The data of one page: the prompts' records of one generation batch and what the page says about them.
     `special_tokens`: the tokenizer's special tokens (`<|im_start|>`, `<|im_end|>`, …), which the page hides in the
     texts it shows (the data keeps them; a switch on the page shows them). `batch`: which generation batch of the
     run it is (1, 2, …; None: not known). `batches` = 1 says the page stands for one generation batch: files saved
-    before pages followed batches lack it (they were written at logging steps, the last batch before each log)."""
+    before pages followed batches lack it (they were written at logging steps, the last batch before each log).
+    `credit_summary`: what the credit `credit` does, in its registered entry's words (the page's hover text for it);
+    `penalties`: whether that credit adds the turns' process penalties Q (`methods.Credit.applies_penalties`): the
+    page shows a turn's Q only then (None, as in older files: only on TreeFlex's groups)."""
     data = {
         "format": FORMAT, "version": VERSION, "step": int(step), "method": method, "mode": mode,
         "credit": credit, "after_note": after_note,
@@ -207,6 +238,10 @@ def page_data(records: list[dict], *, step: int, method: str, mode: str = "train
     }
     if batch is not None:
         data["batch"] = int(batch)
+    if credit_summary:
+        data["credit_summary"] = str(credit_summary)
+    if penalties is not None:
+        data["penalties"] = bool(penalties)
     return data
 
 

@@ -1,0 +1,233 @@
+"""What asynchronous rollouts buy: wall seconds per generation batch, synchronous against `max_staleness` 1 and 2
+(issue 57, item 7).
+
+Setting "paced" (where generation has its own device, as GPUs give): TreeOPSD on the tiny model with the calculator
+tool, two trees per micro-batch, E = 2 optimizer blocks per generation batch, training real. Generation is a script
+sampled from torch's generator (`tests.resume_runs`' agent: call the calculator or answer) behind `PacedEngine`, which
+sleeps `per_token_seconds` × the most tokens any row gets in each engine call (one batched decode), so generation
+costs time but no CPU, like a separate device. A calibration run (synchronous, no pace) measures a generation batch's
+training seconds, its unpaced generation seconds and its decode steps; the pace adds the difference, so that
+generation takes as long as training (balanced),
+the case where overlap gains most: the limit is max(generation, training) per batch, 2x over synchronous.
+
+Per variant, one run of `--batches` generation batches; the first `--warmup` are left out (the pipeline filling up).
+Columns: steady-state wall seconds per generation batch (between the starts of consecutive batches), the speedup over
+synchronous, the ratio to the limit (1.0 = at the limit), and per batch the trainer's wait for the worker's batch,
+the worker's idle wait for admission, and the weight publication. Targets: ≥ 1.8x over synchronous and within 1.1x
+of the limit.
+
+The second setting of the issue (SmolLM2 with real generation, the two cores split between producer and trainer) is
+not written yet: it needs both cores quiet to mean anything.
+
+Usage:
+    python benchmarks/bench_async.py --output benchmarks/results/async_paced.json
+    python benchmarks/bench_async.py --quick          (seconds: checks the pipeline, the figures mean nothing)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import torch  # noqa: E402
+from common import environment, markdown_table, write_json  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
+from tests.resume_runs import agent_turn, questions, sampled_engine  # noqa: E402
+from tests.scripted import config, contains_answer, tiny  # noqa: E402
+from trl_tree import TreeOPSDConfig, TreeOPSDTrainer  # noqa: E402
+from trl_tree.testing import calculator  # noqa: E402
+
+E = 2  # optimizer blocks per generation batch
+TREES = 2  # per micro-batch: 4 prompts per generation batch
+
+
+class PacedEngine:
+    """A scripted engine that costs time, not CPU: each call sleeps per_token_seconds × its longest row (a batched
+    decode), and counts the decode steps it was asked for (to calibrate the pace)."""
+
+    resumes_turns = False
+
+    def __init__(self, engine, per_token_seconds: float):
+        self.engine, self.per_token_seconds, self.decode_steps = engine, per_token_seconds, 0
+
+    def generate(self, prefixes, max_new_tokens):
+        out = self.engine.generate(prefixes, max_new_tokens)
+        steps = max((len(c.ids) for c in out), default=0)
+        self.decode_steps += steps
+        if self.per_token_seconds > 0:
+            time.sleep(self.per_token_seconds * steps)
+        return out
+
+
+class BatchClock(TrainerCallback):
+    """The wall time at which each generation batch starts (its first optimizer block) and the run ends."""
+
+    def __init__(self):
+        self.starts, self.end = [], None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step % E == 0:
+            self.starts.append(time.perf_counter())
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.end = time.perf_counter()
+
+
+def build(output_dir: str, batches: int, per_token_seconds: float, max_staleness: int) -> TreeOPSDTrainer:
+    model, tok = tiny()
+    fields = {"num_initial_rollouts": 2, "num_branches": 2}
+    args = config(
+        TreeOPSDConfig,
+        output_dir,
+        **fields,
+        max_turns=4,
+        max_completion_length=160,
+        steps_per_generation=E,
+        per_device_train_batch_size=TREES * TreeOPSDConfig.num_generations_for(**fields),
+        max_steps=batches * E,
+        max_staleness=max_staleness,
+        logging_steps=1,
+        disable_tqdm=True,
+    )
+    # every batch in one epoch (a new epoch restarts the worker's pipeline)
+    dataset = questions(2 * TREES * batches)
+    trainer = TreeOPSDTrainer(
+        model=model,
+        reward_funcs=contains_answer,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tok,
+        tools=[calculator],
+    )
+    trainer.generation_engine = PacedEngine(sampled_engine(tok, agent_turn), per_token_seconds)
+    return trainer
+
+
+def run(variant: str, max_staleness: int, batches: int, warmup: int, per_token_seconds: float, out: Path) -> dict:
+    """One run; its steady-state seconds per batch, and per batch its generation time, waits and publications."""
+    torch.manual_seed(0)
+    trainer = build(str(out / variant), batches, per_token_seconds, max_staleness)
+    clock, generation = BatchClock(), []
+    trainer.add_callback(clock)
+    if max_staleness == 0:  # the synchronous trainer: time its generation phase
+        original = trainer._generate_micro_batches
+
+        def timed(inputs, num_chunks):
+            start = time.perf_counter()
+            result = original(inputs, num_chunks)
+            generation.append(time.perf_counter() - start)
+            return result
+
+        trainer._generate_micro_batches = timed
+    trainer.train()
+    logged = trainer.state.log_history
+    bounds = [*clock.starts, clock.end]
+    intervals = [b - a for a, b in zip(bounds, bounds[1:])]
+    steady = intervals[warmup:]
+
+    def series(name):
+        return [entry[name] for entry in logged if name in entry]
+
+    row = {
+        "variant": variant,
+        "max_staleness": max_staleness,
+        "batches": batches,
+        "warmup": warmup,
+        "seconds_per_batch": statistics.mean(steady),
+        "intervals": intervals,
+        "decode_steps": trainer.generation_engine.decode_steps,
+    }
+    if max_staleness == 0:
+        row["generation_seconds"] = statistics.mean(generation[warmup:])
+        row["training_seconds"] = statistics.mean(i - g for i, g in zip(steady, generation[warmup:]))
+    else:
+        row["generation_seconds"] = statistics.mean(series("async/generation_time")[warmup:])
+        row["trainer_wait"] = statistics.mean(series("async/trainer_wait")[warmup:])
+        row["producer_wait"] = statistics.mean(series("async/producer_wait")[warmup:])
+        row["weight_publication_seconds"] = statistics.mean(series("async/weight_publication_time"))
+        row["staleness_max"] = max(series("async/staleness_max"))
+    return row
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--staleness", default="1,2", help="the asynchronous variants' max_staleness, comma-separated")
+    parser.add_argument("--per_token_seconds", type=float, default=None, help="the pace (default: calibrated)")
+    parser.add_argument("--quick", action="store_true", help="3 batches, 1 left out, a fixed small pace")
+    parser.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "async_paced.json"))
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.batches, args.warmup = 3, 1
+        args.per_token_seconds = 1e-4 if args.per_token_seconds is None else args.per_token_seconds
+    with tempfile.TemporaryDirectory() as scratch:  # the trainers' output_dir: nothing of it is kept
+        return measure(args, argv, Path(scratch))
+
+
+def measure(args, argv, out: Path) -> dict:
+    calibration = None
+    if args.per_token_seconds is None:  # balanced: generation's sleeps as long as one batch's training
+        calibration = run("calibration", 0, args.batches, args.warmup, 0.0, out)
+        steps_per_batch = calibration["decode_steps"] / args.batches
+        # generation's own CPU work (sampling, tools, rewards, forwards) already takes part of a batch's time
+        paced = max(calibration["training_seconds"] - calibration["generation_seconds"], 0.0)
+        args.per_token_seconds = paced / steps_per_batch
+        print(
+            f"calibration: training {calibration['training_seconds']:.3f} s per batch, {steps_per_batch:.0f} decode "
+            f"steps per batch -> {args.per_token_seconds * 1e3:.3f} ms per token",
+            flush=True,
+        )
+    rows = [run("sync", 0, args.batches, args.warmup, args.per_token_seconds, out)]
+    for s in (int(v) for v in args.staleness.split(",") if v):
+        rows.append(run(f"async_{s}", s, args.batches, args.warmup, args.per_token_seconds, out))
+    sync = rows[0]
+    limit = max(sync["generation_seconds"], sync["training_seconds"])
+    for row in rows:
+        row["speedup"] = sync["seconds_per_batch"] / row["seconds_per_batch"]
+        row["over_limit"] = row["seconds_per_batch"] / limit
+    headers = {
+        "variant": "variant",
+        "seconds_per_batch": "s / batch",
+        "speedup": "speedup",
+        "over_limit": "/ limit",
+        "trainer_wait": "trainer wait",
+        "producer_wait": "producer wait",
+        "weight_publication_seconds": "publication",
+    }
+    print(
+        markdown_table(
+            [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in rows],
+            list(headers),
+            headers,
+        )
+    )
+    print(
+        f"limit max(generation {sync['generation_seconds']:.3f}, training {sync['training_seconds']:.3f}) = "
+        f"{limit:.3f} s per batch; targets: speedup >= 1.8, / limit <= 1.1"
+    )
+    result = {
+        "setting": "paced",
+        "per_token_seconds": args.per_token_seconds,
+        "limit_seconds": limit,
+        "calibration": calibration,
+        "rows": rows,
+        "quick": args.quick,
+        "environment": environment(kernels=False),
+        "command": " ".join(["python benchmarks/bench_async.py", *(argv if argv is not None else sys.argv[1:])]),
+    }
+    write_json(args.output, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
