@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 from common import environment, markdown_table, write_json  # noqa: E402
-from transformers import TrainerCallback  # noqa: E402
+from transformers import Qwen3Config, Qwen3ForCausalLM, TrainerCallback  # noqa: E402
 
 from tests.resume_runs import agent_turn, questions, sampled_engine  # noqa: E402
 from tests.scripted import config, contains_answer, tiny  # noqa: E402
@@ -48,6 +48,7 @@ from trl_tree.testing import calculator  # noqa: E402
 
 E = 2  # optimizer blocks per generation batch
 TREES = 2  # per micro-batch: 4 prompts per generation batch
+WIDTH, LAYERS = 512, 4  # the trained policy's hidden size and depth (`policy`)
 
 
 class PacedEngine:
@@ -82,8 +83,32 @@ class BatchClock(TrainerCallback):
         self.end = time.perf_counter()
 
 
-def build(output_dir: str, batches: int, per_token_seconds: float, max_staleness: int) -> TreeOPSDTrainer:
+def policy(width: int, layers: int):
+    """The policy trained: the tiny tokenizer's Qwen3, `width` wide and `layers` deep, randomly initialised (seed 0).
+    The scripted engine samples without it, so only training and the μ / π_old forwards run it: wide enough, a
+    batch's cost is its arithmetic (which releases the GIL), not the interpreter's bookkeeping of a 64-wide model,
+    which two threads of one process cannot overlap."""
     model, tok = tiny()
+    if width == model.config.hidden_size and layers == model.config.num_hidden_layers:
+        return model, tok
+    config = Qwen3Config(**{
+        **model.config.to_dict(),
+        "hidden_size": width,
+        "intermediate_size": 3 * width,
+        "num_hidden_layers": layers,
+        "layer_types": None,
+        "max_window_layers": layers,
+    })
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        wide = Qwen3ForCausalLM(config)
+    wide.generation_config = model.generation_config
+    return wide, tok
+
+
+def build(output_dir: str, batches: int, per_token_seconds: float, max_staleness: int, width: int = WIDTH,
+          layers: int = LAYERS) -> TreeOPSDTrainer:
+    model, tok = policy(width, layers)
     fields = {"num_initial_rollouts": 2, "num_branches": 2}
     args = config(
         TreeOPSDConfig,
@@ -112,10 +137,11 @@ def build(output_dir: str, batches: int, per_token_seconds: float, max_staleness
     return trainer
 
 
-def run(variant: str, max_staleness: int, batches: int, warmup: int, per_token_seconds: float, out: Path) -> dict:
+def run(variant: str, max_staleness: int, batches: int, warmup: int, per_token_seconds: float, out: Path,
+        width: int = WIDTH, layers: int = LAYERS) -> dict:
     """One run; its steady-state seconds per batch, and per batch its generation time, waits and publications."""
     torch.manual_seed(0)
-    trainer = build(str(out / variant), batches, per_token_seconds, max_staleness)
+    trainer = build(str(out / variant), batches, per_token_seconds, max_staleness, width, layers)
     clock, generation = BatchClock(), []
     trainer.add_callback(clock)
     if max_staleness == 0:  # the synchronous trainer: time its generation phase
@@ -164,12 +190,19 @@ def main(argv=None) -> dict:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--staleness", default="1,2", help="the asynchronous variants' max_staleness, comma-separated")
     parser.add_argument("--per_token_seconds", type=float, default=None, help="the pace (default: calibrated)")
-    parser.add_argument("--quick", action="store_true", help="3 batches, 1 left out, a fixed small pace")
+    parser.add_argument("--quick", action="store_true", help="3 batches, 1 left out, a fixed small pace, the 64-wide model")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch's intra-op threads (default: torch's own, one per core)")
+    parser.add_argument("--width", type=int, default=WIDTH, help="the trained policy's hidden size")
+    parser.add_argument("--layers", type=int, default=LAYERS, help="the trained policy's layers")
     parser.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "async_paced.json"))
     args = parser.parse_args(argv)
     if args.quick:
         args.batches, args.warmup = 3, 1
         args.per_token_seconds = 1e-4 if args.per_token_seconds is None else args.per_token_seconds
+        args.width, args.layers = 64, 2
+    if args.threads is not None:  # one process-wide setting: the worker thread and the trainer share it
+        torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as scratch:  # the trainers' output_dir: nothing of it is kept
         return measure(args, argv, Path(scratch))
 
@@ -177,7 +210,7 @@ def main(argv=None) -> dict:
 def measure(args, argv, out: Path) -> dict:
     calibration = None
     if args.per_token_seconds is None:  # balanced: generation's sleeps as long as one batch's training
-        calibration = run("calibration", 0, args.batches, args.warmup, 0.0, out)
+        calibration = run("calibration", 0, args.batches, args.warmup, 0.0, out, args.width, args.layers)
         steps_per_batch = calibration["decode_steps"] / args.batches
         # generation's own CPU work (sampling, tools, rewards, forwards) already takes part of a batch's time
         paced = max(calibration["training_seconds"] - calibration["generation_seconds"], 0.0)
@@ -187,9 +220,9 @@ def measure(args, argv, out: Path) -> dict:
             f"steps per batch -> {args.per_token_seconds * 1e3:.3f} ms per token",
             flush=True,
         )
-    rows = [run("sync", 0, args.batches, args.warmup, args.per_token_seconds, out)]
+    rows = [run("sync", 0, args.batches, args.warmup, args.per_token_seconds, out, args.width, args.layers)]
     for s in (int(v) for v in args.staleness.split(",") if v):
-        rows.append(run(f"async_{s}", s, args.batches, args.warmup, args.per_token_seconds, out))
+        rows.append(run(f"async_{s}", s, args.batches, args.warmup, args.per_token_seconds, out, args.width, args.layers))
     sync = rows[0]
     limit = max(sync["generation_seconds"], sync["training_seconds"])
     for row in rows:
@@ -217,6 +250,8 @@ def measure(args, argv, out: Path) -> dict:
     )
     result = {
         "setting": "paced",
+        "policy": {"hidden_size": args.width, "layers": args.layers},
+        "torch_threads": torch.get_num_threads(),
         "per_token_seconds": args.per_token_seconds,
         "limit_seconds": limit,
         "calibration": calibration,

@@ -68,7 +68,7 @@ from common import (
 from torch import Tensor
 
 from trl_tree import losses
-from trl_tree.batch import LossInputs
+from trl_tree.core.batch import LossInputs
 from trl_tree.methods import TeacherCredit, clip_epsilons
 
 # method -> (the trainer's `loss`, its `zero_credit_anchor`): the two last are issue 40's ablation, TreeOPSD without

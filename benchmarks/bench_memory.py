@@ -106,7 +106,7 @@ def path_tokens(tree) -> int:
 def saved_for_backward(model, run) -> tuple[object, dict[str, int]]:
     """`run()`'s result and the bytes of the tensors autograd saved for backward while it ran (each storage once,
     the model's parameters excluded: they are held anyway), split into those saved inside the tree attention
-    (`trl_tree/tree_attention.py`: each chain's gathered ancestor keys and values, sdpa's own) and the rest."""
+    (`trl_tree/core/tree_attention.py`: each chain's gathered ancestor keys and values, sdpa's own) and the rest."""
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages: dict[int, tuple[int, str]] = {}
 

@@ -5,13 +5,13 @@ A TreeOPSD tree of a search agent has long shared prefixes: the prompt, and turn
 thousands of tokens, are shared by every leaf below them. `packing="tree"` forwards each unique token once (a row of
 `tree.num_unique_tokens`, the ancestor-only mask as a BlockMask built from the DFS intervals); `packing="paths"`
 forwards every leaf's whole history (`tree.num_path_tokens`) with plain causal attention. This script measures one
-training forward + backward of `trl_tree.packing.packed_token_logps` (loss = sum of the trained tokens' log-probs) on
+training forward + backward of `trl_tree.core.packing.packed_token_logps` (loss = sum of the trained tokens' log-probs) on
 synthetic (M, N) trees of growing turn length, for:
 
     tree_flex     packing="tree", flex_attention with the BlockMask (the GPU path)
     tree_sdpa     packing="tree", sdpa with the dense [T, T] boolean mask (skipped past --dense_max_tokens)
     tree_chains   packing="tree", attn_implementation="tree_sdpa": sdpa chain by chain, the visible pairs only (what
-                  the tree trainers use with an sdpa model; trl_tree.tree_attention)
+                  the tree trainers use with an sdpa model; trl_tree.core.tree_attention)
     paths_sdpa    packing="paths", sdpa causal (no mask: flash / memory-efficient kernels)
 
 and reports seconds, tokens forwarded, leaf tokens trained per second (the trees' root-to-leaf tokens, the same
@@ -53,9 +53,9 @@ import psutil
 import torch
 from common import environment, markdown_table, write_json
 
-from trl_tree.packing import forward_cost, pack_trees, packed_token_logps, token_weight
-from trl_tree.tree import RolloutTree, Turn
-from trl_tree.tree_attention import TREE_SDPA
+from trl_tree.core.packing import forward_cost, pack_trees, packed_token_logps, token_weight
+from trl_tree.core.tree import RolloutTree, Turn
+from trl_tree.core.tree_attention import TREE_SDPA
 
 # Qwen3-0.6B's shape (config.json of Qwen/Qwen3-0.6B), written out so that nothing is downloaded
 QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
@@ -345,7 +345,7 @@ def report(result: dict, model, args) -> None:
     print(markdown_table(result["runs"], columns))
     print("\nspeed-up of packing (paths seconds / tree seconds): "
           + ", ".join(f"{k}: {v:.2f}x" for k, v in result["speedup_paths_over_tree"].items()))
-    print("packing='auto' with sdpa (cost model, trl_tree.packing.forward_cost): "
+    print("packing='auto' with sdpa (cost model, trl_tree.core.packing.forward_cost): "
           + ", ".join(f"size {k}: {v['picks']} (tree/paths cost {v['cost_tree_over_paths']:.2f}"
                       + (f"; measured faster: {v['measured_faster']})" if "measured_faster" in v else ")")
                       for k, v in result["auto_sdpa"].items()))

@@ -91,7 +91,7 @@ from common import (
 from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.trainer_callback import PrinterCallback
 
-from trl_tree.rollout.engine import HFEngine
+from trl_tree.rollout.generating.engine import HFEngine
 from trl_tree.testing import ScriptedEngine
 from trl_tree.trainer.engine_ports import hf_ports
 

@@ -154,7 +154,7 @@ def vllm_generation(args: argparse.Namespace, method: str):
     if torch.cuda.is_available():
         yield options
         return
-    from trl_tree.rollout.vllm_engine import vllm_cpu_weight_sync
+    from trl_tree.rollout.generating.vllm_engine import vllm_cpu_weight_sync
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     with vllm_cpu_weight_sync(dtype="float32", enforce_eager=True):

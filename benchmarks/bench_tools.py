@@ -75,8 +75,8 @@ from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_tree import TreeOPSDConfig, TreeOPSDTrainer
-from trl_tree.rollout.engine import Continuation
-from trl_tree.rollout.turn_loop import Branch
+from trl_tree.rollout.generating.engine import Continuation
+from trl_tree.rollout.growing.turn_loop import Branch
 from trl_tree.testing import ScriptedEngine, tiny_model_and_tokenizer
 
 VARIANTS = ("concurrent", "serial", "grpo")
@@ -157,7 +157,7 @@ class CriticalPath:
         return self.depth.get(id(branch), 0) + self.rounds(branch.calls_per_turn)
 
     def __enter__(self):
-        from trl_tree.rollout.turn_loop import TurnLoop
+        from trl_tree.rollout.growing.turn_loop import TurnLoop
 
         path = self
         originals = self.originals = (Branch.restart_at, TurnLoop._run_serially, TurnLoop._attach)
@@ -189,7 +189,7 @@ class CriticalPath:
         return self
 
     def __exit__(self, *exc):
-        from trl_tree.rollout.turn_loop import TurnLoop
+        from trl_tree.rollout.growing.turn_loop import TurnLoop
 
         Branch.restart_at, TurnLoop._run_serially, TurnLoop._attach = self.originals
 
@@ -343,7 +343,7 @@ class TimedSearch:
 
         self.inner = make_search_tool(RemoteRetriever(url), topk=2)
         self.delay, self.seconds, self.requests, self.lock = delay, 0.0, 0, threading.Lock()
-        from trl_tree.rollout.tools import batch_form, batched_tool
+        from trl_tree.rollout.acting.tools import batch_form, batched_tool
 
         inner_batch = batch_form(self.inner).fn
 

@@ -5,7 +5,7 @@ Sized for one H200 in under 8 minutes; nothing is downloaded, and neither TRL no
 Sections (`--sections`, in this order; the JSON is written after each, so a run cut short keeps what it measured):
 
     packing     bench_packing_gpu.py's sweep at 1k-64k tokens per tree row (`--row_tokens`): one forward + backward
-                of `trl_tree.packing.packed_token_logps` per variant (tree_flex: the flex_attention BlockMask row;
+                of `trl_tree.core.packing.packed_token_logps` per variant (tree_flex: the flex_attention BlockMask row;
                 tree_sdpa: the dense-mask row, up to 32k tokens; tree_chains: trl-tree's tree_sdpa attention;
                 paths_sdpa: causal path rows), seconds and peak memory, log-probs against the path rows.
     step        one TreeOPSD optimizer step on packed trees, per layout: pack, π_old from the same packed forward
@@ -63,13 +63,13 @@ import torch
 from common import environment, markdown_table, write_json
 
 from trl_tree import methods
-from trl_tree.batch import LossInputs, TurnCredit
+from trl_tree.core.batch import LossInputs, TurnCredit
+from trl_tree.core.packing import pack_trees, packed_token_logps
+from trl_tree.core.tree_attention import TREE_SDPA
 from trl_tree.envs.agent_eval import GreedyEngine
-from trl_tree.packing import pack_trees, packed_token_logps
-from trl_tree.rollout.engine import HFEngine, HFPorts, rollout_session
-from trl_tree.rollout.samplers import InitExpandSampler, TreeRoot
-from trl_tree.rollout.turn_loop import SamplerSettings, TurnLoop, TurnLoopPorts
-from trl_tree.tree_attention import TREE_SDPA
+from trl_tree.rollout.generating.engine import HFEngine, HFPorts, rollout_session
+from trl_tree.rollout.growing.samplers import InitExpandSampler, TreeRoot
+from trl_tree.rollout.growing.turn_loop import SamplerSettings, TurnLoop, TurnLoopPorts
 
 SECTIONS = ("packing", "step", "generation", "precision")
 RESULTS = Path(__file__).resolve().parent / "results"

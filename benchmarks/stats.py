@@ -580,8 +580,11 @@ def best_figure(report: dict, path: str | Path, base_rate: float = BASE_RATE) ->
         scale = report["best_scale"][method]
         cell = report["grid"][method][scale]
         interval = cell["em_interval"]
+        screened = sum(all(s in c["exact_match"] for s in report["screen_seeds"]) for c in report["grid"][method].values())
+        # a best picked from one screened scale is that scale's result, not a tuned best: the label says how many
         label = (f"{NAMES.get(method, method)} {scale}× ({scale * base_rate:.0e}): {interval['mean']:.3f}, "
-                 f"{len(cell['seeds'])} seeds, {cell['collapsed_count']} collapsed")
+                 f"{len(cell['seeds'])} seeds, {cell['collapsed_count']} collapsed, best of {screened} "
+                 f"scale{'s' if screened != 1 else ''}")
         color = None
         for axes, x_key in zip(panels[:2], ("rollout_tokens", "train_cpu_minutes")):
             seeds = [s for s in cell["seeds"] if cell["per_seed"][s][x_key] is not None]

@@ -22,7 +22,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from tests.scripted import tool_call
-from trl_tree.rollout.tools import batch_form
+from trl_tree.rollout.acting.tools import batch_form
 from trl_tree.scripts import hotpot
 from trl_tree.testing import ScriptedEngine
 

@@ -9,7 +9,7 @@ machine"): nothing here samples, and nothing starts from bits a machine computed
   can turn a last-bit difference into other tokens.
 - The model is the tiny Qwen3 shape in float64 with every parameter an exact dyadic rational drawn the same way (no
   torch initializer, whose vectorised kernels round differently per machine).
-- Training is the pipeline Algorithm 1 runs (`trl_tree.pipeline`: pack, π_old's packed forward, the registered credit
+- Training is the pipeline Algorithm 1 runs (`trl_tree.core.pipeline`: pack, π_old's packed forward, the registered credit
   and the loss's `prepare`, then per optimizer block one packed forward and the registered loss), with plain SGD: its
   update is linear in the gradient, where Adam's g/√v turns a rounding-level gradient into a ±lr step.
 
@@ -33,11 +33,11 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from trl_tree import methods, pipeline
-from trl_tree.flex_unit import FlexGroup, FlexUnits
-from trl_tree.packing import PackedTrees
-from trl_tree.rollout.flex_harness import EXECUTION, REFLECTION, FlexBlock, FlexSearch
-from trl_tree.tree import RolloutTree, Turn
-from trl_tree.tree_unit import TreeUnits
+from trl_tree.core.flex_unit import FlexGroup, FlexUnits
+from trl_tree.core.packing import PackedTrees
+from trl_tree.core.tree import RolloutTree, Turn
+from trl_tree.core.tree_unit import TreeUnits
+from trl_tree.rollout.growing.flex_harness import EXECUTION, REFLECTION, FlexBlock, FlexSearch
 
 RECORD = Path(__file__).parent / "data" / "golden_float64.json"
 RTOL = 1e-9
@@ -229,7 +229,7 @@ def run(credit: str, loss: str) -> dict:
     for inputs in batches:
         model.zero_grad()
         batch, _ = pipeline.loss_inputs(model, inputs, args.temperature)
-        value, metrics = pipeline.block_loss(batch, args)
+        value, metrics = methods.block_loss(batch, args)
         value.backward()
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
         record["blocks"].append(

@@ -9,7 +9,7 @@ from datasets import Dataset
 
 from tests.scripted import AFTER_TOOL, CALL_1_PLUS_1, config, contains_answer, tiny
 from trl_tree import TreeFlexConfig, TreeFlexTrainer, TreeOPSDConfig, TreeOPSDTrainer
-from trl_tree.rollout.flex_harness import REFLECTION_PROMPT
+from trl_tree.rollout.growing.flex_harness import REFLECTION_PROMPT
 from trl_tree.testing import ScriptedEngine, calculator
 
 # two trees per micro-batch and E = 2 optimizer blocks per generation batch; per_device_train_batch_size counts

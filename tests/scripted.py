@@ -12,7 +12,7 @@ import json
 import torch
 from datasets import Dataset
 
-from trl_tree.rollout.flex_harness import REFLECTION_PROMPT
+from trl_tree.rollout.growing.flex_harness import REFLECTION_PROMPT
 from trl_tree.testing import ScriptedEngine, calculator, tiny_model_and_tokenizer
 
 CALL_1_PLUS_1 = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+1"}}\n</tool_call>'
@@ -205,7 +205,7 @@ def hf_engine(trainer, monkeypatch, cache: str, with_scores: bool = False, **gen
     test by `monkeypatch`)."""
     import copy
 
-    from trl_tree.rollout.engine import HFEngine
+    from trl_tree.rollout.generating.engine import HFEngine
     from trl_tree.trainer.engine_ports import hf_ports
 
     monkeypatch.setattr(trainer.args, "generation_cache", cache)

@@ -105,7 +105,7 @@ def test_evaluation_runs_every_limit_the_trainer_runs(tmp_path):
     included, so before/after numbers measure the policy under the limits it was optimised with."""
     from dataclasses import fields
 
-    from trl_tree.rollout.turn_loop import SamplerSettings
+    from trl_tree.rollout.growing.turn_loop import SamplerSettings
 
     args = config(TreeOPSDConfig, tmp_path, max_turns=3, max_turn_tokens=40, generation_chunk_tokens=8,
                   tool_timeout=2.5, max_tool_calls_per_turn=2, malformed_tool_calls="observe", tool_failure_penalty=-0.5,

@@ -8,7 +8,7 @@ import torch
 
 from tests.trees import deep_tree, flatten, grad, hotpot_like_tree, perturbed
 from trl_tree import RolloutTree, Turn, credit, losses
-from trl_tree.rollout import expansion
+from trl_tree.rollout.growing import expansion
 
 
 def _turn(token, entropy=None, obs=(9,)):

@@ -7,7 +7,7 @@ import torch
 
 from tests.scripted import captured_units, scripted_trainer, tool_call
 from trl_tree import AT2POConfig, AT2POTrainer
-from trl_tree.batch import TurnCredit
+from trl_tree.core.batch import TurnCredit
 
 # turn -> (text, entropy); after a call the next turn is chosen by the expression of the last call in the history
 X, Z, X2 = tool_call("calculator", expression="1+1"), tool_call("calculator", expression="2+2"), \

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.trees import PAD, branching_tree, tiny_model
-from trl_tree.packing import _padding_sees_itself, block_mask, pack_trees, packed_token_logps
+from trl_tree.core.packing import _padding_sees_itself, block_mask, pack_trees, packed_token_logps
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -10,10 +10,10 @@ import pytest
 from tests.scripted import arithmetic_dataset, config, contains_answer, tiny
 from trl_tree import TreeOPSDConfig, TreeOPSDTrainer
 from trl_tree.envs.agent_eval import AgentSettings, GreedyEngine, run_agent
-from trl_tree.rollout.engine import Continuation, _cut_at_eos
-from trl_tree.rollout.prefix_cache import PrefixKVStore
-from trl_tree.rollout.samplers import InitExpandSampler, TreeRoot
-from trl_tree.rollout.turn_loop import Branch, SamplerSettings, TurnLoop, TurnLoopPorts
+from trl_tree.rollout.generating.engine import Continuation, _cut_at_eos
+from trl_tree.rollout.generating.prefix_cache import PrefixKVStore
+from trl_tree.rollout.growing.samplers import InitExpandSampler, TreeRoot
+from trl_tree.rollout.growing.turn_loop import Branch, SamplerSettings, TurnLoop, TurnLoopPorts
 
 EOS, CALL, VOCAB = 1, 2, 12
 OBSERVATION = [7, 7, 7]
@@ -138,7 +138,7 @@ def test_the_hf_engine_resumes_turns_only_with_the_prefix_store(tmp_path, monkey
                               args=config(TreeOPSDConfig, tmp_path, generation_chunk_tokens=4), processing_class=tok)
     assert hf_engine(trainer, monkeypatch, cache).resumes_turns is resumes
     if resumes:  # ZeRO-3 / FSDP on several processes generate without the prefix store: whole turns again
-        import trl_tree.rollout.engine as engine_module
+        import trl_tree.rollout.generating.engine as engine_module
 
         monkeypatch.setattr(engine_module, "_synced_generation", lambda model: True)
         assert hf_engine(trainer, monkeypatch, cache).resumes_turns is False
@@ -184,7 +184,7 @@ def test_the_trainer_samples_in_chunks(tmp_path, monkeypatch):
     trainer = TreeOPSDTrainer(model=model, reward_funcs=contains_answer, args=args,
                               train_dataset=arithmetic_dataset(2), processing_class=tok)
     asked = []
-    from trl_tree.rollout.engine import HFEngine
+    from trl_tree.rollout.generating.engine import HFEngine
 
     original = HFEngine.generate
 

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from trl_tree import TreeOPSDConfig
-from trl_tree.rollout.engine import Continuation
-from trl_tree.rollout.tool_executor import ToolExecutor
-from trl_tree.rollout.tools import ToolFatalError, batched_tool
-from trl_tree.rollout.turn_loop import Branch, SamplerSettings, TurnLoop, TurnLoopPorts
+from trl_tree.rollout.acting.tool_executor import ToolExecutor
+from trl_tree.rollout.acting.tools import ToolFatalError, batched_tool
+from trl_tree.rollout.generating.engine import Continuation
+from trl_tree.rollout.growing.turn_loop import Branch, SamplerSettings, TurnLoop, TurnLoopPorts
 
 EOS, CALL = 1, 2
 
@@ -284,7 +284,7 @@ def test_ctrl_c_stops_the_run_without_waiting_for_the_calls_in_flight(tmp_path):
 
 
 def test_the_executor_drops_queued_jobs_when_cancelled():
-    from trl_tree.rollout.tool_executor import ToolJob, wait_for
+    from trl_tree.rollout.acting.tool_executor import ToolJob, wait_for
 
     gate = threading.Event()
     executor = ToolExecutor(1)
@@ -469,7 +469,7 @@ def test_the_defaults_run_tools_concurrently_and_one_setting_restores_grpos_orde
 def test_a_round_with_more_calls_than_the_last_gets_workers_for_all_of_them():
     """Idle workers take jobs off the queue before they can say so: the pool counts jobs and free workers under one
     lock, so a second, larger round still starts every job at once (it once started only as many as the first)."""
-    from trl_tree.rollout.tool_executor import ToolJob, wait_for
+    from trl_tree.rollout.acting.tool_executor import ToolJob, wait_for
 
     global IN_FLIGHT
     IN_FLIGHT = InFlight()

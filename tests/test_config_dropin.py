@@ -414,9 +414,9 @@ def test_every_trajectory_truncated_after_a_tool_call_trains_nothing_as_in_grpo(
 def test_a_turn_shared_with_a_finished_trajectory_still_trains():
     """Only the turns that lie on truncated trajectories alone are masked: GRPO would train the shared tokens through
     the finished completion."""
-    from trl_tree.packing import pack_trees
-    from trl_tree.tree import RolloutTree, Turn
-    from trl_tree.tree_unit import mask_truncated_turns
+    from trl_tree.core.packing import pack_trees
+    from trl_tree.core.tree import RolloutTree, Turn
+    from trl_tree.core.tree_unit import mask_truncated_turns
 
     def turn(ids, truncated=False):
         return Turn(ids, [0.0] * len(ids), [9], truncated=truncated)

@@ -132,7 +132,7 @@ def test_theorem_1_map_then_backup_equals_backup_then_map(tree_fn):
 @pytest.mark.parametrize("tree_fn", [hotpot_like_tree, deep_tree])
 def test_theorem_1_parent_kl_gradient_equals_weighted_descendant_gradients(tree_fn):
     """d/ds KL(Ber(q_i) ‖ Ber(σ(s))) = Σ_k W_ik d/ds KL(Ber(q_k) ‖ Ber(σ(s))) for the leaves k below i."""
-    from trl_tree.losses import bernoulli_kl_from_logit
+    from trl_tree.core.losses import bernoulli_kl_from_logit
 
     tree = tree_fn()
     A = credit.standardize(torch.tensor(tree.rewards, dtype=torch.float64))

@@ -16,8 +16,13 @@ from transformers import TrainerCallback
 from tests.remote_env import RemoteCounterEnv, SessionServer, TicketEnv
 from tests.scripted import arithmetic_dataset, config, tiny, tool_call, unchanged_after_training
 from trl_tree import TreeOPSDConfig, TreeOPSDTrainer
-from trl_tree.rollout.env_branching import EnvironmentPool, RecordedCall, ReplayDivergenceWarning, TreeEnvironment
-from trl_tree.rollout.tools import run_tool_call
+from trl_tree.rollout.acting.env_branching import (
+    EnvironmentPool,
+    RecordedCall,
+    ReplayDivergenceWarning,
+    TreeEnvironment,
+)
+from trl_tree.rollout.acting.tools import run_tool_call
 from trl_tree.testing import ScriptedEngine
 
 
@@ -89,7 +94,7 @@ def test_remote_session_environment_branches_by_replay_and_trains(tmp_path, serv
     trainer = _trainer(tmp_path, server.factory(RemoteCounterEnv), reward=counter, environment_branching=branching,
                        **sampler)
     branches = _capture_branches(trainer)
-    with caplog.at_level("WARNING", logger="trl_tree.rollout.env_branching"):
+    with caplog.at_level("WARNING", logger="trl_tree.rollout.acting.env_branching"):
         assert unchanged_after_training(trainer) == []  # distinct final counters: non-zero advantages, a real update
     fallbacks = [r for r in caplog.records if "its branches are rebuilt by replay" in r.getMessage()]
     assert len(fallbacks) == (1 if branching == "auto" else 0)  # auto says once that it could not copy
@@ -363,7 +368,7 @@ def test_a_plain_local_environment_is_still_copied_under_auto(tmp_path):
 
 
 def test_an_environment_can_declare_itself_copyable_or_not():
-    from trl_tree.rollout.env_branching import copy_blocker
+    from trl_tree.rollout.acting.env_branching import copy_blocker
 
     class Declared(RestSessionEnv):
         __trl_tree_copyable__ = True
@@ -428,7 +433,7 @@ def test_replay_reproduces_what_reset_and_tools_draw_from_the_global_generators(
 
 
 def test_replay_leaves_the_callers_random_state_as_it_was():
-    from trl_tree.rollout.env_branching import capture_random_state
+    from trl_tree.rollout.acting.env_branching import capture_random_state
 
     def run_call(call, tools):
         return run_tool_call(call, tools, timeout=5, max_chars=None)
@@ -489,7 +494,7 @@ def test_a_diverged_replay_is_dropped_from_the_tree_and_counted(tmp_path):
 
 
 def test_a_diverged_replay_raises_when_asked_to(tmp_path):
-    from trl_tree.rollout.env_branching import ReplayDivergenceError
+    from trl_tree.rollout.acting.env_branching import ReplayDivergenceError
 
     trainer = _trainer(tmp_path, UrandomEnv, environment_branching="replay", replay_divergence="raise")
     with pytest.raises(ReplayDivergenceError, match=r"UrandomEnv: replaying tool 'add' \(call of turn \d\) gave"):
@@ -531,7 +536,7 @@ class BrokenForkEnv(PlainCounterEnv):
 def test_a_failing_fork_falls_back_to_replay_under_auto(tmp_path, caplog):
     trainer = _trainer(tmp_path, BrokenForkEnv)
     branches = _capture_branches(trainer)
-    with caplog.at_level("WARNING", logger="trl_tree.rollout.env_branching"):
+    with caplog.at_level("WARNING", logger="trl_tree.rollout.acting.env_branching"):
         trainer.generate_batch([ROW])
     messages = [r.getMessage() for r in caplog.records]
     assert any("BrokenForkEnv.fork() raised RuntimeError: the server cannot snapshot" in m for m in messages)

@@ -10,7 +10,7 @@ from transformers import StaticCache
 
 from tests.scripted import config, hf_engine, untooled_trainer
 from trl_tree import TreeConfig
-from trl_tree.rollout.engine import HFEngine
+from trl_tree.rollout.generating.engine import HFEngine
 from trl_tree.trainer.engine_ports import hf_ports
 
 # Left-padded batch of different widths; one budget shorter than the others (a per-row cut inside the call).
@@ -109,7 +109,7 @@ def test_static_cache_is_fresh_and_sized_to_each_call(trainer, prefixes, monkeyp
 def test_synchronised_generation_keeps_the_dynamic_cache(trainer, prefixes, monkeypatch):
     """ZeRO-3 / FSDP on several processes step a finished rank on until every rank is done, past its own budget (the
     launched ZeRO-3 test runs this for real); on one process there is nothing to synchronise."""
-    import trl_tree.rollout.engine as engine_module
+    import trl_tree.rollout.generating.engine as engine_module
 
     assert not engine_module._synced_generation(trainer.model)
     seen = _spy_generate(monkeypatch, trainer.model)
@@ -123,7 +123,7 @@ def test_model_without_static_cache_support_falls_back_with_one_warning(trainer,
     monkeypatch.setattr(type(trainer.model), "_can_compile_fullgraph", False)
     seen = _spy_generate(monkeypatch, trainer.model)
     engine = hf_engine(trainer, monkeypatch, "static")
-    with caplog.at_level(logging.WARNING, logger="trl_tree.rollout.engine"):
+    with caplog.at_level(logging.WARNING, logger="trl_tree.rollout.generating.engine"):
         results = [_sample(engine, prefixes) for _ in range(2)]
     assert seen == [None, None]
     assert results == [expected, expected]

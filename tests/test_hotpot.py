@@ -33,7 +33,7 @@ from trl_tree.envs.hotpot import (
     top_k_by_score,
 )
 from trl_tree.envs.synthetic import make_synthetic_hotpot
-from trl_tree.rollout.tools import ToolFatalError, batch_form, run_tool_call
+from trl_tree.rollout.acting.tools import ToolFatalError, batch_form, run_tool_call
 
 
 @pytest.fixture(scope="module")
@@ -434,6 +434,8 @@ def test_the_hotpot_scripts_check_the_retrieval_server_before_training():
         build_retriever(HotpotDataArguments(retriever="remote", retriever_url=url), [])
     message = str(error.value)
     assert url in message and "retrieval_server.py" in message and "--retriever bm25" in message
+    # the offline example trains on the synthetic world, so the hint starts a server of that world first (issue 59)
+    assert "trl-tree retrieval-server --synthetic --port PORT" in message
     assert time.monotonic() - start < 5
     server, url = _serve(_RetrievalHandler)
     try:

@@ -8,10 +8,10 @@ from collections import Counter
 import pytest
 
 from tests.scripted import CounterEnv
-from trl_tree.rollout.samplers import InitExpandSampler, TreeRoot
-from trl_tree.rollout.turn_loop import Branch, SamplerSettings, TurnLoop, TurnLoopPorts
+from trl_tree.core.tree import Turn
+from trl_tree.rollout.growing.samplers import InitExpandSampler, TreeRoot
+from trl_tree.rollout.growing.turn_loop import Branch, SamplerSettings, TurnLoop, TurnLoopPorts
 from trl_tree.testing import ScriptedEngine
-from trl_tree.tree import Turn
 
 CALL, ANSWER, OBSERVATION, EOS = 5, 6, 9, 2
 

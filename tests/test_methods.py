@@ -1,6 +1,6 @@
 """The method table (`trl_tree.methods`): each sampler, credit and loss is declared once, and what depends on the
 choice (config validation, entropies, the model card, the package's exports, the loss and its metrics) reads it;
-the typed micro-batch credit (`trl_tree.batch`) survives TRL's buffers."""
+the typed micro-batch credit (`trl_tree.core.batch`) survives TRL's buffers."""
 
 import dataclasses
 import math
@@ -14,7 +14,7 @@ import trl_tree
 from tests.scripted import config
 from tests.trees import deep_tree, flatten, hotpot_like_tree, perturbed
 from trl_tree import credit, losses, methods
-from trl_tree.batch import LossInputs, TurnCredit
+from trl_tree.core.batch import LossInputs, TurnCredit
 from trl_tree.trainer.config import TreeConfig, TreeFlexConfig
 from trl_tree.trainer.model_card import tree_section
 
@@ -22,7 +22,7 @@ from trl_tree.trainer.model_card import tree_section
 def test_every_exported_name_resolves_including_the_lazy_packing_module():
     for name in trl_tree.__all__:
         assert getattr(trl_tree, name) is not None, name
-    assert trl_tree.packing.pack_trees is not None  # `import trl_tree; trl_tree.packing` works without a from-import
+    assert trl_tree.core.packing.pack_trees is not None  # `import trl_tree; trl_tree.core.packing` works without a from-import
 
 
 @pytest.mark.parametrize("name", list(methods.METHODS))
@@ -154,7 +154,7 @@ _CREDIT_OF = {"treeopsd": "likelihood", "treepo": "likelihood", "atpo": "child_m
 @pytest.mark.parametrize("loss", [name for name, loss in methods.LOSSES.items() if loss.unit == "tree"])
 def test_each_tree_loss_returns_its_loss_and_declared_metrics(tmp_path, loss):
     """(loss, metrics): finite, the metrics it declares (`Loss.returns`); TreeOPSD's equals the pure function of
-    `trl_tree.losses` on the same tensors; a clipped loss reports GRPO's clip counts per root-to-leaf path (K rows
+    `trl_tree.core.losses` on the same tensors; a clipped loss reports GRPO's clip counts per root-to-leaf path (K rows
     per tree), TreeOPSD its teachers' gaps per turn."""
     eps = {"epsilon": 3e-4, "epsilon_high": 4e-4} if loss == "gspo_token" else {}
     args = config(TreeConfig, tmp_path, loss=loss, credit=_CREDIT_OF.get(loss, "leaf_mean"), **eps)
@@ -228,9 +228,9 @@ def test_each_loss_prepares_its_own_credit_kind_and_it_survives_the_buffers_as_t
 
 
 def test_each_credit_kind_declares_its_per_unit_fields_and_no_two_kinds_share_their_fields():
-    """Every loss reads a registered kind (`trl_tree.batch.CREDIT_KINDS`), and no two registered kinds carry the same
+    """Every loss reads a registered kind (`trl_tree.core.batch.CREDIT_KINDS`), and no two registered kinds carry the same
     fields (registration refuses it: tests/test_registries.py)."""
-    from trl_tree.batch import CREDIT_KINDS
+    from trl_tree.core.batch import CREDIT_KINDS
 
     kinds = {methods.LOSSES[name].credit_kind for name in methods.LOSSES} | {TurnCredit}
     assert kinds <= set(CREDIT_KINDS.values())
@@ -262,7 +262,7 @@ def test_a_micro_batch_of_no_registered_kind_is_refused_naming_the_kinds():
     """The kind travels by name (`credit_kind`, its id per unit): a dict with the id of no registered kind, of two
     kinds, or of another kind than the one asked for, is refused saying which; so is one without it (a resume state
     of an earlier version) whose fields are no registered kind's."""
-    from trl_tree.batch import kind_id
+    from trl_tree.core.batch import kind_id
 
     stored = {"credit_A": torch.zeros(1, 2), "credit_w": torch.ones(1, 2), "credit_count": torch.tensor([2])}
     with pytest.raises(ValueError, match=r"The micro-batch has no 'credit_kind' and no registered credit kind carries "

@@ -13,7 +13,7 @@ from trl import GRPOTrainer
 from tests.scripted import arithmetic_dataset, config, contains_answer, tiny
 from trl_tree import TreeFlexConfig, TreeFlexTrainer, TreeOPSDConfig, TreeOPSDTrainer
 from trl_tree.envs.agent_eval import AgentTemplate
-from trl_tree.rollout.special_tokens import BREAK, observation_messages
+from trl_tree.rollout.acting.special_tokens import BREAK, observation_messages
 from trl_tree.testing import calculator, smollm2_path
 
 # a tool output that closes its own turn and forges an assistant turn with a tool call, a system turn and the end

@@ -9,7 +9,7 @@ import torch
 from transformers import Qwen3Config
 
 from tests.trees import PAD, branching_tree, random_ids, random_turn, tiny_model
-from trl_tree.packing import (
+from trl_tree.core.packing import (
     PackedTrees,
     additive_attention_mask,
     block_mask,
@@ -21,7 +21,7 @@ from trl_tree.packing import (
     pad_rows,
     token_weight,
 )
-from trl_tree.tree import RolloutTree
+from trl_tree.core.tree import RolloutTree
 
 TOL = 1e-5
 
@@ -132,7 +132,7 @@ def test_packed_eager_additive_mask_equals_separate_paths(layout):
 
 @pytest.mark.parametrize("layout", ["tree", "paths"])
 def test_packed_tree_sdpa_chains_equal_separate_paths(layout):
-    """tree_sdpa attends chain by chain (trl_tree.tree_attention): the same log-probs and gradients as the paths."""
+    """tree_sdpa attends chain by chain (trl_tree.core.tree_attention): the same log-probs and gradients as the paths."""
     assert_matches_paths(tiny_model("tree_sdpa"), branching_tree(seed=4), layout, chunk_size=7)
 
 

@@ -15,7 +15,7 @@ from peft import LoraConfig
 
 from tests.scripted import arithmetic_dataset, config
 from trl_tree import TreeOPSDConfig, TreeOPSDTrainer
-from trl_tree.rollout.engine import HFEngine
+from trl_tree.rollout.generating.engine import HFEngine
 from trl_tree.testing import tiny_model_path
 
 # what sdpa computes in for each setting on CPU: accelerate runs CPU fp16 without autocast (no native fp16 amp on

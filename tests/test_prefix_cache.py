@@ -12,9 +12,9 @@ from transformers.cache_utils import DynamicLayer
 from tests.scripted import arithmetic_dataset, config, contains_answer, hf_engine, tiny, untooled_trainer
 from trl_tree import TreeOPSDConfig, TreeOPSDTrainer
 from trl_tree.envs.agent_eval import GreedyEngine
-from trl_tree.rollout import prefix_cache
-from trl_tree.rollout.engine import rollout_session
-from trl_tree.rollout.prefix_cache import PrefixKVStore
+from trl_tree.rollout.generating import prefix_cache
+from trl_tree.rollout.generating.engine import rollout_session
+from trl_tree.rollout.generating.prefix_cache import PrefixKVStore
 
 SHARED = 40  # a system prompt every prefix starts with
 BUDGET = 12
@@ -267,11 +267,11 @@ def test_the_trainer_reuses_within_a_rollout_and_starts_each_rollout_empty(train
 def test_models_whose_cache_cannot_be_spliced_fall_back_with_one_warning(trainer, monkeypatch, caplog):
     vocab = trainer.model.config.vocab_size
     expected = _rollout(hf_engine(trainer, monkeypatch, "dynamic"), vocab)
-    import trl_tree.rollout.engine as engine_module
+    import trl_tree.rollout.generating.engine as engine_module
 
     monkeypatch.setattr(engine_module, "supports_reuse", lambda model: False)
     engine = hf_engine(trainer, monkeypatch, "prefix")
-    with caplog.at_level(logging.WARNING, logger="trl_tree.rollout.engine"), engine.rollout():
+    with caplog.at_level(logging.WARNING, logger="trl_tree.rollout.generating.engine"), engine.rollout():
         assert _rollout(engine, vocab) == expected
         assert engine.prefix_store.entries == []
     assert len([r for r in caplog.records if "generation_cache='prefix' is not supported" in r.getMessage()]) == 1

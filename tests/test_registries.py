@@ -1,5 +1,5 @@
 """The registries as wholes: what holds for every registered credit kind, credit and loss, checked by iterating the
-tables (`trl_tree.batch.CREDIT_KINDS`, `trl_tree.methods.CREDITS`, `.LOSSES`), so that a newly registered one is
+tables (`trl_tree.core.batch.CREDIT_KINDS`, `trl_tree.methods.CREDITS`, `.LOSSES`), so that a newly registered one is
 checked by the suite without anyone adding it to a list here."""
 
 import dataclasses
@@ -14,10 +14,10 @@ from tests import golden_float64
 from tests.scripted import config
 from tests.trees import hotpot_like_tree
 from trl_tree import methods
-from trl_tree.batch import CREDIT_KINDS, TurnCredit, credit_kind, per_unit
-from trl_tree.flex_unit import FlexUnits
+from trl_tree.core.batch import CREDIT_KINDS, TurnCredit, credit_kind, per_unit
+from trl_tree.core.flex_unit import FlexUnits
+from trl_tree.core.tree_unit import TreeUnits
 from trl_tree.trainer.config import TreeConfig
-from trl_tree.tree_unit import TreeUnits
 
 # ---------------------------------------------------------------------------------------------------------------
 # Credit kinds: registered once, by name; a micro-batch carries its kind's name through TRL's buffers

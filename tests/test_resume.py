@@ -325,7 +325,7 @@ def test_resume_of_a_model_sampled_run_equals_the_uninterrupted_run(uninterrupte
     """Exact resume on the real sampling path: the prefix store is rebuilt from nothing after the resume, the second
     generation batch is drawn by `model.generate` from the restored torch generator, and the final parameters are
     bitwise those of the run that never stopped."""
-    from trl_tree.rollout.engine import HFEngine
+    from trl_tree.rollout.generating.engine import HFEngine
 
     out, full, full_params = uninterrupted_sampled
     assert isinstance(full.generation_engine, HFEngine) and full.generation_engine.cache == "prefix"

@@ -24,7 +24,7 @@ from trl_tree import TreeOPSDConfig, TreeOPSDTrainer
 from trl_tree.envs.hotpot import BM25Retriever, RemoteRetriever, build_corpus, make_search_tool
 from trl_tree.envs.retrieval_server import RetrievalServerProcess, write_corpus
 from trl_tree.envs.synthetic import make_synthetic_hotpot
-from trl_tree.rollout.tools import ToolFatalError, batch_form
+from trl_tree.rollout.acting.tools import ToolFatalError, batch_form
 
 
 @pytest.fixture(scope="module")

@@ -13,11 +13,11 @@ import torch
 from tests.scripted import config
 from tests.trees import deep_tree, flatten, hotpot_like_tree, perturbed
 from trl_tree import credit, losses, methods, pipeline
-from trl_tree.batch import LossInputs, TurnCredit
-from trl_tree.packing import PackedTrees
+from trl_tree.core.batch import LossInputs, TurnCredit
+from trl_tree.core.packing import PackedTrees
+from trl_tree.core.tree_unit import TreeUnits
 from trl_tree.trainer import metrics as tree_metrics
 from trl_tree.trainer.config import TreeConfig, TreeFlexConfig
-from trl_tree.tree_unit import TreeUnits
 
 CAP = 3.0
 
@@ -320,7 +320,7 @@ def tiny():
 def _producer_batches(model, tokenizer, args, trees, num_chunks=1):
     """What an asynchronous producer's `generation_batch` gives after growing `trees`: `micro_batches` run with the
     producer's own copy of the policy as the model that sampled them."""
-    unit = TreeUnits(sampler=None, engine=None, pad_id=tokenizer.pad_token_id, layout="tree")
+    unit = TreeUnits(sampler=None, session=None, pad_id=tokenizer.pad_token_id, layout="tree")
     ports = pipeline.PipelinePorts(
         prepare=None,
         score=None,
@@ -358,7 +358,7 @@ def test_a_producers_batch_rebased_at_staleness_zero_trains_as_the_synchronous_b
     assert torch.equal(batch.logps, batch.old_logps) and torch.equal(batch.logps, batch.behaviour_logps)
     assert batch.staleness.tolist() == [0] * batch.num_turns
     reference, _ = pipeline.loss_inputs(model, synchronous, 1.0)
-    assert pipeline.block_loss(batch, args)[0].item() == pipeline.block_loss(reference, args)[0].item()
+    assert methods.block_loss(batch, args)[0].item() == methods.block_loss(reference, args)[0].item()
 
 
 def test_rebase_keeps_the_producers_log_probs_as_the_behaviour_policy_of_a_stale_tree(tiny, tmp_path):
@@ -429,14 +429,14 @@ def test_block_metrics_report_the_importance_weights_and_the_fraction_cut(config
     the maximum over ranks."""
     args = configs["grpo", "decoupled"]
     turn_ids, old, credit_ = _layout([hotpot_like_tree()], args)
-    name = pipeline.IMPORTANCE_METRIC
-    fresh = pipeline.block_loss(LossInputs.build(turn_ids, old, old, credit_), args)[1]
+    name = methods.IMPORTANCE_METRIC
+    fresh = methods.block_loss(LossInputs.build(turn_ids, old, old, credit_), args)[1]
     assert (
         fresh[name + "/mean/block_{block}"].eq(1).all() and not fresh[name + "/truncated_fraction/block_{block}"].any()
     )
 
     behaviour = _stale_behaviour(turn_ids, old)
-    stale = pipeline.block_loss(LossInputs.build(turn_ids, old, old, credit_, behaviour, torch.tensor([2])), args)[1]
+    stale = methods.block_loss(LossInputs.build(turn_ids, old, old, credit_, behaviour, torch.tensor([2])), args)[1]
     raw = (old - behaviour)[turn_ids >= 0].exp()
     logged = {}
     tree_metrics.log_values(

@@ -15,10 +15,10 @@ from transformers.utils.chat_template_utils import render_jinja_template
 from tests.scripted import AFTER_TOOL, config, tool_call
 from tests.test_concurrent_tools import SamplingEngine, call, grow, observation_ids, parse
 from trl_tree import TreeOPSDConfig
-from trl_tree.rollout import tools as tools_module
-from trl_tree.rollout.env_branching import EnvironmentPool, TreeEnvironment
-from trl_tree.rollout.tools import StuckToolsError, batched_tool, run_tool_call, stuck_tool_threads
-from trl_tree.rollout.turn_loop import Branch, SamplerSettings, TurnLoop, TurnLoopPorts
+from trl_tree.rollout.acting import tools as tools_module
+from trl_tree.rollout.acting.env_branching import EnvironmentPool, TreeEnvironment
+from trl_tree.rollout.acting.tools import StuckToolsError, batched_tool, run_tool_call, stuck_tool_threads
+from trl_tree.rollout.growing.turn_loop import Branch, SamplerSettings, TurnLoop, TurnLoopPorts
 from trl_tree.testing import qwen3_chat_template
 
 needs_sigalrm = pytest.mark.skipif(not hasattr(tools_module.signal, "setitimer"), reason="no SIGALRM on this platform")
@@ -177,7 +177,7 @@ def test_threads_stuck_in_hung_tools_are_counted_warned_once_and_stop_the_run_pa
     counts, threads = [], []
     before = {t for t in threading.enumerate() if t.name.startswith("tool")}
     try:
-        with caplog.at_level(logging.WARNING, logger="trl_tree.rollout.tools"):
+        with caplog.at_level(logging.WARNING, logger="trl_tree.rollout.acting.tools"):
             with pytest.raises(StuckToolsError, match=r"(?s)MAX_STUCK_TOOL_THREADS=5.*tools stuck: hang"):
                 for _ in range(10):  # rounds of 2 hung calls: without a cap, 2 more threads every round
                     grow(hang, n=2, tool_timeout=0.2, engine=SamplingEngine(turns_with_calls=1), **settings)
@@ -279,7 +279,7 @@ def retrying(attempts: list, backoff_in_handler: bool):
 def test_main_mode_drops_the_late_result_of_a_tool_that_catches_its_deadline(backoff_in_handler, caplog, monkeypatch):
     monkeypatch.setattr(tools_module, "_DEADLINE_CAUGHT", set())
     attempts = []
-    with caplog.at_level(logging.WARNING, logger="trl_tree.rollout.tools"):
+    with caplog.at_level(logging.WARNING, logger="trl_tree.rollout.acting.tools"):
         r = run_tool_call(call("fetch", key="a"), {"fetch": retrying(attempts, backoff_in_handler)}, 0.3, None, "main")
     assert r.failed and r.content == str({"error": "timed out after 0.3 s"})  # never the late result
     if backoff_in_handler:  # the deadline, raised again, lands in its backoff and ends the retry loop
@@ -468,7 +468,7 @@ def test_a_batched_form_must_return_a_list_of_one_result_per_call(returned, what
         """
         return "single"
 
-    with caplog.at_level(logging.WARNING, logger="trl_tree.rollout.tool_executor"):
+    with caplog.at_level(logging.WARNING, logger="trl_tree.rollout.acting.tool_executor"):
         branches, _, _ = grow(lookup, n=2, engine=SamplingEngine(turns_with_calls=1))
     answers = [m["content"] for b in branches for m in b.messages if m["role"] == "tool"]
     expected = (
@@ -516,7 +516,7 @@ def test_content_blocks_stay_blocks_and_a_template_that_renders_them_empty_is_na
         """
         return blocks
 
-    with caplog.at_level(logging.WARNING, logger="trl_tree.rollout.turn_loop"):
+    with caplog.at_level(logging.WARNING, logger="trl_tree.rollout.growing.turn_loop"):
         with TurnLoop(
             TurnLoopPorts(SamplingEngine(turns_with_calls=1), parse("lookup"), rendered_ids),
             SamplerSettings(max_turns=3, max_completion_length=64),
@@ -540,7 +540,7 @@ def test_a_tool_that_fails_every_call_in_workers_hints_at_main_mode(caplog):
         return str(connection.execute("select 1").fetchone())
 
     try:
-        with caplog.at_level(logging.WARNING, logger="trl_tree.rollout.tool_executor"):
+        with caplog.at_level(logging.WARNING, logger="trl_tree.rollout.acting.tool_executor"):
             branches, _, _ = grow(query, n=4, engine=SamplingEngine(turns_with_calls=1))
         assert all(b.tool_failures == 1 for b in branches)
         hints = [m for m in caplog.messages if m.startswith("Tool query failed all 4 of its calls")]
@@ -563,7 +563,7 @@ def test_an_async_tool_that_blocks_its_event_loop_is_named(event_loop_thread, ca
         time.sleep(1.0)
         return "late"
 
-    with caplog.at_level(logging.WARNING, logger="trl_tree.rollout.tools"):
+    with caplog.at_level(logging.WARNING, logger="trl_tree.rollout.acting.tools"):
         r = run_tool_call(call("blocking", key="a"), {"blocking": blocking}, 0.2, None, "thread", event_loop_thread)
     assert r.failed and "timed out" in r.content
     (warning,) = [m for m in caplog.messages if "event loop was blocked" in m]
@@ -574,7 +574,7 @@ def test_an_async_tool_that_blocks_its_event_loop_is_named(event_loop_thread, ca
 def test_a_large_output_is_said_once_with_its_size(caplog, monkeypatch):
     monkeypatch.setattr(tools_module, "_LARGE_WARNED", set())
     big = "x" * (tools_module.LARGE_CONTENT_CHARS + 1)
-    with caplog.at_level(logging.WARNING, logger="trl_tree.rollout.tools"):
+    with caplog.at_level(logging.WARNING, logger="trl_tree.rollout.acting.tools"):
         for _ in range(2):
             r = run_tool_call(call("dump", key="a"), {"dump": lambda key: big}, 5, 100, "thread")
     assert len(r.content) == len(big) and len(r.observation) < 200  # rewards get all of it, the model its cut

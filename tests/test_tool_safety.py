@@ -13,8 +13,8 @@ import pytest
 
 from tests.scripted import config
 from trl_tree import TreeOPSDConfig
-from trl_tree.rollout.tools import run_tool_call
-from trl_tree.rollout.turn_loop import Branch, SamplerSettings, TurnLoop, TurnLoopPorts
+from trl_tree.rollout.acting.tools import run_tool_call
+from trl_tree.rollout.growing.turn_loop import Branch, SamplerSettings, TurnLoop, TurnLoopPorts
 from trl_tree.testing import ScriptedEngine
 from trl_tree.trainer.base import TreeTrainer
 

@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from trl_tree.rollout.env_branching import fork_environment
-from trl_tree.rollout.tools import TRUNCATION_MARKER, ToolFatalError, run_tool_call
+from trl_tree.rollout.acting.env_branching import fork_environment
+from trl_tree.rollout.acting.tools import TRUNCATION_MARKER, ToolFatalError, run_tool_call
 
 
 def add(a: int, b: int) -> str:

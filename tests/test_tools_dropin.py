@@ -27,9 +27,9 @@ from tests.scripted import (
     tool_call,
 )
 from trl_tree import TreeOPSDConfig, TreeOPSDTrainer
-from trl_tree.rollout import tools as tools_module
-from trl_tree.rollout.tools import TRUNCATION_MARKER, run_tool_call
-from trl_tree.rollout.turn_loop import Branch, SamplerSettings, TurnLoop, TurnLoopPorts
+from trl_tree.rollout.acting import tools as tools_module
+from trl_tree.rollout.acting.tools import TRUNCATION_MARKER, run_tool_call
+from trl_tree.rollout.growing.turn_loop import Branch, SamplerSettings, TurnLoop, TurnLoopPorts
 from trl_tree.testing import ScriptedEngine, calculator
 
 FIRST_TURN = "<|im_start|>assistant\n"
@@ -256,7 +256,7 @@ def test_signal_timed_tools_need_the_trainers_thread(tmp_path, caplog, monkeypat
     log says once which setting runs such a tool."""
     monkeypatch.setattr(tools_module, "_SIGNAL_ADVISED", set())  # advised once per tool and process
     replies = {FIRST_TURN: [tool_call("query", seconds=0.0)] * 2, AFTER_TOOL: ["Done."] * 2}
-    with caplog.at_level("WARNING", logger="trl_tree.rollout.tools"):
+    with caplog.at_level("WARNING", logger="trl_tree.rollout.acting.tools"):
         _, tree = tree_generation(tmp_path, [query], replies, num_initial_rollouts=2, num_branches=0, **overrides)
     assert expected in tree.completions[0][1]["content"]
     advice = [r for r in caplog.records if "tool_execution='main'" in r.getMessage()]

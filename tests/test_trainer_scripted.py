@@ -19,8 +19,8 @@ from tests.scripted import (
     unchanged_after_training,
 )
 from trl_tree import TreeOPSDConfig, TreeOPSDTrainer, TreePOConfig, TreePOTrainer
-from trl_tree.batch import TurnCredit
-from trl_tree.rollout.turn_loop import SamplerSettings
+from trl_tree.core.batch import TurnCredit
+from trl_tree.rollout.growing.turn_loop import SamplerSettings
 from trl_tree.testing import calculator
 
 
@@ -313,7 +313,7 @@ def test_a_budget_cut_trajectory_is_scored_and_its_truncated_turn_can_be_masked(
 
 def test_every_rank_issues_the_same_number_of_generate_calls():
     """A rank whose branches are done keeps calling the engine (with nothing) while another rank still works."""
-    from trl_tree.rollout.turn_loop import Branch, SamplerSettings, TurnLoop, TurnLoopPorts
+    from trl_tree.rollout.growing.turn_loop import Branch, SamplerSettings, TurnLoop, TurnLoopPorts
     from trl_tree.testing import ScriptedEngine
 
     engine = ScriptedEngine(lambda prefix: [7, 2], eos_ids=[2])
@@ -331,7 +331,7 @@ def test_the_turn_loop_takes_what_it_needs_of_its_owner_as_one_checked_port():
     """The engine, action parsing, observation ids, the rank vote and the metrics come as one `TurnLoopPorts`, each
     checked where the port is built: a loop built the old way (the engine first) or a port with a part that cannot be
     called is refused with what to pass, not met as an AttributeError mid-rollout."""
-    from trl_tree.rollout.turn_loop import TurnLoop, TurnLoopPorts
+    from trl_tree.rollout.growing.turn_loop import TurnLoop, TurnLoopPorts
     from trl_tree.testing import ScriptedEngine
 
     engine = ScriptedEngine(lambda prefix: [7, 2], eos_ids=[2])
@@ -375,9 +375,9 @@ def test_max_turn_tokens_caps_each_sampled_turn_and_the_cut_turn_ends_the_trajec
 
 def test_turn_cap_counts_the_head_a_mid_turn_branch_already_has():
     """A branch resumed inside a turn (token-level branching) has part of the turn already: the cap is the turn's."""
-    from trl_tree.rollout.turn_loop import Branch, SamplerSettings, TurnLoop, TurnLoopPorts
+    from trl_tree.core.tree import Turn
+    from trl_tree.rollout.growing.turn_loop import Branch, SamplerSettings, TurnLoop, TurnLoopPorts
     from trl_tree.testing import ScriptedEngine
-    from trl_tree.tree import Turn
 
     engine = ScriptedEngine(lambda prefix: [7] * 50 + [2], eos_ids=[2])
     loop = TurnLoop(TurnLoopPorts(engine, parse=lambda ids, prefix: {"role": "assistant", "content": "x"},

@@ -1,4 +1,4 @@
-"""tree_sdpa (`trl_tree.tree_attention`): a tree row attended chain by chain computes exactly the visible pairs of the
+"""tree_sdpa (`trl_tree.core.tree_attention`): a tree row attended chain by chain computes exactly the visible pairs of the
 ancestor mask, and nothing else about the model changes."""
 
 import pytest
@@ -7,9 +7,9 @@ import torch
 from tests.scripted import arithmetic_dataset, config, contains_answer, tiny
 from tests.trees import PAD, branching_tree, tiny_model
 from trl_tree import RolloutTree, TreeOPSDConfig, TreeOPSDTrainer, Turn
-from trl_tree.packing import dense_attention_mask, pack_trees, packed_token_logps
+from trl_tree.core.packing import dense_attention_mask, pack_trees, packed_token_logps
+from trl_tree.core.tree_attention import TREE_SDPA, chain_attention_mask, tree_chains
 from trl_tree.testing import calculator
-from trl_tree.tree_attention import TREE_SDPA, chain_attention_mask, tree_chains
 
 
 def _packed_rows(trees, layout="tree", pad_to_multiple_of=None):
@@ -77,7 +77,7 @@ def test_under_autocast_the_chain_route_returns_the_dtype_and_values_of_sdpa_wit
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from trl_tree.tree_attention import tree_sdpa_attention
+    from trl_tree.core.tree_attention import tree_sdpa_attention
 
     subtree_end, valid = _packed_rows([branching_tree(seed=0, prompt_len=3), branching_tree(seed=1, prompt_len=11)])
     assert int(valid.min()) < subtree_end.shape[1]  # a row with padding, whose zeros once promoted it to float32

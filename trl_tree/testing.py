@@ -49,7 +49,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 # the warm start and the model cache live in their own modules (the scripts use them too); re-exported here, where
 # tests and benchmarks have always found them
 from trl_tree.model_cache import cache_root, save_model_atomically  # noqa: F401
-from trl_tree.rollout.engine import Continuation, _cut_at_eos
+from trl_tree.rollout.generating.engine import Continuation, _cut_at_eos
 from trl_tree.warm_start import assistant_token_mask, cached_warm_start, model_fingerprint, warm_start  # noqa: F401
 
 # Bump when anything that changes the built files changes (corpus, vocab size, config), so stale caches are not reused.

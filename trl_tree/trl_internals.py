@@ -240,8 +240,8 @@ def tool_suffix_ids(trainer, tool_messages: list[dict], *, special_tokens: str) 
 
     `special_tokens` (`TreeConfig.observation_special_tokens`, no default so that no caller forgets it): "neutralize"
     first breaks chat-template control strings in the messages' text, so untrusted tool output is tokenized as text
-    (`trl_tree.rollout.special_tokens`); "raw" is TRL's rendering as it is."""
-    from .rollout.special_tokens import observation_messages
+    (`trl_tree.rollout.acting.special_tokens`); "raw" is TRL's rendering as it is."""
+    from .rollout.acting.special_tokens import observation_messages
 
     return trainer._get_tool_suffix_ids(observation_messages(tokenizer(trainer), tool_messages, special_tokens))
 
@@ -254,7 +254,7 @@ def render_tool_suffix(processing_class, chat_template, chat_template_kwargs: di
 
     from trl import GRPOTrainer
 
-    from .rollout.special_tokens import observation_messages
+    from .rollout.acting.special_tokens import observation_messages
 
     owner = SimpleNamespace(
         processing_class=processing_class, _tokenizer=processing_class, _is_vlm=False, chat_template=chat_template,

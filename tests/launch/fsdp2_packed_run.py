@@ -27,9 +27,9 @@ from torch.distributed.tensor import DTensor
 
 from tests.trees import PAD, branching_tree, tiny_model
 from trl_tree import methods
-from trl_tree.batch import TurnCredit
-from trl_tree.packing import pack_trees, packed_token_logps
-from trl_tree.tree_attention import TREE_SDPA
+from trl_tree.core.batch import TurnCredit
+from trl_tree.core.packing import pack_trees, packed_token_logps
+from trl_tree.core.tree_attention import TREE_SDPA
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from gpu_suite import TREEOPSD, treeopsd_loss  # noqa: E402

@@ -20,7 +20,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from trl_tree import TreeConfig, TreeTrainer, methods
-from trl_tree.rollout.flex_harness import TwoRoleHarness
+from trl_tree.rollout.growing.flex_harness import TwoRoleHarness
 from trl_tree.testing import calculator, calculator_conversations, tiny_model_and_tokenizer, tiny_model_path
 from trl_tree.warm_start import cached_warm_start, model_fingerprint
 

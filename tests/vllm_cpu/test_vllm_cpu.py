@@ -33,7 +33,7 @@ if importlib.util.find_spec("vllm") is None:
 
 import torch  # noqa: E402
 
-from trl_tree.rollout.vllm_engine import VLLMEngine, vllm_cpu_weight_sync  # noqa: E402
+from trl_tree.rollout.generating.vllm_engine import VLLMEngine, vllm_cpu_weight_sync  # noqa: E402
 from trl_tree.trainer.engine_ports import vllm_ports  # noqa: E402
 
 pytestmark = pytest.mark.vllm

@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 
 from trl_tree import TreeOPSDConfig, TreeOPSDTrainer  # noqa: E402
-from trl_tree.rollout.vllm_engine import VLLMEngine, vllm_cpu_weight_sync  # noqa: E402
+from trl_tree.rollout.generating.vllm_engine import VLLMEngine, vllm_cpu_weight_sync  # noqa: E402
 from trl_tree.testing import calculator, calculator_conversations, tiny_model_and_tokenizer, tiny_model_path  # noqa: E402
 from trl_tree.warm_start import cached_warm_start, model_fingerprint  # noqa: E402
 

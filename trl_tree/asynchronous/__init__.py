@@ -9,11 +9,11 @@ This package owns the parts that do not know the trainer:
 - `pacing`: staleness pacing, which policy version samples which generation batch (admission, never dropping), and
   `ReadAhead`, the training loop's dataloader iterator read ahead in exactly the order the loop reads it.
 
-A finished batch is put on the trainer's policy by `trl_tree.pipeline.rebase_on_policy` (the loss contract's): π_old
+A finished batch is put on the trainer's policy by `trl_tree.core.pipeline.rebase_on_policy` (the loss contract's): π_old
 recomputed by the trainer, the worker's log-probs kept as the behaviour policy's, μ.
 
-Names follow TRL's experimental `AsyncGRPOTrainer` (`max_staleness`, a rollout worker, a weight transfer). It may
-import `trl_tree.pipeline`, `trl_tree.rollout` and `trl_tree.packing`, never `trl_tree.trainer` nor TRL's private
-names (`trl_tree.trl_internals` is the only place those are reached): the trainer's wiring is
-`trl_tree.trainer.async_rollouts`.
+Names follow TRL's experimental `AsyncGRPOTrainer` (`max_staleness`, a rollout worker, a weight transfer). It
+imports nothing of trl_tree (docs/design.md §2, "Rooms"; `tests/test_layers.py`): what a batch is grown with (the
+pipeline, the engine, the ports) comes in as callables from the trainer's wiring, `trl_tree.trainer.async_rollouts`,
+and TRL's private names are reached only through `trl_tree.trl_internals`.
 """

@@ -3,8 +3,8 @@
 An evaluation number is only comparable to the training reward if the agent sees the same world in both: the same
 prompt rendering (chat template with the tool schema), the same tool-call parsing, the same observation tokens, the
 same turn and length limits. So nothing here re-implements the agent loop: generation goes through
-:class:`~trl_tree.rollout.turn_loop.TurnLoop` (what every tree sampler drives), tool calls through
-:func:`~trl_tree.rollout.tools.run_tool_call`, and prompts, parsing and observation ids are rendered the way
+:class:`~trl_tree.rollout.growing.turn_loop.TurnLoop` (what every tree sampler drives), tool calls through
+:func:`~trl_tree.rollout.acting.tools.run_tool_call`, and prompts, parsing and observation ids are rendered the way
 ``GRPOTrainer`` renders them (its training chat template, ``parse_response`` and ``_get_tool_suffix_ids``). Only the
 generation backend differs: greedy decoding on a plain model, one answer per question.
 
@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from trl_tree.rewards import exact_match_score, extract_answer, f1_score, is_well_formed
-from trl_tree.rollout.engine import Continuation, _cut_at_eos, rollout_session
-from trl_tree.rollout.prefix_cache import PrefixKVStore, left_padded, supports_reuse
-from trl_tree.rollout.turn_loop import Branch, SamplerSettings, TurnLoop, TurnLoopPorts
+from trl_tree.rollout.generating.engine import Continuation, _cut_at_eos, rollout_session
+from trl_tree.rollout.generating.prefix_cache import PrefixKVStore, left_padded, supports_reuse
+from trl_tree.rollout.growing.turn_loop import Branch, SamplerSettings, TurnLoop, TurnLoopPorts
 
 
 class AgentTemplate:
@@ -52,7 +52,7 @@ class AgentTemplate:
             is_chat_template_prefix_preserving,
         )
 
-        from trl_tree.rollout.special_tokens import check_observation_special_tokens
+        from trl_tree.rollout.acting.special_tokens import check_observation_special_tokens
 
         check_observation_special_tokens(observation_special_tokens)
         self.observation_special_tokens = observation_special_tokens
@@ -115,7 +115,7 @@ class GreedyEngine:
     It implements the same ``generate(prefixes, max_new_tokens)`` protocol as the trainer's engines, in batches of
     ``batch_size`` prefixes (padding costs compute, and a long batch of long contexts costs memory). With
     ``reuse_prefixes`` (models whose cache allows it), each turn reuses the keys and values of the history earlier
-    turns computed (:class:`~trl_tree.rollout.prefix_cache.PrefixKVStore`): the weights do not change during an
+    turns computed (:class:`~trl_tree.rollout.generating.prefix_cache.PrefixKVStore`): the weights do not change during an
     evaluation, so each question's history is encoded once instead of once per turn.
     """
 

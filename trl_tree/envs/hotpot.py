@@ -40,7 +40,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from ..rollout.tools import MAX_OBSERVATION_CHARS, ToolFatalError, batched_tool
+from ..rollout.acting.tools import MAX_OBSERVATION_CHARS, ToolFatalError, batched_tool
 from ..text import shorten
 
 logger = logging.getLogger(__name__)
@@ -572,8 +572,9 @@ def _describe_http_error(error: BaseException | None) -> str:
 
 
 SEARCH_R1_SERVER_HELP = (
-    "Start one there: `trl-tree retrieval-server --corpus_path CORPUS.jsonl --port PORT` (BM25 over a JSONL corpus), "
-    "or Search-R1's (from the Search-R1 repository: `python "
+    "Start one there: `trl-tree retrieval-server --synthetic --port PORT` (the offline example's world, what "
+    "`examples/train_hotpot.py` trains on by default), `trl-tree retrieval-server --corpus_path CORPUS.jsonl --port "
+    "PORT` (BM25 over your JSONL corpus), or Search-R1's (from the Search-R1 repository: `python "
     "search_r1/search/retrieval_server.py --index_path e5_Flat.index --corpus_path wiki-18.jsonl --topk 3 "
     "--retriever_name e5 --retriever_model intfloat/e5-base-v2`, which serves POST /retrieve on port 8000), and wait "
     "until it has loaded its index"

@@ -2,11 +2,11 @@
 
 A tree trainer is three independent choices (`TreeConfig.sampler`, `.credit`, `.loss`; docs/design.md §1):
 
-- a **sampler** grows one tree per prompt (`trl_tree.rollout.samplers`);
-- a **credit** maps a finished tree to per-turn values V_i (the math: `trl_tree.credit`);
+- a **sampler** grows one tree per prompt (`trl_tree.rollout.growing.samplers`);
+- a **credit** maps a finished tree to per-turn values V_i (the math: `trl_tree.core.credit`);
 - a **loss** adds the per-turn tensors it needs to the credit (`prepare`: teachers, aggregation weights) and computes
-  a micro-batch's loss and its metrics from the flattened tensors (`compute`; the math: `trl_tree.losses`). What it
-  adds is its own credit kind (a `trl_tree.batch.TurnCredit` subclass declared next to its `prepare` below), and its
+  a micro-batch's loss and its metrics from the flattened tensors (`compute`; the math: `trl_tree.core.losses`). What it
+  adds is its own credit kind (a `trl_tree.core.batch.TurnCredit` subclass declared next to its `prepare` below), and its
   `compute` refuses a micro-batch of another kind.
 
 Each is registered once (`register_sampler`, `register_credit`, `register_loss`) with the config fields it reads,
@@ -30,7 +30,7 @@ card's hyperparameter rows (`trainer.model_card`), the trainer's credit and loss
 presets of the three with their own config and trainer classes, which `trl_tree`'s exports, the command line and the
 test launchers list from here.
 
-Adding a method: its math in `trl_tree/credit.py` / `trl_tree/losses.py` (pure functions citing their equations), a
+Adding a method: its math in `trl_tree/core/credit.py` / `trl_tree/core/losses.py` (pure functions citing their equations), a
 registration in the catalogue module of each new component (a loss that reads more than A declares its credit kind,
 a `TurnCredit` dataclass subclass registered with `@credit_kind`, next to its `prepare` in `loss_entries`; and the
 metrics it returns) and a `Method` entry in `method_entries` for a named preset. Then run the suite: the tests
@@ -52,7 +52,7 @@ Usage:
 """
 
 # importing the catalogue registers it (each table keeps its module's order, whatever the order of the modules)
-from ..batch import TurnCredit
+from ..core.batch import TurnCredit
 from .credit_entries import PENALTY_MODES, REWARD_STDS, leaf_advantages
 from .loss_entries import (
     FlexCredit,
@@ -69,6 +69,7 @@ from .registry import (
     CLIP_METRIC,
     CORE_CLASSES,
     CREDITS,
+    IMPORTANCE_METRIC,
     LOSSES,
     METHODS,
     SAMPLERS,
@@ -82,6 +83,7 @@ from .registry import (
     Method,
     Paper,
     Sampler,
+    block_loss,
     check_choice,
     check_fields,
     check_units,
@@ -104,11 +106,11 @@ from .registry import (
 from .sampler_entries import ANCHOR_RULES, EXPANSION_MODES
 
 __all__ = [
-    "ANCHOR_RULES", "CLIP_FIELDS", "CLIP_METRIC", "CORE_CLASSES", "CREDITS", "ClipCounts", "Credit", "EXPANSION_MODES",
+    "ANCHOR_RULES", "CLIP_FIELDS", "CLIP_METRIC", "CORE_CLASSES", "IMPORTANCE_METRIC", "CREDITS", "ClipCounts", "Credit", "EXPANSION_MODES",
     "FlexCredit", "LOSSES", "METHODS", "Loss", "Method", "PENALTY_MODES", "Paper", "PathCredit", "PathWeightedCredit",
     "REWARD_STDS", "SAMPLERS", "STALE_CAP_FIELD", "STALE_FORMS", "STALE_TARGET_FIELD", "Sampler", "TREEOPSD_PAPER",
     "TeacherCredit", "TurnCredit", "Largest",
-    "check_choice", "check_fields", "check_units", "choice", "clip_epsilons", "components_of", "epsilon_high",
+    "block_loss", "check_choice", "check_fields", "check_units", "choice", "clip_epsilons", "components_of", "epsilon_high",
     "exported_classes", "fields_read", "importance_cap", "leaf_advantages", "method_of_config", "needs_entropies",
     "preset", "register_credit", "register_loss", "register_method", "register_sampler", "stale_form", "summary_of",
     "turn_credit", "zero_credit_anchor",

@@ -1,13 +1,13 @@
 """The credits: how a finished unit becomes per-turn values V_i, each registered with the config fields it reads
-(the math: `trl_tree.credit`)."""
+(the math: `trl_tree.core.credit`)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from .. import credit
-from ..rollout.expansion import tree_turn_entropies
+from ..core import credit
+from ..rollout.growing.expansion import tree_turn_entropies
 from .registry import check_choice, register_credit
 
 PENALTY_MODES = ("pre_norm", "post_norm")

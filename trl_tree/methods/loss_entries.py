@@ -1,6 +1,6 @@
 """The losses, each registered with its `prepare`, the credit kind it reads (declared here, next to its `prepare`),
 the config fields it reads, the metrics it returns and how it trains a stale unit (`staleness`; the math:
-`trl_tree.losses`). Each registered function adapts the one `LossInputs` to its pure function: the log-probs its
+`trl_tree.core.losses`). Each registered function adapts the one `LossInputs` to its pure function: the log-probs its
 ratio is taken against and the importance weights, if any, come from `_stale`."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from .. import credit, losses
-from ..batch import LossInputs, TurnCredit, credit_kind, per_unit
+from ..core import credit, losses
+from ..core.batch import LossInputs, TurnCredit, credit_kind, per_unit
 from .registry import (
     CLIP_METRIC,
     STALE_CAP_FIELD,

@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor
 
-from ..batch import CREDIT_KINDS, LossInputs, TurnCredit
+from ..core import losses
+from ..core.batch import CREDIT_KINDS, LossInputs, TurnCredit
 
 # ---------------------------------------------------------------------------------------------------------------
 # The entries
@@ -306,10 +308,10 @@ def _check_loss_declaration(name: str, credit_kind: type[TurnCredit], returns: t
                             fields: dict[str, str]) -> None:
     """Refuse a loss whose declaration cannot hold at run time: the clip metrics, the clip fields and the credit
     kind go together (a clipped loss found otherwise only as a KeyError deep in a training step); the credit kind is
-    a registered one (its micro-batches travel by its name: `trl_tree.batch.credit_kind`)."""
+    a registered one (its micro-batches travel by its name: `trl_tree.core.batch.credit_kind`)."""
     if CREDIT_KINDS.get(getattr(credit_kind, "__name__", None)) is not credit_kind:
         raise ValueError(f"Loss {name!r} reads the credit kind {credit_kind!r}, which is not registered: decorate it "
-                         "with `@trl_tree.batch.credit_kind` (above @dataclass), next to its `prepare`.")
+                         "with `@trl_tree.core.batch.credit_kind` (above @dataclass), next to its `prepare`.")
     clipped = CLIP_METRIC in returns
     missing = [f for f in CLIP_FIELDS if f not in fields]
     if clipped and missing:
@@ -483,6 +485,29 @@ def importance_cap(args) -> float:
                          f"it must be a finite number ≥ 1 (a fresh token's weight is 1 and must not be cut); got "
                          f"{cap!r}.")
     return float(cap)
+
+IMPORTANCE_METRIC = "sampling/importance_sampling_ratio"  # GRPOTrainer's name for its truncated π_old/μ weights
+
+
+def block_loss(batch: LossInputs, args) -> tuple[Tensor, dict]:
+    """The configured loss of one micro-batch (`LOSSES[args.loss]`) and its metrics, with every method's mean |s_i|,
+    the turns' log-ratio against π_old, and the trained tokens' truncated importance weights min(π_old/μ, C) (mean,
+    max, and the fraction cut at C; named as GRPOTrainer names its own, all 1 and 0 for a fresh batch), under names
+    with "{block}" for the optimizer block the caller logs them at.
+
+    The micro-batch is the pipeline's (`trl_tree.core.pipeline.loss_inputs`); which loss trains it is the method
+    table's answer, so this lives with the table and the core imports no catalogue."""
+    loss, loss_metrics = LOSSES[args.loss].compute(batch, args)
+    with torch.no_grad():
+        s = losses.turn_mean_log_ratio(batch.logps, batch.old_logps, batch.turn_ids, batch.num_turns)
+        cap = importance_cap(args)
+        weights = losses.truncated_importance_weights(batch.old_logps, batch.behaviour_logps, cap)
+        truncated = (batch.old_logps - batch.behaviour_logps).exp() > cap
+    loss_metrics["tree/abs_log_ratio/block_{block}"] = s.abs()
+    loss_metrics[IMPORTANCE_METRIC + "/mean/block_{block}"] = weights
+    loss_metrics[IMPORTANCE_METRIC + "/max/block_{block}"] = Largest(weights)
+    loss_metrics[IMPORTANCE_METRIC + "/truncated_fraction/block_{block}"] = truncated.float()
+    return loss, loss_metrics
 
 
 def exported_classes() -> dict[str, str]:

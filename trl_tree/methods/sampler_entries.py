@@ -1,5 +1,5 @@
 """The samplers: how one unit per prompt is grown, each registered with the config fields it reads, its leaves
-and its cost per prompt (the trees themselves: `trl_tree.rollout.samplers`)."""
+and its cost per prompt (the trees themselves: `trl_tree.rollout.growing.samplers`)."""
 
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def _card_two_role(args, trainer) -> str | None:
 )
 def _init_expand(args, loop, seed):
     """TreeOPSD: M complete trajectories, then N continuations of each from uniformly drawn turns (K = M(N + 1))."""
-    from ..rollout.samplers import InitExpandSampler
+    from ..rollout.growing.samplers import InitExpandSampler
 
     return InitExpandSampler(loop, args.num_initial_rollouts, args.num_branches, seed=seed)
 
@@ -120,7 +120,7 @@ def _init_expand(args, loop, seed):
 )
 def _flat(args, loop, seed):
     """No branching: M independent trajectories (flat multi-turn GRPO with credit="path", loss="grpo")."""
-    from ..rollout.samplers import InitExpandSampler
+    from ..rollout.growing.samplers import InitExpandSampler
 
     return InitExpandSampler(loop, args.num_initial_rollouts, 0, seed=seed)
 
@@ -147,7 +147,7 @@ def _flat(args, loop, seed):
 )
 def _entropy_guided(args, loop, seed):
     """AT2PO A1–A2: M trajectories, then L rounds re-sampling the K turns of highest node score."""
-    from ..rollout.samplers import EntropyGuidedSampler
+    from ..rollout.growing.samplers import EntropyGuidedSampler
 
     return EntropyGuidedSampler(
         loop, args.num_initial_rollouts, args.expansion_rounds, args.branches_per_round,
@@ -179,7 +179,7 @@ def _entropy_guided(args, loop, seed):
 )
 def _token_entropy(args, loop, seed):
     """TreeAdv: a forest of M trajectories branched inside their turns at tokens of entropy above τ_H."""
-    from ..rollout.token_branching import TokenEntropySampler
+    from ..rollout.growing.token_branching import TokenEntropySampler
 
     return TokenEntropySampler(
         loop, args.num_initial_rollouts, args.entropy_threshold, args.max_branches_per_tree,
@@ -209,6 +209,6 @@ def _token_entropy(args, loop, seed):
 )
 def _two_role(args, loop, seed):
     """TreeFlex: a Reflection block, then Execution segments restarting from restored checkpoint cards."""
-    from ..rollout.flex_harness import TwoRoleHarness
+    from ..rollout.growing.flex_harness import TwoRoleHarness
 
     return TwoRoleHarness(max_card_chars=args.max_card_chars)

@@ -12,7 +12,7 @@ generation batch b (TRL's `_prepare_inputs` boundary) it
 4. logs the batch as a synchronous one, plus the `async/*` metrics.
 So the worker grows batch b + 1 .. b + s while the trainer runs batch b's optimizer blocks.
 
-What the worker runs is the ordinary pipeline (`trl_tree.pipeline.generation_batch`) with ports of its own: its
+What the worker runs is the ordinary pipeline (`trl_tree.core.pipeline.generation_batch`) with ports of its own: its
 policy copy for generation (an `HFEngine` on it; a custom engine object, e.g. a scripted one, is used as is) and for
 μ's forward, its own turn loop and sampler (seeded as the trainer's), and a scorer whose reward logs go to a buffer of
 the batch, merged into the trainer's metrics when the batch is taken (the trainer's own buffers are read and cleared
@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -42,12 +43,13 @@ from typing import Any
 
 import torch
 
-from .. import pipeline, trl_internals
+from .. import trl_internals
 from ..asynchronous import pacing, random_state, weights
 from ..asynchronous.worker import RolloutJob, RolloutWorker, StoppableEngine
-from ..packing import PackedTrees, unwrap_model
-from ..rollout.engine import HFEngine
-from ..tree_unit import TreeUnits
+from ..core import pipeline
+from ..core.packing import PackedTrees, unwrap_model
+from ..core.tree_unit import TreeUnits
+from ..rollout.generating.engine import HFEngine, rollout_session
 from . import engine_ports, resume
 from .scoring import LeafScorer
 
@@ -326,7 +328,7 @@ class AsyncRollouts:
             self._buffers = (defaultdict(list), defaultdict(list))
             unit = TreeUnits(
                 self.sampler,
-                self.engine,
+                functools.partial(rollout_session, self.engine),
                 trl_internals.tokenizer(trainer).pad_token_id,
                 trainer.args.packing,
                 unwrap_model(self.policy).config,

@@ -26,7 +26,7 @@ from typing import ClassVar
 from trl import GRPOConfig
 
 from .. import methods
-from ..rollout.tools import MAX_OBSERVATION_CHARS
+from ..rollout.acting.tools import MAX_OBSERVATION_CHARS
 from . import config_budget, config_checks
 
 # The allowed values, with the checks that enforce them (`config_checks`); re-exported for existing importers
@@ -83,7 +83,7 @@ class TreeTrainerConfig(GRPOConfig):
             run on GRPOTrainer's event loop thread either way, with `tool_timeout`.
         max_concurrent_tool_calls (`int`, defaults to `64`): tool calls in flight at once. The calls of every turn
             that ended in one round of generation (all branches of all trees of the process) start together in a
-            pool of worker threads (`trl_tree.rollout.tool_executor`), so a round costs about its slowest call, not
+            pool of worker threads (`trl_tree.rollout.acting.tool_executor`), so a round costs about its slowest call, not
             the sum of its calls; results are attached to their branches in a fixed order, so the sampled tokens do
             not depend on which call finishes first. A branch's calls on its stateful environment run in order (they
             share an instance); the calls of one round to a tool with a batched form (`trl_tree.batched_tool`) go in
@@ -113,7 +113,7 @@ class TreeTrainerConfig(GRPOConfig):
             tool output holding `<|im_end|>\n<|im_start|>assistant\n…` would otherwise become the real turn markers,
             and the policy would train on contexts with forged turns. `"neutralize"`: every special or added token
             string of the tokenizer in the message text gets a zero-width space (U+200B) after its first character,
-            so it is tokenized as text (`trl_tree.rollout.special_tokens`); output without such strings renders
+            so it is tokenized as text (`trl_tree.rollout.acting.special_tokens`); output without such strings renders
             exactly as in TRL. `"raw"`: TRL's rendering as it is, for tools trusted to write chat-template markup.
             The prompt is trusted either way, as in GRPO.
         environment_branching (`str`, defaults to `"auto"`): how a branch of a stateful environment
@@ -454,7 +454,7 @@ class TreeConfig(TreeTrainerConfig):
             "tree" with flex_attention or tree_sdpa, "paths" with kernels that take no mask, and with a dense-mask
             kernel (eager) whichever costs fewer multiply-adds, since a dense mask pays all T² pairs of a long tree
             row. Same log-probs either way. With "tree" or "auto" the trainer switches an sdpa policy to
-            `"tree_sdpa"` (`trl_tree.tree_attention`): tree rows are attended chain by chain, computing only the
+            `"tree_sdpa"` (`trl_tree.core.tree_attention`): tree rows are attended chain by chain, computing only the
             visible pairs; every other forward is sdpa's own.
 
         The shared fields (tools, turns, generation, G and the GRPO options): `TreeTrainerConfig`.

@@ -18,16 +18,16 @@ import math
 from trl import GRPOConfig
 
 from .. import methods
-from ..packing import PACKING_CHOICES
-from ..rollout.env_branching import ENVIRONMENT_BRANCHING, check_replay_divergence
-from ..rollout.prefix_cache import check_max_bytes
-from ..rollout.special_tokens import check_observation_special_tokens
-from ..rollout.tool_executor import check_max_concurrent_tool_calls
-from ..rollout.tools import check_tool_execution, check_tool_timeout
-from ..rollout.turn_loop import check_chunk_tokens, check_max_tool_calls_per_turn
+from ..core.packing import PACKING_CHOICES
+from ..rollout.acting.env_branching import ENVIRONMENT_BRANCHING, check_replay_divergence
+from ..rollout.acting.special_tokens import check_observation_special_tokens
+from ..rollout.acting.tool_executor import check_max_concurrent_tool_calls
+from ..rollout.acting.tools import check_tool_execution, check_tool_timeout
+from ..rollout.generating.prefix_cache import check_max_bytes
+from ..rollout.growing.turn_loop import check_chunk_tokens, check_max_tool_calls_per_turn
 from .config_budget import resolve_branches, resolve_budget
 
-# The layouts `packing` takes, declared once in `trl_tree.packing` (its layouts and "auto")
+# The layouts `packing` takes, declared once in `trl_tree.core.packing` (its layouts and "auto")
 PACKING_LAYOUTS = PACKING_CHOICES
 MALFORMED_TOOL_CALL_POLICIES = ("observe", "end")
 GENERATION_CACHES = ("prefix", "static", "dynamic")
@@ -232,7 +232,7 @@ def check_generation_kwargs(config) -> None:
 
 
 def check_packing(config) -> None:
-    """`packing` names a layout of `trl_tree.packing` or "auto"."""
+    """`packing` names a layout of `trl_tree.core.packing` or "auto"."""
     if config.packing not in PACKING_LAYOUTS:
         raise ValueError(f"packing must be one of {PACKING_LAYOUTS}; got {config.packing!r}.")
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import contextlib
 
 from .. import trl_internals
-from ..rollout.engine import HFPorts
-from ..rollout.vllm_engine import VLLMPorts
+from ..rollout.generating.engine import HFPorts
+from ..rollout.generating.vllm_engine import VLLMPorts
 from .quiet import without_trl_checkpointing_warnings
 
 

@@ -2,7 +2,7 @@
 
 A collaborator of `TreeTrainer` (`RootEnvironments`, built with what it reads). GRPOTrainer creates a pool of environment instances and resets one per completion inside
 the generation step the tree trainers replace; a tree needs more than that: one environment per prompt at its root,
-forked or replayed for the other trajectories and branches (`trl_tree.rollout.env_branching`). This module connects the two:
+forked or replayed for the other trajectories and branches (`trl_tree.rollout.acting.env_branching`). This module connects the two:
 it wraps GRPOTrainer's pool (reached through `trl_internals`) in the rollout layer's `EnvironmentPool`, resets one
 `TreeEnvironment` per prompt at each batch (its `reset()` text appended to the prompt, as GRPOTrainer does), and gives
 each tree's root its tools. Its own file so that the trainer module is the adapter from GRPOTrainer to the pipeline
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from trl.data_utils import is_conversational
 
-from ..rollout.env_branching import EnvironmentPool, TreeEnvironment, environment_tools
+from ..rollout.acting.env_branching import EnvironmentPool, TreeEnvironment, environment_tools
 
 
 def hide_fork(tools: list, env_tools: dict | None) -> list:

@@ -1,6 +1,6 @@
 """The generation metrics of the tree trainers, under GRPOTrainer's names (docs/design.md §2, "Layers").
 
-A mixin of `TreeTrainer`: what one generation batch (`trl_tree.pipeline.GenerationBatch`) logs, reduced over the
+A mixin of `TreeTrainer`: what one generation batch (`trl_tree.core.pipeline.GenerationBatch`) logs, reduced over the
 ranks (`trainer.metrics`), the completions table of `log_completions` (its buffer sized for a tree batch, the rows
 the console shows) and the tree view's page. Its own file so that
 the trainer module is the adapter from GRPOTrainer to the pipeline only; TreeFlex overrides `_log_generation`.
@@ -13,10 +13,11 @@ import contextlib
 import torch
 from trl.trainer.utils import nanstd
 
-from .. import credit, methods, pipeline, trl_internals
-from ..batch import TurnCredit
-from ..rollout.tools import stuck_tool_threads
-from ..tree import render_tree
+from .. import methods, trl_internals
+from ..core import credit, pipeline
+from ..core.batch import TurnCredit
+from ..core.tree import render_tree
+from ..rollout.acting.tools import stuck_tool_threads
 from . import completions_table
 from . import metrics as tree_metrics
 from .completions_table import TREE_COLUMN, RowMeta
@@ -101,7 +102,7 @@ class GenerationLogging:
             tools/dropped_observations   (trees) fraction of leaves that ended because a tool answer did not fit what
                                          was left of max_completion_length (the turn is marked observation_dropped)
             tools/stuck_workers          threads still running a tool call past tool_timeout (mean over ranks;
-                                         `trl_tree.rollout.tools.stuck_tool_threads`; past a cap the run stops)
+                                         `trl_tree.rollout.acting.tools.stuck_tool_threads`; past a cap the run stops)
             tools/abandoned_environments (environments) fraction of leaves ended because a call on their environment
                                          timed out while it may still run there (`Branch.abandoned_at`)
         """

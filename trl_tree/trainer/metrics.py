@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import losses
+from ..core import losses
 from ..methods import ClipCounts, Largest
 
 

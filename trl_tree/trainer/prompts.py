@@ -22,7 +22,7 @@ from datasets import Dataset
 from trl.chat_template_utils import parse_response
 from trl.data_utils import is_conversational
 
-from ..packing import unwrap_model
+from ..core.packing import unwrap_model
 
 logger = logging.getLogger(__name__)
 

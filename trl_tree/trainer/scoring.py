@@ -16,7 +16,7 @@ import dataclasses
 import torch
 from trl.data_utils import is_conversational
 
-from .. import pipeline
+from ..core import pipeline
 from ..rewards import completion_format_problem, dataset_is_conversational, guard_reward_func
 from . import components
 from . import metrics as tree_metrics
@@ -74,7 +74,7 @@ class LeafScorer:
         self._metric_buffers = metrics
 
     def leaf_rows(self, inputs, prompts, branches_per_tree) -> LeafRows:
-        """Every leaf (`trl_tree.pipeline.Leaf`: a branch; TreeFlex: a search) as a row: the completion is the whole
+        """Every leaf (`trl_tree.core.pipeline.Leaf`: a branch; TreeFlex: a search) as a row: the completion is the whole
         multi-turn conversation after the prompt; dataset columns are passed through (repeated per leaf)."""
         leaf_inputs, leaf_prompts, completions, completion_ids, envs = [], [], [], [], []
         for x, prompt, branches in zip(inputs, prompts, branches_per_tree):

@@ -4,7 +4,7 @@ generation batch when `log_completions` is on (every batch, whatever `logging_st
 When and where, following how `GRPOTrainer.log` handles its completions table:
 
 1. **collect** (every rank, at generation): each tree's (or TreeFlex group's) turns, decoded texts, leaf rewards and
-   the per-turn credit the trainer has just computed for it (`trl_tree.pipeline.micro_batches`), in the order of the
+   the per-turn credit the trainer has just computed for it (`trl_tree.core.pipeline.micro_batches`), in the order of the
    credit tensors;
 2. **finish** (every rank, `on_step_end` of the optimizer step that completes the generation batch, or of the last
    step of training): one extra no-grad packed forward per micro-batch of the buffered generation batch gives each
@@ -39,7 +39,8 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from .. import losses, methods, trl_internals
+from .. import methods, trl_internals
+from ..core import losses
 from ..tree_view import (
     VIEW_DIR,
     attach_turn_probabilities,

@@ -3,7 +3,7 @@ docs/design.md §3 D1–D4).
 
 Per prompt, a forest of M trees (`num_initial_rollouts`): each is one complete trajectory that then branches *inside*
 its completions at the tokens whose entropy exceeds τ_H (`entropy_threshold`), at most `max_branches_per_tree`
-times, every split piece at least `min_segment_length` tokens (`trl_tree.rollout.token_branching`). A branch point
+times, every split piece at least `min_segment_length` tokens (`trl_tree.rollout.growing.token_branching`). A branch point
 splits the turn into segment nodes, so shared prefixes are stored and trained once.
 
     A_k      = (R_k − mean R) / std_sample(R)   over every leaf of the prompt's forest            D1

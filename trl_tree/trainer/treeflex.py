@@ -2,7 +2,7 @@
 
 The rollout
 -----------
-A harness (`trl_tree.rollout.flex_harness`; the rollout format is documented there) grows, per task, K complete
+A harness (`trl_tree.rollout.growing.flex_harness`; the rollout format is documented there) grows, per task, K complete
 searches (`num_searches`), each a list of *causal blocks*: a block is one causal token sequence — its context (the
 role prompt, the task, restored or copied-in text such as a checkpoint card, a summary or another role's instruction,
 rendered with the chat template; context only) followed by the turns the policy generated in it (trained; tool
@@ -34,7 +34,7 @@ Design decisions
 - **Loss** (F3): `losses.dual_clip_loss` per token, PPO clip ε (ε_high) and for A < 0 the dual clip at −c·A, c = 3.
 - **Credit and loss come from the method table** (`trl_tree.methods`: credit "search", loss "dual_clip"), like every
   other method's; this trainer differs only in its unit (a group of searches made of causal blocks, grown by a
-  harness) and how it packs it: `FlexUnits` is that unit for `trl_tree.pipeline`, which runs the tree trainers'
+  harness) and how it packs it: `FlexUnits` is that unit for `trl_tree.core.pipeline`, which runs the tree trainers'
   generation batch unchanged (a search is a scored leaf, `FlexSearch.completion_ids`; no fake branch).
 """
 
@@ -42,11 +42,16 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .. import credit, methods, trl_internals
-from ..flex_unit import FlexGroup, FlexUnits, pack_groups  # the unit, beside the tree's (`trl_tree.tree_unit`)
-from ..pipeline import GenerationBatch
-from ..rollout.flex_harness import FlexBlock, FlexHarness, FlexKit, FlexSearch
-from ..rollout.special_tokens import observation_messages
+from .. import methods, trl_internals
+from ..core import credit
+from ..core.flex_unit import (  # the unit, beside the tree's (`trl_tree.core.tree_unit`)
+    FlexGroup,
+    FlexUnits,
+    pack_groups,
+)
+from ..core.pipeline import GenerationBatch
+from ..rollout.acting.special_tokens import observation_messages
+from ..rollout.growing.flex_harness import FlexBlock, FlexHarness, FlexKit, FlexSearch, FlexTask
 from .base import TreeTrainer
 from .completions_table import RowMeta
 from .config import TreeFlexConfig
@@ -58,7 +63,7 @@ class TreeFlexTrainer(TreeTrainer):
     """Drop-in `GRPOTrainer` replacement training with TreeFlex.
 
     Args:
-        harness: a `FlexHarness` (see `trl_tree.rollout.flex_harness` for the rollout format); default: the two-role
+        harness: a `FlexHarness` (see `trl_tree.rollout.growing.flex_harness` for the rollout format); default: the two-role
             harness of `args.sampler`.
         Other arguments: as `GRPOTrainer` (`tools=` / `environment_factory=`, reward functions, PEFT, …).
 
@@ -157,8 +162,15 @@ class TreeFlexTrainer(TreeTrainer):
     # ---------------------------------------------------------------- generation
 
     def rollout_unit(self, mode: str) -> FlexUnits:
-        """TreeFlex's unit for the pipeline: a task's group of complete searches, grown by the harness."""
-        return FlexUnits(self.harness, self.flex_kit(), trl_internals.tokenizer(self).pad_token_id,
+        """TreeFlex's unit for the pipeline: a task's group of complete searches, grown by the harness with this
+        batch's kit (the unit, in the core, gets the search as a callable: it imports nothing of the rollout)."""
+        harness, kit = self.harness, self.flex_kit()
+
+        def search(prompts: list, roots: list) -> list[list[FlexSearch]]:
+            tasks = [FlexTask(p, r.prompt_ids, r.env, r.tools, r.environment) for p, r in zip(prompts, roots)]
+            return harness.run(tasks, kit)
+
+        return FlexUnits(search, harness.roles, trl_internals.tokenizer(self).pad_token_id,
                          self.mask_truncated_completions, self.process_penalty)
 
     # ---------------------------------------------------------------- metrics

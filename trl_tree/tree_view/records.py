@@ -8,7 +8,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..batch import TurnCredit
+from ..core.batch import TurnCredit
 from .text import clean_text, cut_text, gold_answer, number, prompt_text, question_text
 
 FORMAT = "trl-tree/tree-view"
