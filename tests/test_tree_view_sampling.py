@@ -9,11 +9,10 @@ from html.parser import HTMLParser
 import pytest
 import torch
 
-from tests.resume_runs import agent_turn, questions, sampled_engine
-from tests.scripted import REPLIES, arithmetic_dataset, captured_units, config, contains_answer, scripted_trainer, tiny
+from tests.scripted import REPLIES, arithmetic_dataset, captured_units, scripted_trainer
+from tests.test_async_rollouts import tree_trainer
 from trl_tree import RolloutTree, TreeOPSDConfig, TreeOPSDTrainer, Turn, cli
 from trl_tree import tree_view as tv
-from trl_tree.testing import calculator
 from trl_tree.trainer.async_rollouts import use_rollout_worker
 from trl_tree.tree_view.page import ABANDONED_TITLE, POLICY_TITLE
 
@@ -100,29 +99,7 @@ def test_the_synchronous_trainers_pages_show_its_own_version_and_staleness_0(tmp
 
 def _async_trainer(output_dir, max_steps):
     """tests/test_async_rollouts.py's run (two trees per micro-batch, E = 2 blocks per generation batch), with pages."""
-    model, tok = tiny()
-    fields = {"num_initial_rollouts": 2, "num_branches": 2}
-    args = config(
-        TreeOPSDConfig,
-        output_dir,
-        **fields,
-        max_turns=4,
-        max_completion_length=160,
-        per_device_train_batch_size=2 * TreeOPSDConfig.num_generations_for(**fields),
-        steps_per_generation=2,
-        max_steps=max_steps,
-        log_completions=True,
-    )
-    trainer = TreeOPSDTrainer(
-        model=model,
-        reward_funcs=contains_answer,
-        args=args,
-        train_dataset=questions(16),
-        processing_class=tok,
-        tools=[calculator],
-    )
-    trainer.generation_engine = sampled_engine(tok, agent_turn)
-    return trainer
+    return tree_trainer(output_dir, max_steps=max_steps, log_completions=True)
 
 
 def test_pages_of_a_rollout_worker_show_the_version_that_sampled_each_batch_and_its_staleness(tmp_path):
