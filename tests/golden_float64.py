@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from tests.trees import TINY_SHAPE
 from trl_tree import methods, pipeline
 from trl_tree.core.flex_unit import FlexGroup, FlexUnits
 from trl_tree.core.packing import PackedTrees
@@ -46,7 +47,7 @@ ATOL = 1e-12
 # plain (ATEN_CPU_CAPABILITY=default) or AVX2 kernels, or two threads (2026-12, torch 2.13): RTOL leaves a margin of
 # ~1e5 over it, for other machines' kernels, and still fails a change of one part in a billion
 SPREAD = 1e-14
-VOCAB, PAD = 300, 0
+VOCAB, PAD = TINY_SHAPE["vocab_size"], 0
 LEARNING_RATE = 0.5  # large enough that the second block's ratios leave GRPO's clip range (its clip counts are pinned)
 BLOCKS = 2  # optimizer blocks of the one generation batch: the second trains at θ ≠ θ_old
 
@@ -63,17 +64,7 @@ def dyadic(rng: random.Random, n: int, scale: float) -> list[float]:
 
 def golden_model() -> Qwen3ForCausalLM:
     """The tiny Qwen3 shape of the packing tests, float64, every parameter drawn by `dyadic` (norms stay 1)."""
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
+    config = Qwen3Config(**TINY_SHAPE)
     model = Qwen3ForCausalLM(config).to(torch.float64).eval()
     model.set_attn_implementation("sdpa")
     rng = random.Random(0)

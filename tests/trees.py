@@ -120,24 +120,25 @@ def flat_gspo_token(tree: RolloutTree, lp, old, A: torch.Tensor, eps_low: float,
 # (the packing tests compare packed forwards with path forwards on these; so do the attention and benchmark tests)
 
 VOCAB = 300
+# the packing tests' tiny Qwen3 shape (also the float64 golden record's model, tests/golden_float64.py)
+TINY_SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
 PAD = 0
 
 
 def tiny_model(attn_implementation: str = "sdpa") -> Qwen3ForCausalLM:
     """A random tiny Qwen3; a large init range makes every output depend strongly on its context."""
     torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=512,
-        initializer_range=0.2,
-        tie_word_embeddings=False,
-    )
+    config = Qwen3Config(**TINY_SHAPE, initializer_range=0.2)
     model = Qwen3ForCausalLM(config).float().eval()
     model.set_attn_implementation(attn_implementation)
     return model
