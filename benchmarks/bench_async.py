@@ -16,12 +16,20 @@ synchronous, the ratio to the limit (1.0 = at the limit), and per batch the trai
 the worker's idle wait for admission, and the weight publication. Targets: ≥ 1.8x over synchronous and within 1.1x
 of the limit.
 
-The second setting of the issue (SmolLM2 with real generation, the two cores split between producer and trainer) is
-not written yet: it needs both cores quiet to mean anything.
+Setting "smollm2" (`--setting smollm2`, `async_smollm2.py`, its own flags): this machine's CPU cores, real generation.
+The learning benchmark's SmolLM2 TreeOPSD run (its warm start, search task and retriever, LoRA, (M, N) = (4, 2), 3
+turns), E = 4, 4 prompts a generation batch, 2 batches a variant with the first left out: synchronous at 1 and at 2
+torch threads (the faster is "sync") against the rollout worker at `max_staleness` 1 (`--staleness 1,2`: and 2) at 1
+thread, the worker's thread and the trainer's each on one core. The limit is max(generation, training) per batch from
+the 1-thread synchronous run's own phases; target: within 1.1x of it. `--contention` measures instead generation and
+training alone, as two threads of one process and as two processes (generation in a child process with its own
+copy): what a worker process instead of a thread would buy. Both need the cores quiet (async_smollm2.py says what
+each costs).
 
 Usage:
     python benchmarks/bench_async.py --output benchmarks/results/async_paced.json
     python benchmarks/bench_async.py --quick          (seconds: checks the pipeline, the figures mean nothing)
+    python benchmarks/bench_async.py --setting smollm2 [--staleness 1,2] [--contention] [--quick]
 """
 
 from __future__ import annotations
@@ -41,10 +49,9 @@ import torch  # noqa: E402
 from common import environment, markdown_table, write_json  # noqa: E402
 from transformers import Qwen3Config, Qwen3ForCausalLM, TrainerCallback  # noqa: E402
 
-from tests.resume_runs import agent_turn, questions, sampled_engine  # noqa: E402
-from tests.scripted import config, contains_answer, tiny  # noqa: E402
-from trl_tree import TreeOPSDConfig, TreeOPSDTrainer  # noqa: E402
-from trl_tree.testing import calculator  # noqa: E402
+from tests.resume_runs import sampled_trainer  # noqa: E402
+from tests.scripted import tiny  # noqa: E402
+from trl_tree import TreeOPSDTrainer  # noqa: E402
 
 E = 2  # optimizer blocks per generation batch
 TREES = 2  # per micro-batch: 4 prompts per generation batch
@@ -108,32 +115,14 @@ def policy(width: int, layers: int):
 
 def build(output_dir: str, batches: int, per_token_seconds: float, max_staleness: int, width: int = WIDTH,
           layers: int = LAYERS) -> TreeOPSDTrainer:
-    model, tok = policy(width, layers)
-    fields = {"num_initial_rollouts": 2, "num_branches": 2}
-    args = config(
-        TreeOPSDConfig,
-        output_dir,
-        **fields,
-        max_turns=4,
-        max_completion_length=160,
-        steps_per_generation=E,
-        per_device_train_batch_size=TREES * TreeOPSDConfig.num_generations_for(**fields),
-        max_steps=batches * E,
-        max_staleness=max_staleness,
-        logging_steps=1,
-        disable_tqdm=True,
-    )
-    # every batch in one epoch (a new epoch restarts the worker's pipeline)
-    dataset = questions(2 * TREES * batches)
-    trainer = TreeOPSDTrainer(
-        model=model,
-        reward_funcs=contains_answer,
-        args=args,
-        train_dataset=dataset,
-        processing_class=tok,
-        tools=[calculator],
-    )
-    trainer.generation_engine = PacedEngine(sampled_engine(tok, agent_turn), per_token_seconds)
+    """The tests' sampled TreeOPSD run (`tests.resume_runs.sampled_trainer`: (M, N) = (2, 2), 4 turns, the calculator)
+    on the `policy` model, `TREES` trees per micro-batch and E blocks per generation batch, every batch in one epoch
+    (a new epoch restarts the worker's pipeline), its sampler behind `PacedEngine`."""
+    model, _ = policy(width, layers)
+    trainer = sampled_trainer(output_dir, prompts=2 * TREES * batches, trees=TREES, model=model,
+                              steps_per_generation=E, max_steps=batches * E, max_staleness=max_staleness,
+                              disable_tqdm=True)
+    trainer.generation_engine = PacedEngine(trainer.generation_engine, per_token_seconds)
     return trainer
 
 
@@ -184,8 +173,20 @@ def run(variant: str, max_staleness: int, batches: int, warmup: int, per_token_s
     return row
 
 
+SETTINGS = ("paced", "smollm2")
+
+
 def main(argv=None) -> dict:
+    chooser = argparse.ArgumentParser(add_help=False)
+    chooser.add_argument("--setting", choices=SETTINGS, default="paced")
+    chosen, rest = chooser.parse_known_args(argv)
+    if chosen.setting == "smollm2":  # a module of its own, with its own flags
+        from async_smollm2 import main as smollm2_main
+
+        return smollm2_main(rest)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--setting", choices=SETTINGS, default="paced",
+                        help="paced (this parser's flags) or smollm2 (`--setting smollm2 --help` for its own)")
     parser.add_argument("--batches", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--staleness", default="1,2", help="the asynchronous variants' max_staleness, comma-separated")

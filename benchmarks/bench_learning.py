@@ -29,9 +29,16 @@ invocation skips the runs whose result is there, so a table too long for one sit
 summary JSON, a Markdown table (`.md`) and the plot (`.png`, unless `--plot` says where) are written from every run
 result present. `--warm_start_sweep 5,10,20` measures the held-out success of warm starts of those lengths instead.
 
+`--max_staleness S` (issue 57, benchmarks/analysis_plan.md F) trains trl-tree's methods with asynchronous rollouts: a
+rollout worker grows the next generation batches while the trainer trains, batch j sampled by the policy of batch
+max(0, j − S) (`TreeConfig.max_staleness`, docs/design.md §9). S is part of a run's identity: with S > 0 the table is
+`FILE_sS.json` (its runs in `FILE_sS.runs/`), never the synchronous table of `FILE`, and each run file stores what the
+trainer logged about its staleness and waits (`async`). TRL's `GRPOTrainer` (`grpo`) is synchronous: refused at S > 0.
+
 Usage:
     python benchmarks/bench_learning.py --output learning.json --plot learning.png
     python benchmarks/bench_learning.py --model smollm2 --methods grpo,treepo,treeopsd --seeds 0,1,2 --output FILE
+    python benchmarks/bench_learning.py --model smollm2 --methods treeopsd --max_staleness 1 --output FILE
     python benchmarks/bench_learning.py --quick
 """
 
@@ -103,6 +110,26 @@ def _seed_list(text: str) -> list[int]:
     return seeds
 
 
+def _staleness(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"--max_staleness takes an integer >= 0 (0: synchronous); got {text!r}")
+    return value
+
+
+def staleness_output(output: str, max_staleness: int) -> str:
+    """Where the table of runs at `max_staleness` lives: `output` itself at 0; `FILE_sS.json` (its runs in
+    `FILE_sS.runs/`) at S > 0, unless the name already ends in `_sS`. So the command of a synchronous table with
+    `--max_staleness S` added writes the staleness arm beside that table, never into it."""
+    path, suffix = Path(output), f"_s{max_staleness}"
+    if max_staleness == 0 or path.stem.endswith(suffix):
+        return output
+    return str(path.with_name(path.stem + suffix + path.suffix))
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", choices=sorted(MODEL_DEFAULTS), default="tiny",
@@ -144,6 +171,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gradient_checkpointing", action=argparse.BooleanOptionalAction, default=True,
                    help="recompute activations in the backward pass (GRPOConfig's default, kept: without it GRPO's "
                         "16 unpacked SmolLM2 trajectories need ~18 GB; numerically the same either way)")
+    p.add_argument("--max_staleness", type=_staleness, default=0, metavar="S",
+                   help="asynchronous rollouts for trl-tree's methods: a rollout worker grows generation batch j with "
+                        "the policy of batch max(0, j - S) while the trainer trains (TreeConfig.max_staleness). 0 "
+                        "(default): synchronous, as every table before it. With S > 0 the table is --output's name + "
+                        "_sS (FILE_sS.json, its runs in FILE_sS.runs/). Not for grpo (TRL's GRPOTrainer is synchronous)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 1 seed, 1 generation batch of 2 prompts, 2 test questions, no warm start")
     p.add_argument("--tree_view", default=None, metavar="DIR",
@@ -176,25 +208,43 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if set(args.methods) - set(METHODS):
         p.error(f"unknown methods {sorted(set(args.methods) - set(METHODS))}; choose from {list(METHODS)}")
+    if args.max_staleness and "grpo" in args.methods:
+        p.error(f"--max_staleness {args.max_staleness}: method grpo is TRL's GRPOTrainer, which trains synchronously "
+                "here (it has no rollout worker). Drop grpo from --methods, or train flat_grpo (GRPO's loss on "
+                "trl-tree's own loop, which takes --max_staleness).")
+    if args.output:
+        args.output = staleness_output(args.output, args.max_staleness)
     return args
 
 
 class HeldOutEvaluation(TrainerCallback):
     """Greedy EM / F1 / format rate and the task's own reward (`reward`: F1 ≥ 0.3 for search, the exact final number
     for the calculator) on the held-out questions, before training and every `every` generation batches, against the
-    rollout tokens sampled so far (read from the `BatchMeter`)."""
+    rollout tokens sampled so far (read from the `BatchMeter`).
+
+    With a rollout worker (max_staleness > 0) an evaluation takes its turn between the worker's batches
+    (`generation_turn`: the wait counts as training, not evaluation), and with `defer_final` the last point is taken
+    by `finish`, after `train()` has stopped the worker: a batch it grows ahead for a step that never comes then stops
+    at its next engine call instead of sharing the cores with the final evaluation."""
 
     def __init__(self, trainer, meter: BatchMeter, task, settings, every_steps: int, token_budget: int | None = None,
-                 start_path: str | None = None):
+                 start_path: str | None = None, defer_final: bool = False):
         self.trainer, self.meter, self.task, self.settings = trainer, meter, task, settings
         self.start_path = start_path  # the untrained model's folder: its evaluation is shared by every method and seed
         self.every_steps = every_steps
         self.token_budget = token_budget
         self.curve: list[dict] = []
+        self.defer_final, self.final_batches = defer_final, None
         self.started = time.perf_counter()
         self.started_cpu, self.eval_cpu = time.process_time(), 0.0
 
     def evaluate(self, generation_batches: int):
+        from trl_tree.trainer.async_rollouts import generation_turn
+
+        with generation_turn(self.trainer):  # a no-op without a rollout worker
+            self._evaluate(generation_batches)
+
+    def _evaluate(self, generation_batches: int):
         start, start_cpu = time.perf_counter(), time.process_time()
         # the CPU seconds training has cost so far, evaluations excluded: the x axis of EM against compute
         train_cpu = start_cpu - self.started_cpu - self.eval_cpu
@@ -222,9 +272,17 @@ class HeldOutEvaluation(TrainerCallback):
                   f"{time.perf_counter() - self.started:.0f} s", flush=True)
         if at_batch_end and self.token_budget is not None and spent >= self.token_budget:
             control.should_training_stop = True  # the matched budget is spent: this is the run's final point
-        if state.global_step % self.every_steps == 0 or state.global_step == state.max_steps or (
-                control.should_training_stop and at_batch_end):
+        final = state.global_step == state.max_steps or (control.should_training_stop and at_batch_end)
+        if final and self.defer_final:
+            self.final_batches = state.global_step // self.meter.steps_per_batch
+        elif state.global_step % self.every_steps == 0 or final:
             self.evaluate(state.global_step // self.meter.steps_per_batch)
+
+    def finish(self):
+        """The final point `defer_final` left for after `train()`."""
+        if self.final_batches is not None:
+            self.evaluate(self.final_batches)
+            self.final_batches = None
 
 
 def heldout_cache(model_path: str, task, settings) -> Path:
@@ -288,16 +346,20 @@ def run(method: str, seed: int, model_path: str, task, args) -> dict:
         weights = {"reward_weights": [1.0, args.format_reward_weight]} if args.format_reward_weight else {}
         view = {"log_completions": True, "num_completions_to_print": 0} if args.tree_view and method != "grpo" else {}
         peft = lora_config(args.lora_rank) if args.lora_rank else None
+        # parse_args refuses grpo at max_staleness > 0: every method here is trl-tree's
+        staleness = {"max_staleness": args.max_staleness} if args.max_staleness else {}
         trainer = build_trainer(method, model, tokenizer, task, budget, output_dir, peft_config=peft,
-                                gradient_checkpointing=args.gradient_checkpointing, **weights, **view)
+                                gradient_checkpointing=args.gradient_checkpointing, **weights, **view, **staleness)
         trainer.remove_callback(PrinterCallback)
         meter = BatchMeter(trainer)
         evaluation = HeldOutEvaluation(trainer, meter, task, agent_settings(args),
                                        every_steps=args.eval_every * args.blocks,
-                                       token_budget=args.rollout_token_budget, start_path=model_path)
+                                       token_budget=args.rollout_token_budget, start_path=model_path,
+                                       defer_final=bool(staleness))
         trainer.add_callback(evaluation)
         started, started_cpu = time.perf_counter(), time.process_time()
         trainer.train()
+        evaluation.finish()
         meter.memory.close()
         if view:  # the temporary output folder goes: keep its pages
             from trl_tree.tree_view import INDEX, VIEW_DIR
@@ -313,7 +375,34 @@ def run(method: str, seed: int, model_path: str, task, args) -> dict:
             # the process's CPU seconds (all its threads): with one torch thread, about what the run takes on an idle
             # core, whatever else shares the machine's cores
             "train_cpu_seconds": time.process_time() - started_cpu,
-            "batches": [vars(b) for b in meter.batches]}
+            "batches": [vars(b) for b in meter.batches],
+            **({"async": async_summary(trainer.state.log_history, meter)} if staleness else {})}
+
+
+# what the trainer logs per generation batch with a rollout worker (docs/design.md §9), stored in each run file
+ASYNC_METRICS = ("staleness_mean", "staleness_max", "policy_version", "trainer_wait", "producer_wait", "generation_time",
+                 "queue_depth", "weight_publication_time")
+
+
+def async_summary(log_history: list[dict], meter: BatchMeter) -> dict:
+    """A run at max_staleness > 0: the trainer's `async/*` metrics per generation batch (`per_batch`; logged every E
+    steps, one value a batch), and the run's staleness (mean and max over its batches) and waits (seconds in all:
+    the trainer waiting for the worker's batch, the worker idle waiting for admission); with the batches the worker
+    grew ahead and the run never trained (none when it ends at max_steps, which the worker never grows past; up to
+    max_staleness when a token budget stops it early) and their sampled tokens, which the
+    run's `rollout_tokens` (the trained batches', as a synchronous run counts them) leaves out."""
+    per_batch = {name: [entry[f"async/{name}"] for entry in log_history if f"async/{name}" in entry]
+                 for name in ASYNC_METRICS}
+    if not per_batch["staleness_max"]:
+        raise RuntimeError("A run at max_staleness > 0 logged no async/* metrics: the trainer's asynchronous logging "
+                           "changed (docs/design.md, section 9); update bench_learning.async_summary.")
+    return {"staleness_mean": statistics.fmean(per_batch["staleness_mean"]),
+            "staleness_max": max(per_batch["staleness_max"]),
+            "trainer_wait_seconds": sum(per_batch["trainer_wait"]),
+            "producer_wait_seconds": sum(per_batch["producer_wait"]),
+            "untrained_batches": len(meter.grown),
+            "untrained_generated_tokens": sum(record.generated_tokens for _, record in meter.grown.values()),
+            "per_batch": per_batch}
 
 
 def run_file(output: str, method: str, seed: int) -> Path:
@@ -332,17 +421,25 @@ NOT_RESULT_ARGUMENTS = {"methods", "seeds", "output", "plot", "threads", "gradie
                         "equivalent_warm_starts"}  # which tables a run may join, not how it trains
 
 
+# Arguments added after run files were stored, with the value every run before them had: a run file without
+# max_staleness was trained synchronously
+OLDER_RUN_VALUES = {"max_staleness": 0}
+
+
 def checked_run(path: Path, args) -> dict:
     """A finished run's result, if it was made with these arguments: a table must not mix runs of different settings
-    (e.g. a changed default), so a mismatch is an error naming the fields."""
+    (e.g. a changed default, or another max_staleness), so a mismatch is an error naming the fields."""
     result = json.loads(path.read_text())
     saved = result.get("config", {})
     current = portable(json.loads(json.dumps(vars(args), default=str)))  # as the run file stores them
-    differ = {k: (saved.get(k), v) for k, v in current.items() if k not in NOT_RESULT_ARGUMENTS and saved.get(k) != v}
+    differ = {k: (saved.get(k, OLDER_RUN_VALUES.get(k)), v) for k, v in current.items()
+              if k not in NOT_RESULT_ARGUMENTS and saved.get(k, OLDER_RUN_VALUES.get(k)) != v}
     if differ:
         listed = ", ".join(f"{k}: {old!r} there, {new!r} now" for k, (old, new) in sorted(differ.items()))
+        staleness = (" A table holds runs of one max_staleness: with --max_staleness S > 0, --output FILE.json "
+                     "writes the table FILE_sS.json." if "max_staleness" in differ else "")
         raise SystemExit(f"{path} was made with other settings ({listed}). Use another --output for these settings, "
-                         "or the same arguments to complete that table.")
+                         f"or the same arguments to complete that table.{staleness}")
     return result
 
 
@@ -609,6 +706,9 @@ def main(argv=None):
     args = parse_args(argv)
     if not torch.cuda.is_available():
         torch.set_num_threads(args.threads or 1)
+    if args.max_staleness and args.output:
+        print(f"max_staleness {args.max_staleness}: the table is {args.output}, its runs in "
+              f"{runs_dir_of(args.output)}/", flush=True)
     task = make_task(args.task, args.num_train, args.num_test, topk=args.topk)
     if args.num_eval is not None:
         if not 0 < args.num_eval <= len(task.test_rows):
@@ -689,11 +789,14 @@ def report(runs: dict[str, list[dict]], args, model_path: str) -> None:
              "train reward": _pm(s, "train_reward"), "train reward, first third": _pm(s, "train_reward_first"),
              "train reward, last third": _pm(s, "train_reward_last"), "rollout tokens": _pm(s, "rollout_tokens", digits=0),
              "run CPU minutes": _pm(s, "run_cpu_minutes", digits=0),
-             "collapsed runs": f"{s['collapsed']} of {s['runs']}"}
+             "collapsed runs": f"{s['collapsed']} of {s['runs']}",
+             **(async_columns(runs[m]) if args.max_staleness else {})}
             for m, s in summary.items()]
     seeds = ",".join(str(s) for s in args.seeds)
     caption = (f"Held-out greedy answers to {args.num_eval or args.num_test} questions ({args.task}, {args.model}), "
-               f"seeds {seeds}, mean ± std, after {args.generation_batches} generation batches of {args.prompts} prompts")
+               f"seeds {seeds}, mean ± std, after {args.generation_batches} generation batches of {args.prompts} prompts"
+               + (f"; asynchronous rollouts at max_staleness {args.max_staleness} (batch j sampled by the policy of "
+                  f"batch max(0, j − {args.max_staleness}))" if args.max_staleness else ""))
     table = markdown_table(rows, list(rows[0]))
     metric = headline_metric(args.task)
     differences = paired_differences(runs, metric)
@@ -712,7 +815,8 @@ def report(runs: dict[str, list[dict]], args, model_path: str) -> None:
     model_name = {"tiny": "tiny Qwen3", "smollm2": "SmolLM2-135M-Instruct"}[args.model]
     title = (f"{task_title}, {model_name}; P={args.prompts}, E={args.blocks}, G={args.group_size} vs "
              f"(M,N)=({args.num_initial_rollouts},{args.num_branches}); seeds {seeds}"
-             + (f" + {args.format_reward_weight:g} x format" if args.format_reward_weight else ""))
+             + (f" + {args.format_reward_weight:g} x format" if args.format_reward_weight else "")
+             + (f"; max_staleness {args.max_staleness}" if args.max_staleness else ""))
     plot_path = args.plot or (str(Path(args.output).with_suffix(".png")) if args.output else None)
     if plot_path:
         plot(runs, plot_path, title, metric=headline_metric(args.task))
@@ -723,6 +827,25 @@ def report(runs: dict[str, list[dict]], args, model_path: str) -> None:
         write_json(args.output, {"config": {**vars(args), "model_path": model_path}, "environment": environment(),
                                  "results": results, "summary": summary, "paired_differences": differences,
                                  "runs": runs})
+
+
+def async_columns(runs: list[dict]) -> dict[str, str]:
+    """A staleness table's own columns, means over the method's runs: the staleness its batches trained at, the
+    trainer's and the worker's waits, and the training wall minutes (`stats.train_wall_seconds`: evaluations left
+    out; comparable only between runs of one sitting)."""
+    from stats import train_wall_seconds
+
+    def mean(values):
+        values = [v for v in values if v is not None]
+        return statistics.fmean(values) if values else math.nan
+
+    stored = [r["async"] for r in runs if "async" in r]
+    wall = mean([(w / 60 if (w := train_wall_seconds(r)) is not None else None) for r in runs])
+    return {"staleness mean / max": f"{mean([a['staleness_mean'] for a in stored]):.2f} / "
+                                    f"{max((a['staleness_max'] for a in stored), default=math.nan):g}",
+            "trainer wait s": f"{mean([a['trainer_wait_seconds'] for a in stored]):.0f}",
+            "worker idle s": f"{mean([a['producer_wait_seconds'] for a in stored]):.0f}",
+            "train wall minutes": f"{wall:.1f}"}
 
 
 def _pm(summary: dict, name: str, digits: int = 3) -> str:

@@ -506,6 +506,10 @@ class BatchMeter(TrainerCallback):
     forwarded in the loss passes) and the token sampler (`generation_engine.generate` of a tree trainer,
     `_generate_single_turn` of GRPO), and opens/closes a batch on the optimizer steps that start and end a generation
     batch. A batch in which no generation was seen is an error: the trainer's methods changed and this needs updating.
+
+    A tree trainer with `max_staleness` > 0 takes its batches from a rollout worker (`trainer._async_rollouts`),
+    which grows them in a thread of its own, ahead of the trainer, with an engine of its own (docs/design.md §9):
+    `_measure_rollout_worker` says what is measured then.
     """
 
     def __init__(self, trainer, memory: PeakMemory | None = None):
@@ -522,7 +526,13 @@ class BatchMeter(TrainerCallback):
                           if hasattr(trainer, name))
         self._wrap(trainer, generation, self._after_generation)
         self._wrap(trainer, "compute_loss", self._after_loss)
-        if self.is_tree:
+        # batches grown by a rollout worker and not taken yet; those never taken when the run ends stay here
+        self.grown: dict[int, tuple[Any, BatchRecord]] = {}
+        self._growing: BatchRecord | None = None
+        rollouts = getattr(trainer, "_async_rollouts", None)
+        if rollouts is not None:
+            self._measure_rollout_worker(rollouts)
+        elif self.is_tree:
             self._wrap(trainer.generation_engine, "generate", self._after_tree_sampling)
             if hasattr(trainer, "_score_leaves"):  # sees every leaf's branch (its turns) before the tree merges them
                 self._wrap(trainer, "_score_leaves", self._after_tree_scoring)
@@ -540,6 +550,45 @@ class BatchMeter(TrainerCallback):
             result = original(*args, **kwargs)
             if self._batch is not None:
                 after(args, kwargs, result, time.perf_counter() - start, time.process_time() - cpu)
+            return result
+
+        setattr(owner, name, timed)
+
+    def _measure_rollout_worker(self, rollouts):
+        """max_staleness > 0. What the worker's engine samples (`generated_tokens`, `generate_calls`, `decode_steps`,
+        `sampling_seconds`; `sampling_cpu_seconds` in the worker's thread alone, `time.thread_time`: the trainer trains
+        meanwhile) and what its scorer sees (`leaf_action_tokens`) is recorded per batch as the worker grows it, and
+        added to the batch the trainer trains it as: the same counts as a synchronous batch's, whatever ran when. The
+        generation phase (`generation_seconds`) is the trainer's side, `micro_batches`: waiting for the worker's
+        batch and recomputing π_old on it. The worker's engine exists once its session starts (`_start`)."""
+        produce, start = rollouts._produce, rollouts._start
+
+        def produce_measured(item):
+            self._growing = record = BatchRecord()
+            try:
+                return produce(item)
+            finally:  # kept even when the run stops it midway: the tokens were sampled
+                self._growing = None
+                self.grown[id(item)] = (item, record)
+
+        def start_measured():
+            start()
+            self._wrap_in_worker(rollouts.engine, "generate", self._after_worker_sampling)
+
+        rollouts._produce, rollouts._start = produce_measured, start_measured
+        self._wrap_in_worker(rollouts, "_score", self._after_worker_scoring)
+        self._wrap(rollouts, "micro_batches", self._after_taken)
+
+    def _wrap_in_worker(self, owner, name: str, after: Callable):
+        """Replace `owner.name`, called in the rollout worker's thread, by a timed call that hands (the batch being
+        grown, args, kwargs, result, wall seconds, CPU seconds of the worker's thread) to `after`."""
+        original = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start, cpu = time.perf_counter(), time.thread_time()
+            result = original(*args, **kwargs)
+            if self._growing is not None:
+                after(self._growing, args, kwargs, result, time.perf_counter() - start, time.thread_time() - cpu)
             return result
 
         setattr(owner, name, timed)
@@ -575,15 +624,17 @@ class BatchMeter(TrainerCallback):
     # -- what each wrapped call tells -----------------------------------------------------------------------------------
 
     def _after_tree_sampling(self, args, kwargs, continuations, seconds, cpu_seconds):
-        self._record_sampling([c.ids for c in continuations], seconds, cpu_seconds)
+        self._record_sampling(self._batch, [c.ids for c in continuations], seconds, cpu_seconds)
 
     def _after_grpo_sampling(self, args, kwargs, result, seconds, cpu_seconds):
         completion_ids, _ = result
-        self._record_sampling(completion_ids, seconds, cpu_seconds)
+        self._record_sampling(self._batch, completion_ids, seconds, cpu_seconds)
 
-    def _record_sampling(self, rows: list, seconds: float, cpu_seconds: float):
+    def _after_worker_sampling(self, record, args, kwargs, continuations, seconds, cpu_seconds):
+        self._record_sampling(record, [c.ids for c in continuations], seconds, cpu_seconds)
+
+    def _record_sampling(self, record: BatchRecord, rows: list, seconds: float, cpu_seconds: float):
         """One sampling call: its time and the tokens of each row it generated."""
-        record = self._batch
         record.sampling_seconds += seconds
         record.sampling_cpu_seconds += cpu_seconds
         record.generated_tokens += sum(len(ids) for ids in rows)
@@ -592,9 +643,26 @@ class BatchMeter(TrainerCallback):
             record.decode_steps += max(len(ids) for ids in rows)
 
     def _after_tree_scoring(self, args, kwargs, rewards, seconds, cpu_seconds):
+        self._after_worker_scoring(self._batch, args, kwargs, rewards, seconds, cpu_seconds)
+
+    def _after_worker_scoring(self, record, args, kwargs, rewards, seconds, cpu_seconds):
         branches_per_tree = args[2] if len(args) > 2 else kwargs["branches_per_tree"]
-        self._batch.leaf_action_tokens += sum(
+        record.leaf_action_tokens += sum(
             len(turn.action_ids) for branches in branches_per_tree for branch in branches for turn in branch.turns)
+
+    # what the worker recorded while growing a batch, added to the batch the trainer trains it as
+    _GROWN_FIELDS = ("sampling_seconds", "sampling_cpu_seconds", "generated_tokens", "generate_calls", "decode_steps",
+                     "leaf_action_tokens")
+
+    def _after_taken(self, args, kwargs, batches, seconds, cpu_seconds):
+        item = args[0] if args else kwargs["item"]
+        _, grown = self.grown.pop(id(item), (None, None))
+        if grown is None:
+            raise RuntimeError("BatchMeter did not see the rollout worker grow the batch the trainer took: build the "
+                               "meter before training starts, or the worker's methods changed (update common.py).")
+        for name in self._GROWN_FIELDS:
+            setattr(self._batch, name, getattr(self._batch, name) + getattr(grown, name))
+        self._after_generation(args, kwargs, batches, seconds, cpu_seconds)
 
     def _after_generation(self, args, kwargs, batches, seconds, cpu_seconds):
         record = self._batch

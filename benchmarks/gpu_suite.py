@@ -1,6 +1,7 @@
 """The GPU run in one script: packed training of long trees, one TreeOPSD step on CUDA, and generation with the
 prefix store, on a randomly initialised Qwen3 (Qwen3-0.6B's shape, 0.6B parameters with tied embeddings) in bf16.
-Sized for one H200 in under 8 minutes; nothing is downloaded, and neither TRL nor datasets is imported.
+Sized for one H200 in under 8 minutes; nothing is downloaded, and neither TRL nor datasets is imported (but by the
+opt-in `async_vllm` section, which needs a second GPU and vLLM).
 
 Sections (`--sections`, in this order; the JSON is written after each, so a run cut short keeps what it measured):
 
@@ -28,6 +29,10 @@ Sections (`--sections`, in this order; the JSON is written after each, so a run 
                 tree_sdpa forward + backward. Checked: no dtype error, generation's attention computes in the dtype
                 the packed forward computes in (bf16 / fp16 / float32 on CUDA; CPU has no fp16 autocast in
                 accelerate, so fp16 computes in float32 there), finite gradients on the trainable parameters.
+    async_vllm  (only when named: it needs TRL, datasets, vLLM and two GPUs) tree rollouts through a vLLM server
+                (`trl vllm-serve` on the second GPU, the trainer on the first), synchronous against asynchronous at
+                max_staleness 1 (the rollout worker's server path, its versions pushed by TRL's weight sync):
+                steady-state wall seconds per generation batch, the waits and the pushes (`gpu_async_vllm.py`).
 
 TRL is not needed: the step goes through trl-tree's pure functions (packing, credit, losses), which is the trainer's
 computation without GRPOTrainer around it, and generation through `GreedyEngine` (the evaluation engine: the same
@@ -43,6 +48,7 @@ Usage:
     python benchmarks/gpu_suite.py                       # writes benchmarks/results/gpu_suite.json
     python benchmarks/gpu_suite.py --sections step,generation --output /tmp/gpu_suite_rerun.json
     python benchmarks/gpu_suite.py --cpu                 # tiny sizes; benchmarks/results/gpu_suite_cpu.json
+    python benchmarks/gpu_suite.py --sections async_vllm --output benchmarks/results/gpu_async_vllm.json  # 2 GPUs
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ from trl_tree.rollout.growing.samplers import InitExpandSampler, TreeRoot
 from trl_tree.rollout.growing.turn_loop import SamplerSettings, TurnLoop, TurnLoopPorts
 
 SECTIONS = ("packing", "step", "generation", "precision")
+OPT_IN_SECTIONS = ("async_vllm",)  # run only when named in --sections (their needs are in their docstrings)
 RESULTS = Path(__file__).resolve().parent / "results"
 # TreeOPSD's loss as the method table computes it, with TreeOPSDConfig's defaults (importing the config needs TRL)
 TREEOPSD = SimpleNamespace(credit="likelihood", loss="treeopsd", reward_std="sample", target_radius=0.25)
@@ -97,6 +104,10 @@ SIZES = {
     "gen_observation_tokens": (256, 8),
     "gen_repeats": (2, 1),
     "precision_row_tokens": (2048, 128),
+    "async_vllm_batches": (10, 3),
+    "async_vllm_warmup": (2, 1),
+    "async_vllm_completion_tokens": (256, 16),
+    "async_vllm_trees": (2, 1),
 }
 
 
@@ -139,13 +150,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     g = p.add_argument_group("precision")
     g.add_argument("--precision_row_tokens", type=int, default=None, help="target tokens per tree row of the packed "
                    f"forward (default {SIZES['precision_row_tokens'][0]}; --cpu {SIZES['precision_row_tokens'][1]})")
+    g = p.add_argument_group("async_vllm (only when named in --sections)")
+    g.add_argument("--async_vllm_batches", type=int, default=None, help="generation batches per variant (10)")
+    g.add_argument("--async_vllm_warmup", type=int, default=None, help="first batches left out of the mean (2)")
+    g.add_argument("--async_vllm_completion_tokens", type=int, default=None, help="token budget of a turn (256)")
+    g.add_argument("--async_vllm_trees", type=int, default=None, help="trees per micro-batch (2)")
+    g.add_argument("--async_vllm_server_gpu", type=int, default=1, help="the vLLM server's GPU (the trainer: 0)")
     args = p.parse_args(argv)
     for name, (gpu, cpu) in SIZES.items():
         if getattr(args, name) is None:
             setattr(args, name, cpu if args.cpu else gpu)
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    if set(args.sections) - set(SECTIONS):
-        p.error(f"unknown sections {sorted(set(args.sections) - set(SECTIONS))}; choose from {list(SECTIONS)}")
+    if set(args.sections) - set(SECTIONS) - set(OPT_IN_SECTIONS):
+        p.error(f"unknown sections {sorted(set(args.sections) - set(SECTIONS) - set(OPT_IN_SECTIONS))}; choose "
+                f"from {list(SECTIONS + OPT_IN_SECTIONS)}")
     args.step_variants = _names(p, args.step_variants, STEP_VARIANTS)
     args.gen_variants = _names(p, args.gen_variants, GENERATION_VARIANTS)
     if "paths_sdpa" not in args.step_variants:
@@ -522,6 +540,10 @@ def main(argv=None):
             result["step"] = run_step(model, args, device)
         elif section == "precision":
             result["precision"] = run_precision(args, device)
+        elif section == "async_vllm":
+            import gpu_async_vllm  # imports TRL and datasets when it runs, never on the default sections' way
+
+            result["async_vllm"] = gpu_async_vllm.run(args, device)
         else:
             result["generation"] = run_generation(model, args, device)
         result["seconds"][section] = time.perf_counter() - begin
@@ -552,6 +574,16 @@ def summary(result: dict) -> None:
         print("\nPrecision (LoRA / full × bf16 / fp16 / fp32: generation and the packed forward in one dtype)\n")
         print(markdown_table(result["precision"]["runs"], ["adapter", "precision", "generation_dtypes",
                                                            "forward_dtypes", "grads_finite", "ok"]))
+    if "async_vllm" in result:
+        measured = result["async_vllm"]
+        if "skipped" in measured:
+            print(f"\nasync_vllm not run: {measured['skipped']}")
+        else:
+            print(f"\nThrough a vLLM server, sync vs max_staleness 1 (limit {measured['limit_seconds']:.3f} s per "
+                  "generation batch)\n")
+            print(markdown_table(measured["rows"], ["variant", "seconds_per_batch", "speedup", "over_limit",
+                                                    "generation_seconds", "trainer_wait", "producer_wait",
+                                                    "weight_push_seconds"]))
     print("\nsections: " + ", ".join(f"{k} {v:.0f} s" for k, v in result["seconds"].items()))
 
 

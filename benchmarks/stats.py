@@ -15,6 +15,7 @@ n runs the t-interval has n − 1 degrees of freedom; with 2 or 3 runs it is wid
     equivalence_p_value(v, m)     TOST: the larger one-sided p against a true mean outside ±m (small: equivalent)
     looks(diffs)                  a paired comparison's design after each of its seeds (SD, detectable, runs needed)
     safe_range(results, best)     the stability map's held-out KL beside what the learning runs did at the same scale
+    staleness_report(results)     what asynchronous rollouts cost each method (analysis_plan.md F): EM(S) − EM(0) by seed
 
 The detectable difference uses the usual normal-shift approximation of the t-test's power,
 δ = (t_{1−α/2, ν} + t_{power, ν}) · SE, with SE = sd/√n and ν = n − 1 for a paired (or one-sample) design, and
@@ -33,6 +34,7 @@ import functools
 import json
 import math
 import random
+import re
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -235,11 +237,22 @@ def collapsed(point: dict, format_threshold: float = COLLAPSE_FORMAT_RATE,
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def load_runs(runs_dir: str | Path) -> dict[str, dict[int, dict]]:
-    """method -> seed -> run file (`bench_learning.py`'s `<output>.runs/METHOD-seedSEED.json`)."""
+def run_staleness(run: dict) -> int:
+    """The max_staleness a run trained at (`bench_learning.py --max_staleness`); a run file without it is synchronous."""
+    return int(run.get("config", {}).get("max_staleness", 0))
+
+
+def load_runs(runs_dir: str | Path, max_staleness: int = 0) -> dict[str, dict[int, dict]]:
+    """method -> seed -> run file (`bench_learning.py`'s `<output>.runs/METHOD-seedSEED.json`), every one trained at
+    `max_staleness` (0: the synchronous tables): a run of another staleness in the folder is an error, so no
+    comparison of one staleness ever counts a run of another."""
     out: dict[str, dict[int, dict]] = {}
     for path in sorted(Path(runs_dir).glob("*-seed*.json")):
         run = json.loads(path.read_text())
+        if run_staleness(run) != max_staleness:
+            raise ValueError(f"{Path(runs_dir).name}/{path.name} was trained at max_staleness {run_staleness(run)}, "
+                             f"in a table read as max_staleness {max_staleness}: a staleness arm is a table of its own "
+                             "(bench_learning.py --max_staleness S writes FILE_sS.runs/); move the run there.")
         out.setdefault(run["method"], {})[int(run["seed"])] = run
     return out
 
@@ -494,6 +507,149 @@ def best_markdown(report: dict) -> str:
     return text
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Section F of benchmarks/analysis_plan.md: what staleness costs each method (issue 57)
+# ---------------------------------------------------------------------------------------------------------------------
+
+STALENESS_SEEDS = (0, 1, 2, 3, 4)  # 5 seeds a cell, fixed by the plan; one look once all of F's runs are in
+# the plan's one primary test: the interaction at S = 1, TreeOPSD against TreePO (each at its confirmed best scale)
+PRIMARY_INTERACTION = (1, "treeopsd", "treepo")
+# what both arms of a staleness pair must share (the plan's setting: the E = 4 tables' at one learning rate); the
+# warm-start build may differ (each cell says which seeds share one)
+PAIRED_SETTINGS = ("model", "task", "blocks", "prompts", "generation_batches", "eval_every", "learning_rate",
+                   "num_test", "num_eval", "warm_start_steps", "lora_rank", "max_turns", "max_completion_length",
+                   "max_turn_tokens")
+
+
+def rate_text(rate: float) -> str:
+    """A learning rate as the tables' names write it: 2e-4, 8e-4, 1.2e-3."""
+    mantissa, exponent = f"{rate:e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
+def staleness_tables(results: Path, scales: dict[int, str] = SCALES) -> dict[tuple[int, int], Path]:
+    """(scale, S) -> the folder of runs at max_staleness S > 0 at that scale: the plan's
+    `smollm2_learning_e4_lr{rate}_s{S}.runs` (what `bench_learning.py --max_staleness S` writes for
+    `--output smollm2_learning_e4_lr{rate}.json`)."""
+    found = {}
+    for scale in scales:
+        pattern = re.compile(rf"smollm2_learning_e4_lr{re.escape(rate_text(scale * BASE_RATE))}_s(\d+)\.runs")
+        for path in sorted(results.glob("smollm2_learning_e4_lr*_s*.runs")):
+            match = pattern.fullmatch(path.name)
+            if match and int(match.group(1)) > 0 and any(path.glob("*-seed*.json")):
+                found[scale, int(match.group(1))] = path
+    return found
+
+
+def _check_paired_settings(synchronous: dict, stale: dict, where: str) -> None:
+    a, b = synchronous.get("config", {}), stale.get("config", {})
+    differ = {k: (a.get(k), b.get(k)) for k in PAIRED_SETTINGS if a.get(k) != b.get(k)}
+    if differ:
+        listed = ", ".join(f"{k}: {x!r} synchronous, {y!r} stale" for k, (x, y) in sorted(differ.items()))
+        raise ValueError(f"{where}: the staleness arm was not trained in its synchronous table's setting ({listed}); "
+                         "a staleness cost pairs runs that differ in max_staleness alone.")
+
+
+def staleness_report(results: Path, scales: dict[int, str] = SCALES, seeds: tuple[int, ...] = STALENESS_SEEDS) -> dict:
+    """Per cell (method, scale, S > 0) with runs on `seeds`: the per-seed cost d_m(S) = EM(S) − EM(0), paired with
+    the synchronous table of that scale (`comparison`: its paired t-interval, the exact two-sided sign-flip p, the
+    collapse counts with McNemar's p, paired by seed), each arm's summary and efficiency (EM against rollout tokens
+    and training wall minutes), the staleness and waits the runs logged, and the seeds whose two runs share a
+    warm-start build. Per S and pair of methods, the interaction d_a(S) − d_b(S) over their common seeds, paired t and
+    exact sign-flip; `PRIMARY_INTERACTION` is the plan's one primary test, the others exploratory. A cell with fewer
+    than len(seeds) pairs is labelled incomplete: its p-values are not the plan's tests yet."""
+    cells, costs = [], {}
+    for (scale, staleness), folder in sorted(staleness_tables(results, scales).items()):
+        synchronous_folder = results / TABLES[scales[scale]]
+        synchronous = load_runs(synchronous_folder) if synchronous_folder.is_dir() else {}
+        for method, stale_runs in sorted(load_runs(folder, staleness).items(), key=lambda item: _order(item[0])):
+            stale = {s: r for s, r in stale_runs.items() if s in seeds}
+            if not stale:
+                continue
+            sync = {s: r for s, r in synchronous.get(method, {}).items() if s in stale}
+            for s in sync:
+                _check_paired_settings(sync[s], stale[s], f"{folder.name}/{method}-seed{s}")
+            cost = comparison(sync, stale)  # stale − synchronous, per common seed
+            logged = [r["async"] for r in stale.values() if "async" in r]
+            cell = {"method": method, "scale": scale, "max_staleness": staleness, "folder": folder.name,
+                    "seeds": sorted(stale), "paired_seeds": sorted(sync), "planned_seeds": list(seeds),
+                    "complete": sorted(sync) == sorted(seeds), "cost": cost,
+                    "stale": {**method_summary(stale), **efficiency(stale)},
+                    "synchronous": {**method_summary(sync), **efficiency(sync)} if sync else None,
+                    "staleness_mean": statistics.fmean(a["staleness_mean"] for a in logged) if logged else None,
+                    "trainer_wait_minutes": statistics.fmean(a["trainer_wait_seconds"] for a in logged) / 60
+                    if logged else None,
+                    "shared_build_seeds": [s for s in sorted(sync) if sync[s].get("config", {}).get("warm_start_sha256")
+                                           == stale[s].get("config", {}).get("warm_start_sha256")]}
+            cells.append(cell)
+            if cost is not None:
+                costs[staleness, method, scale] = cost["differences"]
+    interactions = {}
+    for (staleness, a, scale_a), d_a in costs.items():
+        for (staleness_b, b, scale_b), d_b in costs.items():
+            if staleness_b != staleness or _order(a) >= _order(b):
+                continue
+            common = sorted(set(d_a) & set(d_b))
+            if not common:
+                continue
+            values = [d_a[s] - d_b[s] for s in common]
+            interactions[f"{a}@{scale_a}x - {b}@{scale_b}x at S={staleness}"] = {
+                "max_staleness": staleness, "a": a, "b": b, "seeds": common,
+                "differences": dict(zip(common, values)), "interval": asdict(t_interval(values)),
+                "sign_flip_p": sign_flip_p_value(values), "primary": (staleness, a, b) == PRIMARY_INTERACTION,
+                "complete": common == sorted(seeds)}
+    return {"planned_seeds": list(seeds), "cells": cells, "interactions": interactions}
+
+
+def _number(value: float | None, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def _both(stale: dict, synchronous: dict, key: str, spec: str) -> str:
+    """`key` of the stale arm and of the synchronous one, "S / 0"."""
+    return f"{_number(stale[key], spec)} / {_number(synchronous[key], spec)}"
+
+
+def staleness_markdown(report: dict) -> str:
+    if not report["cells"]:
+        return ("Section F (what staleness costs each method, analysis_plan.md): no runs yet (no "
+                "`smollm2_learning_e4_lr{rate}_s{S}.runs` folder with run files).\n")
+    n = len(report["planned_seeds"])
+    lines = ["| method | scale × 2e-4 | S | pairs (of the plan's) | EM at S per seed | EM at 0, same seeds | "
+             "d = EM(S) − EM(0) per seed | mean d [95 % paired t] | exact sign-flip p, two-sided, paired | collapsed "
+             "(S / 0) | McNemar p, paired | below the warm start (S / 0) | rollout tokens (S / 0) | train wall min "
+             "(S / 0) | staleness mean | trainer wait min | same warm-start build |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in report["cells"]:
+        stale, sync, cost = c["stale"], c["synchronous"], c["cost"]
+        label = f"{len(c['paired_seeds'])} of {n}" + ("" if c["complete"] else ", incomplete")
+        em = ", ".join(f"{stale['exact_match'][s]:.3f}" for s in stale["seeds"])
+        if cost is None:
+            lines.append(f"| {c['method']} | {c['scale']}× | {c['max_staleness']} | {label} | {em} | no synchronous run "
+                         "on these seeds | — | — | — | — | — | — | — | — | — | — | — |")
+            continue
+        lines.append(
+            f"| {c['method']} | {c['scale']}× | {c['max_staleness']} | {label} | {em} | "
+            f"{', '.join(format(sync['exact_match'][s], '.3f') for s in sync['seeds'])} | "
+            f"{', '.join(format(v, '+.3f') for v in cost['differences'].values())} | {_text(cost['interval'])} | "
+            f"{_p(cost['sign_flip_p'])} | {cost['collapsed_counts'][0]} / {cost['collapsed_counts'][1]} | "
+            f"{_p(cost['collapse_mcnemar_p'])} | {stale['below_start_count']} / {sync['below_start_count']} | "
+            f"{_both(stale, sync, 'rollout_tokens', ',.0f')} | {_both(stale, sync, 'train_wall_minutes', '.1f')} | "
+            f"{_number(c['staleness_mean'], '.2f')} | {_number(c['trainer_wait_minutes'], '.1f')} | "
+            f"{','.join(map(str, c['shared_build_seeds'])) or 'none'} |")
+    text = "\n".join(lines) + "\n"
+    if report["interactions"]:
+        text += ("\nInteractions d_a(S) − d_b(S), paired by seed (the primary test is the plan's one; the others "
+                 "exploratory, uncorrected):\n\n| interaction | test | seeds | per seed | mean [95 % paired t] | "
+                 "exact sign-flip p, two-sided, paired |\n|---|---|---|---|---|---|\n")
+        for name, i in report["interactions"].items():
+            test = ("primary" if i["primary"] else "exploratory") + ("" if i["complete"] else ", incomplete")
+            text += (f"| {name} | {test} | {','.join(map(str, i['seeds']))} | "
+                     f"{', '.join(f'{v:+.3f}' for v in i['differences'].values())} | {_text(i['interval'])} | "
+                     f"{_p(i['sign_flip_p'])} |\n")
+    return text
+
+
 MAP_RUNS = "smollm2_map.runs"  # bench_blocks.py --map_blocks: seedS-eE-METHOD-lrXx.json, one cell and tree seed each
 MAP_KL_CUT = 0.1  # the map's "stable" level of held-out KL per token (section 6)
 SAFE_RANGE_SEEDS = (0, 1, 2, 3, 4)  # issue 58's cells: the stress table's five seeds (benchmarks/analysis_plan.md, E)
@@ -666,10 +822,14 @@ def main(argv=None) -> None:
         text += ("\nThe safe range: the stability map's proxy beside the learning runs at the same scale (E = 4; "
                  f"learning seeds {list(SAFE_RANGE_SEEDS)} where run; issue 58, benchmarks/analysis_plan.md E):\n\n"
                  + safe_range_markdown(safe))
+    staleness = staleness_report(Path(args.results))
+    text += ("\nWhat staleness costs each method (analysis_plan.md F; asynchronous rollouts at max_staleness S against "
+             f"the synchronous table of the same scale, seeds {list(STALENESS_SEEDS)}):\n\n" + staleness_markdown(staleness))
     print(text)
     if args.output:
         out = {"collapse": {"format_rate_below": COLLAPSE_FORMAT_RATE, "exact_match_below": COLLAPSE_EXACT_MATCH},
-               "tables": reports, "across_tables": cross["pairs"], "best_against_best": best, "safe_range": safe}
+               "tables": reports, "across_tables": cross["pairs"], "best_against_best": best, "safe_range": safe,
+               "staleness": staleness}
         Path(args.output).write_text(json.dumps(out, indent=1, default=str) + "\n")
         Path(args.output).with_suffix(".md").write_text(text)
         best_figure(best, Path(args.output).with_name("best_against_best.png"))

@@ -51,3 +51,15 @@ def benchmark_script(monkeypatch):
     yield load
     for cached in names:
         sys.modules.pop(cached, None)
+
+
+@pytest.fixture
+def loss_table():
+    """`trl_tree.methods.LOSSES` as it was before the test, whatever the test registered (the registry tests of
+    test_methods.py and test_stale_losses.py)."""
+    from trl_tree import methods
+
+    before = dict(methods.LOSSES)
+    yield methods.LOSSES
+    methods.LOSSES.clear()
+    methods.LOSSES.update(before)

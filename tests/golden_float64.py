@@ -165,7 +165,7 @@ def golden_args(credit: str, loss: str, output_dir: str):
     """The config a pair trains with: its class's defaults (a changed default is a changed behaviour), one tree (or
     group) per micro-batch of two."""
     from tests.scripted import config
-    from trl_tree.trainer.config import TreeConfig, TreeFlexConfig
+    from trl_tree.trainer.configuration.fields import TreeConfig, TreeFlexConfig
 
     unit = methods.LOSSES[loss].unit
     cls = TreeConfig if unit == "tree" else TreeFlexConfig

@@ -66,15 +66,28 @@ def questions(n: int) -> Dataset:
     })
 
 
-def tree_trainer(output_dir, trees=2, config_class=TreeOPSDConfig, trainer_class=TreeOPSDTrainer, **changes):
-    """The TreeOPSD run (`trees` per micro-batch); `changes` are config fields set otherwise than in it."""
-    model, tok = tiny()
-    fields = {"num_initial_rollouts": 2, "num_branches": 2, **changes}
-    args = config(config_class, output_dir, **fields, max_turns=4, max_completion_length=160,
-                  per_device_train_batch_size=trees * config_class.num_generations_for(**fields), **RUN)
-    trainer = trainer_class(model=model, reward_funcs=contains_answer, args=args, train_dataset=questions(8),
-                            processing_class=tok, tools=[calculator])
+def sampled_trainer(output_dir, prompts=8, trees=2, model=None, config_class=TreeOPSDConfig,
+                    trainer_class=TreeOPSDTrainer, **changes):
+    """The sampled calculator run every exact-resume, rollout-worker and `bench_async` run builds on: TreeOPSD (or
+    `trainer_class`) on `prompts` questions, `trees` (M, N) = (2, 2) trees per micro-batch, turns drawn by
+    `sampled_engine(agent_turn)` with the calculator tool. `model`: the policy trained (default: the tiny Qwen3; the
+    tokenizer is the tiny one's either way); `changes`: config fields set otherwise than here or in
+    `tests.scripted.config` (one step, no checkpoints)."""
+    tiny_model, tok = tiny()
+    fields = {"num_initial_rollouts": 2, "num_branches": 2, "max_turns": 4, "max_completion_length": 160, **changes}
+    args = config(config_class, output_dir, **fields,
+                  per_device_train_batch_size=trees * config_class.num_generations_for(**fields))
+    trainer = trainer_class(model=tiny_model if model is None else model, reward_funcs=contains_answer, args=args,
+                            train_dataset=questions(prompts), processing_class=tok, tools=[calculator])
     trainer.generation_engine = sampled_engine(tok, agent_turn)
+    return trainer
+
+
+def tree_trainer(output_dir, trees=2, config_class=TreeOPSDConfig, trainer_class=TreeOPSDTrainer, **changes):
+    """The exact-resume run: `sampled_trainer` on 8 questions, checkpointing every step (`RUN`), its sampler's
+    anchor draws recorded; `changes` are config fields set otherwise than in it."""
+    trainer = sampled_trainer(output_dir, trees=trees, config_class=config_class, trainer_class=trainer_class,
+                              **{**RUN, **changes})
     trainer.sampler.rng = RecordingRandom(trainer.sampler.rng)
     return trainer
 

@@ -1,57 +1,39 @@
 """Asynchronous rollouts (`max_staleness`): the rollout worker, its pacing, its weights and its edges.
 
-The runs are `tests.resume_runs.tree_trainer`'s: TreeOPSD on the tiny model, generation scripted but sampled from
+The runs are `tests.resume_runs.sampled_trainer`'s: TreeOPSD on the tiny model, generation scripted but sampled from
 torch's global generator, two trees per micro-batch, E = 2 optimizer blocks per generation batch, on CPU in float32,
 so the same operations in the same order give bitwise-equal results.
 """
 
+import functools
 import logging
 import re
 import threading
+import time
 
 import pytest
 import torch
 from transformers import TrainerCallback
 from transformers.trainer_pt_utils import safe_globals
 
-from tests.resume_runs import agent_turn, questions, sampled_engine
-from tests.scripted import config, contains_answer, tiny
-from trl_tree import TreeFlexConfig, TreeFlexTrainer, TreeOPSDConfig, TreeOPSDTrainer
+from tests.launch.tiny_tree_run import CONFIGURATIONS, build_trainer, components
+from tests.resume_runs import questions, sampled_trainer
+from tests.scripted import contains_answer, tiny
+from trl_tree import TreeFlexConfig, TreeFlexTrainer, TreeOPSDConfig, methods
 from trl_tree.asynchronous import pacing, weights
 from trl_tree.asynchronous.worker import RolloutJob, RolloutWorker, StoppableEngine
-from trl_tree.testing import calculator
-from trl_tree.trainer import resume
+from trl_tree.trainer import async_rollouts, resume
 from trl_tree.trainer.async_rollouts import use_rollout_worker
 
 STEPS = 6  # three generation batches of E = 2 blocks
+TREE_SAMPLERS = [n for n, s in methods.SAMPLERS.items() if s.unit == "tree"]  # TreeFlex's searches: refused
 
 
 def tree_trainer(output_dir, **changes):
-    """`tests.resume_runs`' TreeOPSD run without checkpoints: two trees per micro-batch, E = 2, `STEPS` steps."""
-    model, tok = tiny()
-    fields = {"num_initial_rollouts": 2, "num_branches": 2}
-    args = config(
-        TreeOPSDConfig,
-        output_dir,
-        **fields,
-        max_turns=4,
-        max_completion_length=160,
-        per_device_train_batch_size=2 * TreeOPSDConfig.num_generations_for(**fields),
-        steps_per_generation=2,
-        **{"max_steps": STEPS, **changes},
-    )
-    # 16 prompts, 4 per generation batch: the run's three batches lie in one epoch (a new epoch starts the worker's
-    # pipeline again: its rows cannot be read before the loop begins it)
-    trainer = TreeOPSDTrainer(
-        model=model,
-        reward_funcs=contains_answer,
-        args=args,
-        train_dataset=questions(16),
-        processing_class=tok,
-        tools=[calculator],
-    )
-    trainer.generation_engine = sampled_engine(tok, agent_turn)
-    return trainer
+    """`tests.resume_runs`' sampled TreeOPSD run without checkpoints: two trees per micro-batch, E = 2, `STEPS` steps.
+    16 prompts, 4 per generation batch: the run's three batches lie in one epoch (a new epoch starts the worker's
+    pipeline again: its rows cannot be read before the loop begins it)."""
+    return sampled_trainer(output_dir, prompts=16, steps_per_generation=2, **{"max_steps": STEPS, **changes})
 
 
 def _run(tmp_path, name, max_staleness=None, callbacks=(), reward=None, **changes):
@@ -295,6 +277,95 @@ def test_bad_max_staleness_and_unserved_runs_are_refused(tmp_path):
         )
 
 
+@pytest.mark.parametrize("name", [n for n in CONFIGURATIONS if components(n)["sampler"] in TREE_SAMPLERS])
+def test_every_tree_configuration_trains_at_staleness_1(tmp_path, name):
+    """Every named method and composition that grows trees (every tree sampler, credit and loss between them, as the
+    golden record trains them) trains through the rollout worker at max_staleness 1 with real generation on the tiny
+    model: its second batch is sampled one version back, its behaviour log-probs travel beside π_old, and its losses
+    are finite. (TreeFlex, whose harness grows searches, is refused: `test_bad_max_staleness_and_unserved...`.)"""
+    trainer = build_trainer(str(tmp_path), method=name, max_steps=4, prompts=8, max_staleness=1)
+    losses, compute_loss = [], trainer.compute_loss
+    trainer.compute_loss = lambda *a, **k: losses.append(compute_loss(*a, **k)) or losses[-1]
+    trainer.train()
+    assert _logged(trainer, "async/staleness_max") == [0.0, 1.0]
+    assert len(losses) == 4 and all(torch.isfinite(x) for x in losses)
+
+
+def test_with_activation_checkpointing_the_trainer_never_rewinds_the_generator_the_worker_samples_from(tmp_path):
+    """Checkpointing's backward replays the forward's random state (torch's `preserve_rng_state`): it would set the
+    global generator back while the worker samples from it, so samples would repeat and depend on timing. A worker
+    session turns the replay off (no dropout is active) and puts it back when training ends; a seeded run with
+    checkpointing at staleness 1 then reproduces itself bit for bit."""
+    calls = []
+    set_rng_state = torch.set_rng_state
+
+    def recording(state):
+        calls.append(threading.current_thread().name)
+        return set_rng_state(state)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "set_rng_state", recording)
+        mp.setattr(torch.random, "set_rng_state", recording)  # what torch.random.fork_rng restores with
+        trainer, params, losses, _ = _run(tmp_path, "ckpt", max_staleness=1, gradient_checkpointing=True)
+    layers = [m for m in trainer.model.modules() if "_gradient_checkpointing_func" in m.__dict__]
+    assert layers and all(m.gradient_checkpointing for m in layers if hasattr(m, "gradient_checkpointing"))
+    assert calls == []  # nobody set the global generator during training
+    assert all(not isinstance(m._gradient_checkpointing_func, functools.partial)
+               or "preserve_rng_state" not in m._gradient_checkpointing_func.keywords for m in layers)  # put back
+    _, again, again_losses, _ = _run(tmp_path, "ckpt_again", max_staleness=1, gradient_checkpointing=True)
+    assert all(torch.equal(a, b) for a, b in zip(losses, again_losses))
+    assert all(torch.equal(params[n], again[n]) for n in params)
+
+
+def test_dropout_with_activation_checkpointing_is_refused_with_why(tmp_path):
+    trainer = tree_trainer(str(tmp_path), gradient_checkpointing=True)
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    unwrapped.model.layers[0].mlp.add_module("drop", torch.nn.Dropout(0.1))
+    with pytest.raises(ValueError, match=r"checkpointing and active dropout \(model\.layers\.0\.mlp\.drop\)"):
+        use_rollout_worker(trainer, 1)
+
+
+def test_sharded_weights_are_refused_with_why(tmp_path, monkeypatch):
+    """ZeRO-3 and FSDP shard the weights: the worker's full policy copy cannot be taken, and the refusal says which
+    launches are served instead."""
+    import transformers.integrations.deepspeed as ds
+
+    trainer = tree_trainer(str(tmp_path))
+    assert async_rollouts.unsupported(trainer) is None
+    monkeypatch.setattr(ds, "is_deepspeed_zero3_enabled", lambda: True)
+    with pytest.raises(ValueError, match=r"sharded over the ranks \(DeepSpeed ZeRO-3 or FSDP\).*ZeRO-1/2 and DDP"):
+        use_rollout_worker(trainer, 1)
+
+
+def test_rank_alone_rewards_skip_trls_gather_in_that_thread_only(monkeypatch):
+    """TRL's `_calculate_rewards` ends with accelerate's `gather`: inside `rank_alone_rewards` it is the identity for
+    the calling thread, while another thread at the same moment still reaches the real gather."""
+    import trl.trainer.grpo_trainer as grpo
+
+    from trl_tree import trl_internals
+
+    with trl_internals.rank_alone_rewards():  # installs the switch
+        pass
+    monkeypatch.setattr(grpo.gather, "__wrapped__", lambda tensor: "gathered")
+    other = []
+    with trl_internals.rank_alone_rewards():
+        x = torch.arange(3.0)
+        thread = threading.Thread(target=lambda: other.append(grpo.gather(x)))
+        thread.start()
+        thread.join(5)
+        assert grpo.gather(x) is x  # this thread: ungathered, the very tensor
+    assert other == ["gathered"] and grpo.gather(x) == "gathered"  # the other thread, and this one after
+
+
+def test_rank_alone_reductions_are_over_this_rank_only():
+    from trl_tree.trainer.observability import rank_metrics
+
+    alone = rank_metrics.RankAlone(torch.device("cpu"))
+    assert rank_metrics.max_over_ranks(alone, 3) == 3 and rank_metrics.any_rank(alone, False) is False
+    assert rank_metrics.mean_over_ranks(alone, [1.0, 2.0, 6.0]) == 3.0
+    assert rank_metrics.gather_objects(alone, ["a", "b"]) == ["a", "b"]
+
+
 # ---------------------------------------------------------------------------------------------- the parts alone
 
 
@@ -337,6 +408,21 @@ def test_worker_returns_batches_in_order_loads_weights_between_them_and_closes()
         worker.submit(RolloutJob(item, w))
     assert [worker.take().result for _ in range(3)] == [10, 20, 30]
     assert loaded == [0, 1]  # once per new version, between jobs
+    worker.close()
+    assert not worker.alive
+
+
+def test_a_weight_load_that_stalls_stops_the_trainer_within_its_deadline():
+    """A publication that never completes (a hung copy, a server that stopped answering) does not hang the trainer:
+    its `take` raises a TimeoutError naming the stall within a poll of the deadline, and the thread is released."""
+    release = threading.Event()
+    worker = RolloutWorker(lambda item: item, lambda w: release.wait(30), load_seconds=0.3, join_seconds=5)
+    worker.submit(RolloutJob(0, weights.PolicyWeights(0, {}, 0.0)))
+    started = time.perf_counter()
+    with pytest.raises(TimeoutError, match="weight publication stalled"):
+        worker.take()
+    assert time.perf_counter() - started < 5
+    release.set()
     worker.close()
     assert not worker.alive
 

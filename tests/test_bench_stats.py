@@ -240,7 +240,8 @@ def test_paths_are_stored_relative_to_the_checkout_or_the_cache_or_by_name(bench
 def test_stats_rebuilds_the_committed_report_from_the_run_files_alone(stats, tmp_path):
     """Only the run folders are copied, into a folder elsewhere: the report built there is the committed one,
     number for number (so results/stats.{json,md} are current and need nothing but the run files)."""
-    for folder in [*stats.TABLES.values(), stats.MAP_RUNS]:  # the learning tables' runs and the map's cells
+    # the learning tables' runs, the map's cells and the staleness arms' runs
+    for folder in [*stats.TABLES.values(), stats.MAP_RUNS, *(p.name for p in stats.staleness_tables(RESULTS).values())]:
         if (RESULTS / folder).is_dir():
             shutil.copytree(RESULTS / folder, tmp_path / folder)
     stats.main(["--results", str(tmp_path), "--output", str(tmp_path / "stats.json")])
@@ -321,3 +322,85 @@ def test_the_safe_range_sets_the_maps_kl_beside_what_the_learning_runs_did(stats
     assert rows[8]["collapsed"] == 4 and rows[8]["below_start"] == 4 and rows[8]["map_holds"]
     assert not rows[8]["holds"] and not rows[8]["learns"] and not rows[8]["proxy_agrees"]
     assert "**no**" in stats.safe_range_markdown(list(rows.values()))
+
+
+def _stale_run(folder: Path, method: str, seed: int, em128: int, staleness: int = 0, **config):
+    """A run file of `method` and `seed` with final EM em128/128 (exact in binary: paired differences are exact)."""
+    folder.mkdir(exist_ok=True)
+    run = {"method": method, "seed": seed, "heldout_before": 44 / 128, "rollout_tokens": 23_000,
+           "config": {"max_staleness": staleness, "blocks": 4, "warm_start_sha256": "a" * 16, **config},
+           "curve": [{"exact_match": 44 / 128}, {"exact_match": em128 / 128, "format_rate": 1.0}]}
+    if staleness:
+        run["async"] = {"staleness_mean": 2 / 3, "trainer_wait_seconds": 60.0}
+    (folder / f"{method}-seed{seed}.json").write_text(json.dumps(run))
+
+
+def test_staleness_costs_pair_each_seed_with_the_synchronous_run_of_its_rate(stats, tmp_path, monkeypatch):
+    """analysis_plan.md F: per cell d_m(S) = EM(S) − EM(0) per seed, against the synchronous table of the same scale,
+    with its paired t-interval and the exact two-sided sign-flip p over the 2^5 sign assignments; the interaction
+    d_TreeOPSD(1) − d_TreePO(1) on their common seeds is the plan's primary test; a cell short of the plan's five
+    seeds is labelled incomplete, seeds outside them are left out, and none of it before a staleness run exists."""
+    scales = {1: "sync_lo", 4: "sync_hi"}
+    for name in scales.values():
+        monkeypatch.setitem(stats.TABLES, name, f"{name}.runs")
+    empty = stats.staleness_report(tmp_path, scales)
+    assert empty["cells"] == [] and "no runs yet" in stats.staleness_markdown(empty)
+
+    stale_lo, stale_hi = (tmp_path / "smollm2_learning_e4_lr2e-4_s1.runs", tmp_path / "smollm2_learning_e4_lr8e-4_s1.runs")
+    d_treeopsd, interaction = [0, -1, -2, 0, -1], [9, 3, -1, 5, 2]  # in 128ths
+    for seed, (opsd, po) in enumerate(zip([64, 66, 60, 70, 62], [56, 52, 58, 54, 50])):
+        _stale_run(tmp_path / "sync_hi.runs", "treeopsd", seed, opsd)
+        _stale_run(stale_hi, "treeopsd", seed, opsd + d_treeopsd[seed], staleness=1)
+        _stale_run(tmp_path / "sync_lo.runs", "treepo", seed, po)
+        _stale_run(stale_lo, "treepo", seed, po + d_treeopsd[seed] - interaction[seed], staleness=1)
+    _stale_run(stale_hi, "treeopsd", 7, 0, staleness=1)  # not one of the plan's seeds: left out
+    for seed in (0, 1, 2):  # S = 2 for TreeOPSD, three of its five seeds so far
+        _stale_run(tmp_path / "smollm2_learning_e4_lr8e-4_s2.runs", "treeopsd", seed, 60, staleness=2)
+    _stale_run(stale_hi, "flat_grpo", 0, 60, staleness=1)  # no synchronous flat_grpo at 4x: nothing to pair
+
+    report = stats.staleness_report(tmp_path, scales)
+    cells = {(c["method"], c["scale"], c["max_staleness"]): c for c in report["cells"]}
+    assert set(cells) == {("treepo", 1, 1), ("treeopsd", 4, 1), ("treeopsd", 4, 2), ("flat_grpo", 4, 1)}
+    treepo = cells["treepo", 1, 1]["cost"]
+    assert treepo["differences"] == {s: (d - i) / 128 for s, (d, i) in enumerate(zip(d_treeopsd, interaction))}
+    assert treepo["interval"]["mean"] == pytest.approx(-22 / 5 / 128)
+    assert treepo["sign_flip_p"] == 2 / 32  # five losses of one sign: only it and its mirror reach |sum|
+    assert cells["treeopsd", 4, 1]["seeds"] == [0, 1, 2, 3, 4] and cells["treeopsd", 4, 1]["complete"]
+    # |0 ± 1 ± 2 ± 0 ± 1| reaches 4 in 2 of the 8 signs of the non-zero differences, whatever the zeros' signs
+    assert cells["treeopsd", 4, 1]["cost"]["sign_flip_p"] == 8 / 32
+    assert not cells["treeopsd", 4, 2]["complete"] and cells["treeopsd", 4, 2]["paired_seeds"] == [0, 1, 2]
+    assert cells["flat_grpo", 4, 1]["cost"] is None
+    assert cells["treeopsd", 4, 1]["staleness_mean"] == pytest.approx(2 / 3)
+    assert cells["treeopsd", 4, 1]["shared_build_seeds"] == [0, 1, 2, 3, 4]
+
+    primary = report["interactions"]["treeopsd@4x - treepo@1x at S=1"]
+    assert primary["primary"] and primary["complete"]
+    assert primary["differences"] == {s: v / 128 for s, v in enumerate(interaction)}
+    # |±9 ± 3 ± 1 ± 5 ± 2| >= 18 only with all of 9, 3, 5, 2 on one side: 4 of the 32 assignments
+    assert primary["sign_flip_p"] == 4 / 32
+    assert primary["interval"]["mean"] == pytest.approx(18 / 5 / 128)
+    assert set(report["interactions"]) == {"treeopsd@4x - treepo@1x at S=1"}  # one pair per S with both paired
+    text = stats.staleness_markdown(report)
+    assert "| treeopsd@4x - treepo@1x at S=1 | primary |" in text and "3 of 5, incomplete" in text
+    assert "no synchronous run on these seeds" in text
+
+    # both arms in one setting: a stale run trained otherwise than its synchronous pair is refused, naming the field
+    _stale_run(stale_lo, "treepo", 4, 50, staleness=1, blocks=2)
+    with pytest.raises(ValueError, match=r"treepo-seed4: .*\(blocks: 4 synchronous, 2 stale\)"):
+        stats.staleness_report(tmp_path, scales)
+
+
+def test_a_table_never_counts_a_run_of_another_staleness(stats, tmp_path):
+    """The synchronous tables are read at max_staleness 0 and a staleness arm at its own S: a run of another S in
+    the folder is an error naming it, never a run of the comparison."""
+    _stale_run(tmp_path / "t.runs", "treeopsd", 0, 60)
+    _stale_run(tmp_path / "t.runs", "treepo", 0, 60, staleness=1)
+    with pytest.raises(ValueError, match=r"t.runs/treepo-seed0.json was trained at max_staleness 1, in a table read "
+                                         r"as max_staleness 0"):
+        stats.table_report(tmp_path / "t.runs")
+    legacy = tmp_path / "old.runs"
+    legacy.mkdir()
+    (legacy / "treeopsd-seed0.json").write_text(json.dumps({"method": "treeopsd", "seed": 0, "curve": []}))
+    assert set(stats.load_runs(legacy)) == {"treeopsd"}  # a run file from before --max_staleness: synchronous
+    with pytest.raises(ValueError, match="trained at max_staleness 0, in a table read as max_staleness 1"):
+        stats.load_runs(legacy, max_staleness=1)

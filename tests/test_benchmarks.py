@@ -341,6 +341,76 @@ def test_bench_learning_smollm2_path_writes_each_run_at_once_and_skips_it_later(
     assert report.returncode == 0, report.stderr[-3000:]
 
 
+# the tiny model's --quick settings, with three generation batches (--quick trains one) so that staleness can show
+STALENESS_RUN = ("--methods", "treeopsd", "--seeds", "0", "--warm_start_steps", "0", "--num_train", "8", "--num_test",
+                 "2", "--max_turns", "2", "--max_completion_length", "48", "--prompts", "2", "--blocks", "1",
+                 "--generation_batches", "3", "--eval_every", "3")
+
+
+def test_bench_learning_at_max_staleness_1_trains_stale_batches_into_a_table_of_its_own(tmp_path):
+    """analysis_plan.md F: `--max_staleness 1` grows batch j with the policy of batch max(0, j − 1), so batches 2
+    and 3 train one version stale, and the run file says so (the trainer's async metrics per batch, its waits), with
+    the rollout tokens of the batches it trained and its wall time. The table is `<output>_s1`, beside the
+    synchronous one; the synchronous command on it is refused naming max_staleness, while --report_only at S = 1
+    reads it back."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
+    script = [sys.executable, str(ROOT / "benchmarks" / "bench_learning.py"), *STALENESS_RUN,
+              "--output", str(tmp_path / "learning.json")]
+    trained = subprocess.run([*script, "--max_staleness", "1"], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=600)
+    assert trained.returncode == 0, trained.stderr[-4000:]
+    assert not (tmp_path / "learning.runs").exists()
+    run = json.loads((tmp_path / "learning_s1.runs" / "treeopsd-seed0.json").read_text())
+    assert run["config"]["max_staleness"] == 1
+    stored = run["async"]
+    assert stored["per_batch"]["policy_version"] == [0.0, 0.0, 1.0]
+    assert stored["per_batch"]["staleness_max"] == [0.0, 1.0, 1.0] and stored["staleness_max"] == 1.0
+    assert stored["staleness_mean"] == pytest.approx(2 / 3)
+    assert len(stored["per_batch"]["trainer_wait"]) == len(stored["per_batch"]["producer_wait"]) == 3
+    assert stored["trainer_wait_seconds"] >= 0 and stored["producer_wait_seconds"] >= 0
+    # the worker's samples are counted as a synchronous run's, per batch trained; what it grew ahead for no step apart
+    assert len(run["batches"]) == 3 and all(b["generated_tokens"] > 0 for b in run["batches"])
+    assert run["rollout_tokens"] == sum(b["generated_tokens"] for b in run["batches"])
+    assert stored["untrained_batches"] <= 1
+    assert run["train_seconds"] > sum(point["eval_seconds"] for point in run["curve"]) > 0
+    assert "max_staleness 1" in (tmp_path / "learning_s1.md").read_text()
+
+    mixed = subprocess.run([*script[:-1], str(tmp_path / "learning_s1.json")], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert mixed.returncode != 0 and "max_staleness: 1 there, 0 now" in mixed.stderr
+    assert "A table holds runs of one max_staleness" in mixed.stderr
+    report = subprocess.run([*script, "--max_staleness", "1", "--report_only"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert json.loads((tmp_path / "learning_s1.json").read_text())["config"]["max_staleness"] == 1
+
+
+def test_max_staleness_names_its_table_refuses_trls_grpo_and_reads_older_runs_as_synchronous(bench_learning,
+                                                                                             tmp_path, capsys):
+    quick = ["--quick", "--methods", "treeopsd", "--output", str(tmp_path / "t.json")]
+    assert bench_learning.parse_args(quick).output == str(tmp_path / "t.json")
+    assert bench_learning.parse_args([*quick, "--max_staleness", "2"]).output == str(tmp_path / "t_s2.json")
+    named = ["--quick", "--methods", "treeopsd", "--output", str(tmp_path / "t_s2.json"), "--max_staleness", "2"]
+    assert bench_learning.parse_args(named).output == str(tmp_path / "t_s2.json")  # already the staleness table's
+    with pytest.raises(SystemExit):
+        bench_learning.parse_args(["--quick", "--methods", "grpo,treeopsd", "--max_staleness", "1"])
+    assert "method grpo is TRL's GRPOTrainer, which trains synchronously here" in capsys.readouterr().err
+    assert bench_learning.parse_args(["--quick", "--methods", "grpo", "--max_staleness", "0"]).max_staleness == 0
+    with pytest.raises(SystemExit):
+        bench_learning.parse_args(["--quick", "--max_staleness", "-1"])
+    assert "--max_staleness takes an integer >= 0" in capsys.readouterr().err
+
+    # every run file before --max_staleness has none in its config: it joins a synchronous table only
+    synchronous = bench_learning.parse_args(quick)
+    config = bench_learning.portable(json.loads(json.dumps(vars(synchronous), default=str)))
+    del config["max_staleness"]
+    older = tmp_path / "treeopsd-seed0.json"
+    older.write_text(json.dumps({"method": "treeopsd", "seed": 0, "config": config}))
+    assert bench_learning.checked_run(older, synchronous)["seed"] == 0
+    with pytest.raises(SystemExit, match=r"max_staleness: 0 there, 1 now"):
+        bench_learning.checked_run(older, bench_learning.parse_args([*quick, "--max_staleness", "1"]))
+
+
 def load_benchmarks_common(monkeypatch):
     """`benchmarks/common.py` as a module (the benchmarks are scripts, not a package), registered for the test only."""
     import importlib.util
@@ -368,6 +438,31 @@ def test_grpo_micro_batches_keep_the_optimizer_steps_and_the_generation_batch(tm
     with pytest.raises(ValueError, match="grpo_micro_batch"):
         common.build_trainer("grpo", model, tokenizer, task, common.Budget(prompts=8, blocks=4, grpo_micro_batch=3),
                              str(tmp_path))
+
+
+def test_the_batch_meter_counts_a_rollout_workers_batches_as_the_synchronous_trainers(tmp_path, benchmark_script):
+    """Through the rollout worker in lockstep (max_staleness 0: the synchronous run's trees, docs/design.md §9) the
+    meter, which then reads the worker's own engine and scorer in the worker's thread, counts per generation batch
+    the tokens, calls and leaves it counts in the synchronous trainer; nothing is left grown and untrained."""
+    from tests.resume_runs import sampled_trainer
+    from trl_tree.trainer.async_rollouts import use_rollout_worker
+
+    common = benchmark_script("common")
+    counted = ("generated_tokens", "generate_calls", "decode_steps", "leaf_action_tokens", "leaves", "unique_tokens",
+               "flat_tokens", "forward_tokens", "trained_tokens")
+    per_run = []
+    for name, worker in (("sync", False), ("worker", True)):
+        torch.manual_seed(0)
+        trainer = sampled_trainer(str(tmp_path / name), prompts=12, steps_per_generation=2, max_steps=6)
+        if worker:
+            use_rollout_worker(trainer, 0)
+        meter = common.BatchMeter(trainer)
+        trainer.train()
+        meter.memory.close()
+        per_run.append([{k: getattr(b, k) for k in counted} for b in meter.batches])
+        assert meter.grown == {}
+    assert len(per_run[0]) == 3 and all(b["generated_tokens"] > 0 and b["leaf_action_tokens"] > 0 for b in per_run[0])
+    assert per_run[1] == per_run[0]
 
 
 def test_a_lora_warm_start_is_the_same_model_whatever_the_process_drew_before(tmp_path, monkeypatch):

@@ -36,7 +36,8 @@ from trl_tree import (
     trl_internals,
 )
 from trl_tree.testing import calculator
-from trl_tree.trainer import components
+from trl_tree.trainer import scoring
+from trl_tree.trainer.configuration import tree_budget
 
 CPU = dict(report_to="none", use_cpu=True, bf16=False, save_strategy="no")
 
@@ -57,7 +58,7 @@ def _distinct_prompts(n: int) -> Dataset:
 def test_a_grpo_recipe_builds_every_tree_config_unchanged(config_cls, tmp_path):
     args = config_cls(output_dir=str(tmp_path), **GRPO_RECIPE)
     assert args.num_generations == 8
-    assert float(components.trajectory_budget(args)) == 8  # M derived from G: (4, 2); AT2PO 2 + 2·6/2; TreeAdv 4(1 + 1)
+    assert float(tree_budget.trajectory_budget(args)) == 8  # M derived from G: (4, 2); AT2PO 2 + 2·6/2; TreeAdv 4(1 + 1)
     assert args.trees_per_micro_batch == 2 and args.max_turns == 4  # 16 / 8 trees; k = 3 tool rounds and an answer
     grpo = GRPOConfig(output_dir=str(tmp_path), **GRPO_RECIPE)
     assert args.generation_batch_size == grpo.generation_batch_size and args.steps_per_generation == 2
@@ -253,8 +254,8 @@ def test_multi_objective_aggregation_is_grpos_arithmetic_over_a_trees_leaves():
     rewards = torch.tensor([[1.0, 0.2], [0.0, float("nan")], [1.0, 0.9], [0.0, 0.4]])
     weights = torch.tensor([1.0, 0.5])
     expected = _grpo_normalize_then_sum(rewards, weights, num_generations=4)
-    torch.testing.assert_close(components.aggregate_leaf_rewards(rewards, weights, "normalize_then_sum"), expected)
-    torch.testing.assert_close(components.aggregate_leaf_rewards(rewards, weights, "sum_then_normalize"),
+    torch.testing.assert_close(scoring.aggregate_leaf_rewards(rewards, weights, "normalize_then_sum"), expected)
+    torch.testing.assert_close(scoring.aggregate_leaf_rewards(rewards, weights, "sum_then_normalize"),
                                torch.tensor([1.1, 0.0, 1.45, 0.2]))
 
 
@@ -300,10 +301,10 @@ def test_num_generations_alone_chooses_an_m_and_n_that_reach_it(G, expected, tmp
     """G alone (M and N unset): the preset's N when some M reaches G with it, else the nearest N ≥ 1 that does
     (among equally near ones, one whose budget is exactly G), said at start-up; GRPOConfig accepts every one."""
     GRPOConfig(output_dir=str(tmp_path), num_generations=G, per_device_train_batch_size=G, **CPU)
-    with caplog.at_level("INFO", logger="trl_tree.trainer.config"):
+    with caplog.at_level("INFO", logger="trl_tree.trainer.configuration.fields"):
         args = TreeOPSDConfig(output_dir=str(tmp_path), num_generations=G, **CPU)
     assert (args.num_initial_rollouts, args.num_branches) == expected and args.num_generations == G
-    assert components.num_generations_of(args) == G and args.leaves_per_tree >= 2
+    assert tree_budget.num_generations_of(args) == G and args.leaves_per_tree >= 2
     said = f"num_generations={G} → M={expected[0]}, N={expected[1]}" in caplog.text
     assert said is (expected[1] != 2)  # only a changed N is news
 
@@ -369,7 +370,7 @@ def test_a_group_wider_than_the_micro_batch_trains_grpos_prompts_per_step_one_wh
     whole groups. A tree is trained in one forward, so the config trains one whole tree per micro-batch with
     proportionally less accumulation: the same prompts per optimizer step and per generation batch, said at start-up."""
     grpo = GRPOConfig(output_dir=str(tmp_path), **fields, **CPU)
-    with caplog.at_level("WARNING", logger="trl_tree.trainer.config"):
+    with caplog.at_level("WARNING", logger="trl_tree.trainer.configuration.fields"):
         args = TreeOPSDConfig(output_dir=str(tmp_path), **fields, **CPU)
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.steps_per_generation) == expected
     assert "a tree cannot be split" in caplog.text
@@ -513,7 +514,7 @@ def test_a_completion_budget_that_cannot_fit_the_positions_warns_once(tmp_path, 
     ids=["M=N=10000", "long-leaves", "at2po", "treeflex", "huge-G"],
 )
 def test_a_tree_too_big_for_memory_is_refused_up_front_with_its_estimate(tmp_path, cls, fields, named):
-    """Every sampler's tree is sized by one check (`components.check_tree_size`) when the config is built, before any
+    """Every sampler's tree is sized by one check (`tree_budget.check_tree_size`) when the config is built, before any
     model or generation: the error names the fields and their values, K, the trajectories of budget, the token
     bound with its arithmetic, the host memory it implies at the least, and what to lower."""
     started = time.perf_counter()
@@ -534,7 +535,7 @@ def test_trees_up_to_the_bounds_and_the_recipes_trees_are_accepted(tmp_path):
                           max_completion_length=2**22, **CPU)  # 4 × 2^22 = 2^24 tokens
     assert TreeOPSDConfig(output_dir=str(tmp_path), num_initial_rollouts=4, num_branches=2,
                           max_completion_length=6144, num_generations=8, **CPU)
-    assert TreeOPSDConfig(output_dir=str(tmp_path), num_generations=components.MAX_LEAVES_PER_TREE // 2, **CPU)
+    assert TreeOPSDConfig(output_dir=str(tmp_path), num_generations=tree_budget.MAX_LEAVES_PER_TREE // 2, **CPU)
     for cls in (AT2POConfig, TreeAdvConfig, TreeFlexConfig, TreePOConfig):
         assert cls(output_dir=str(tmp_path), **CPU)
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from tests.scripted import CALL_1_PLUS_1, REPLIES, arithmetic_dataset, config, contains_answer, scripted_trainer, tiny
 from trl_tree import TreeOPSDConfig, TreeOPSDTrainer
 from trl_tree.text import plural
-from trl_tree.trainer import completions_table as ct
+from trl_tree.trainer.observability import completions_table as ct
 
 SYSTEM = "SYSTEMSTART You are a careful agent. " + "You are a careful agent. " * 40 + "THE-END-OF-THE-SYSTEM-PROMPT"
 

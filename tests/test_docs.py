@@ -102,7 +102,7 @@ def test_the_readmes_budget_table_is_the_method_tables(tmp_path):
     fields that set the cost (by the symbols the sampler's fields and formula define: M, N, L, K, b) with the G they
     give, as the preset's config has them."""
     from trl_tree import methods
-    from trl_tree.trainer.components import num_generations_of
+    from trl_tree.trainer.configuration.tree_budget import num_generations_of
 
     rows = {row[0].strip("`"): row for row in _readme_table("| sampler | preset | a tree costs")}
     assert set(rows) == set(methods.SAMPLERS)

@@ -35,8 +35,8 @@ from trl_tree import (
     trl_internals,
 )
 from trl_tree.testing import calculator
-from trl_tree.trainer import completions_table
 from trl_tree.trainer.base import TreeTrainer
+from trl_tree.trainer.observability import completions_table
 
 
 class LogCapture(TrainerCallback):
@@ -190,7 +190,7 @@ def test_the_completions_table_is_shown_once_per_step_not_again_with_the_end_of_
 
     shown = []
     # the step the table is titled with; GRPOTrainer's own call, told to print 0 rows (trl-tree prints its own table
-    # of the same rows, trainer/completions_table.py), is not counted
+    # of the same rows, trainer/observability/completions_table.py), is not counted
     monkeypatch.setattr(grpo_module, "print_prompt_completions_sample",
                         lambda *args, **kwargs: args[5] != 0 and shown.append(args[4]))
     # the table as a terminal shows it (off a terminal, as under pytest, each row is one compact line instead)

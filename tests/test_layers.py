@@ -29,6 +29,21 @@ MOVED = {f"trl_tree.{name}": f"trl_tree.core.{name}" for name in CORE_MODULES} |
     f"trl_tree.rollout.{name}": f"trl_tree.rollout.{job}.{name}"
     for job, names in ROLLOUT_MODULES.items()
     for name in names
+} | {
+    f"trl_tree.trainer.{old}": f"trl_tree.trainer.{new}"
+    for old, new in {
+        **{name: f"presets.{name}" for name in ("treeopsd", "treepo", "at2po", "treeadv", "treeflex")},
+        "config": "configuration.fields",
+        "config_checks": "configuration.checks",
+        "config_budget": "configuration.resolution",
+        "components": "configuration.tree_budget",
+        "metrics": "observability.rank_metrics",
+        "quiet": "configuration.quiet",
+        **{
+            name: f"observability.{name}"
+            for name in ("generation_logging", "completions_table", "tree_view_logging", "model_card")
+        },
+    }.items()
 }
 
 # room -> the rooms of trl_tree it may import (its own always), as drawn in docs/design.md §2. A module's room is the
@@ -54,7 +69,30 @@ ALLOWED = {
     "trl_tree.model_cache": (),
     "trl_tree.warm_start": ("trl_tree.model_cache",),
     "trl_tree.testing": ("trl_tree.model_cache", "trl_tree.warm_start", "trl_tree.rollout"),
+    "trl_tree.trainer.presets": (
+        "trl_tree.trainer",
+        "trl_tree.trainer.configuration",
+        "trl_tree.methods",
+        "trl_tree.rollout",
+        "trl_tree.core",
+    ),
+    "trl_tree.trainer.configuration": (
+        "trl_tree.methods",
+        "trl_tree.rollout",
+        "trl_tree.core",
+        "trl_tree.text",
+    ),
+    "trl_tree.trainer.observability": (
+        "trl_tree.trainer.configuration",
+        "trl_tree.methods",
+        "trl_tree.tree_view",
+        "trl_tree.rollout",
+        "trl_tree.core",
+        "trl_tree.text",
+    ),
     "trl_tree.trainer": (
+        "trl_tree.trainer.configuration",
+        "trl_tree.trainer.observability",
         "trl_tree.methods",
         "trl_tree.asynchronous",
         "trl_tree.tree_view",
@@ -74,7 +112,13 @@ WHY = {
     "trl_tree.rollout.acting": "tools and environments run between turns: they know neither the samplers that call "
     "them nor the engines",
     "trl_tree.asynchronous": "the producer thread is handed callables by the trainer; it never reaches back into it",
-    "trl_tree.tree_view": "the page renders saved data; the trainer's side of it is trainer/tree_view_logging.py",
+    "trl_tree.tree_view": "the page renders saved data; the trainer's side of it is "
+    "trainer/observability/tree_view_logging.py",
+    "trl_tree.trainer": "the adapter never imports a preset: the presets build on it, and the method table names them",
+    "trl_tree.trainer.configuration": "a config is built before any trainer: it knows the method table and the rollout "
+    "layer's value checks, not the adapter, its collaborators or the presets",
+    "trl_tree.trainer.observability": "what a run shows reads the trainer's results as values: it imports neither the "
+    "adapter nor the presets",
 }
 # TRL's private names: the trainer's, and those of the two entry points that drive TRL's helpers themselves (the CLI's
 # reward names, the evaluation's tool-message rendering)
@@ -201,7 +245,14 @@ def test_the_repository_imports_no_old_path():
         ("trl_tree.core.unit", "import trl\n", "trl"),
         ("trl_tree.rollout.sampler", "from ..trainer import base\n", "trl_tree.trainer.base"),
         ("trl_tree.asynchronous.worker", "from trl_tree.trainer.base import TreeTrainer\n", "trl_tree.trainer.base"),
-        ("trl_tree.tree_view.page", "from ..trainer import tree_view_logging\n", "trl_tree.trainer.tree_view_logging"),
+        (
+            "trl_tree.tree_view.page",
+            "from ..trainer.observability import tree_view_logging\n",
+            "trl_tree.trainer.observability.tree_view_logging",
+        ),
+        ("trl_tree.trainer.base", "from .presets.treeopsd import TreeOPSDTrainer\n", "trl_tree.trainer.presets.treeopsd"),
+        ("trl_tree.trainer.configuration.fields", "from ..base import TreeTrainer\n", "trl_tree.trainer.base"),
+        ("trl_tree.trainer.observability.model_card", "from .. import scoring\n", "trl_tree.trainer.scoring"),
         ("trl_tree.rewards", "from .trl_internals import grpo_reward\n", "trl_tree.trl_internals"),
         ("trl_tree.trainer.base", "from ..credit import standardize\n", "trl_tree.credit"),
     ],

@@ -12,11 +12,11 @@ import torch
 
 import trl_tree
 from tests.scripted import config
-from tests.trees import deep_tree, flatten, hotpot_like_tree, perturbed
+from tests.trees import deep_tree, flatten, hotpot_like_tree, micro_batch_layout, perturbed
 from trl_tree import credit, losses, methods
 from trl_tree.core.batch import LossInputs, TurnCredit
-from trl_tree.trainer.config import TreeConfig, TreeFlexConfig
-from trl_tree.trainer.model_card import tree_section
+from trl_tree.trainer.configuration.fields import TreeConfig, TreeFlexConfig
+from trl_tree.trainer.observability.model_card import tree_section
 
 
 def test_every_exported_name_resolves_including_the_lazy_packing_module():
@@ -49,7 +49,7 @@ def test_treeflex_config_has_none_of_the_fields_only_tree_components_read():
     """TreeFlexConfig shares `TreeTrainerConfig` with the tree configs, not `TreeConfig`: the fields that only the
     tree samplers, credits and losses of the table read (M, N, the expansion and token-branching fields, reward_std,
     target_radius, packing) are not fields of it, so they are not in `trl-tree treeflex --help` either."""
-    from trl_tree.trainer.config import TreeTrainerConfig
+    from trl_tree.trainer.configuration.fields import TreeTrainerConfig
 
     def read_by(unit):
         return {name for table in (methods.SAMPLERS, methods.CREDITS, methods.LOSSES)
@@ -136,12 +136,7 @@ def test_a_registered_loss_is_one_configuration_away(tmp_path, half_treepo):
 def _one_batch(trees, args, seed=0):
     """The micro-batch of `trees` as the trainer lays it out, at log-probs near π_old."""
     units = [methods.turn_credit(tree, args) for tree in trees]
-    flats = [flatten(tree) for tree in trees]
-    width = max(f[0].numel() for f in flats)
-    turn_ids = torch.full((len(trees), 1, width), -1)
-    old = torch.zeros(len(trees), 1, width, dtype=torch.float64)
-    for n, (ids, lp, _) in enumerate(flats):
-        turn_ids[n, 0, : ids.numel()], old[n, 0, : lp.numel()] = ids, lp
+    turn_ids, old = micro_batch_layout(trees)
     new = perturbed(old, seed, 0.05)
     return LossInputs.build(turn_ids, new, old, TurnCredit.stack(units))
 
@@ -459,16 +454,7 @@ def test_the_registry_imports_nothing_of_the_catalogue():
     assert not [name for name in imported if name.endswith("_entries")], sorted(imported)
 
 
-@pytest.fixture
-def loss_table():
-    """`methods.LOSSES` as it was before the test, whatever the test registered."""
-    before = dict(methods.LOSSES)
-    yield methods.LOSSES
-    methods.LOSSES.clear()
-    methods.LOSSES.update(before)
-
-
-_CLIP_FIELDS = {"epsilon": "ε", "epsilon_high": "ε_high"}
+_CLIP_FIELDS = dict.fromkeys(methods.CLIP_FIELDS, "a clip range")  # the fields a clipped loss must read
 
 
 @pytest.mark.parametrize(("declaration", "message"), [

@@ -10,7 +10,7 @@ from tests.scripted import arithmetic_dataset, config, contains_answer, tiny
 from trl_tree import TreeFlexConfig, TreeFlexTrainer, TreeOPSDConfig, TreeOPSDTrainer, TreePOConfig, TreePOTrainer
 from trl_tree.testing import calculator
 from trl_tree.trainer.base import TreeTrainer
-from trl_tree.trainer.model_card import create_tree_model_card, tree_model_card_text
+from trl_tree.trainer.observability.model_card import create_tree_model_card, tree_model_card_text
 
 
 class CardTreeOPSDTrainer(TreeOPSDTrainer):
@@ -85,7 +85,7 @@ def test_treepo_card_names_treepo_and_has_no_teacher_radius(tmp_path):
 
 def test_an_entropy_guided_tree_lists_its_own_sampler_fields_only(tmp_path):
     from trl_tree import AT2POConfig
-    from trl_tree.trainer.model_card import tree_section
+    from trl_tree.trainer.observability.model_card import tree_section
 
     args = AT2POConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none")
     rows = _table(tree_section(types.SimpleNamespace(args=args, _name="AT2PO")))
@@ -98,7 +98,7 @@ def test_an_entropy_guided_tree_lists_its_own_sampler_fields_only(tmp_path):
 
 def test_a_token_branching_forest_lists_its_branching_fields(tmp_path):
     from trl_tree import TreeAdvConfig
-    from trl_tree.trainer.model_card import tree_section
+    from trl_tree.trainer.observability.model_card import tree_section
 
     args = TreeAdvConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", min_segment_length=5)
     text = tree_section(types.SimpleNamespace(args=args, _name="TreeAdv"))
@@ -220,7 +220,7 @@ def test_the_base_model_is_the_hub_id_or_what_a_local_copy_records(tmp_path):
     import shutil
 
     from trl_tree.testing import tiny_model_path
-    from trl_tree.trainer.model_card import base_model_of
+    from trl_tree.trainer.observability.model_card import base_model_of
 
     model, _ = tiny()
     model.config._name_or_path = "Qwen/Qwen3-0.6B"  # as loaded from the Hub

@@ -14,7 +14,6 @@ float32, one thread: tests/test_resume.py).
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,15 +22,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from trl_tree.testing import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "trl_tree" / "accelerate_configs" / "multi_node.yaml"
 TIMEOUT = 600
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch_machines(out: Path, phase: str, *script_args: str) -> list[tuple[subprocess.Popen, Path]]:

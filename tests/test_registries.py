@@ -17,7 +17,7 @@ from trl_tree import methods
 from trl_tree.core.batch import CREDIT_KINDS, TurnCredit, credit_kind, per_unit
 from trl_tree.core.flex_unit import FlexUnits
 from trl_tree.core.tree_unit import TreeUnits
-from trl_tree.trainer.config import TreeConfig
+from trl_tree.trainer.configuration.fields import TreeConfig
 
 # ---------------------------------------------------------------------------------------------------------------
 # Credit kinds: registered once, by name; a micro-batch carries its kind's name through TRL's buffers

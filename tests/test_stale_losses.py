@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from tests.scripted import config
-from tests.trees import deep_tree, flatten, hotpot_like_tree, perturbed
+from tests.trees import deep_tree, hotpot_like_tree, micro_batch_layout, perturbed
 from trl_tree import credit, losses, methods, pipeline
 from trl_tree.core.batch import LossInputs, TurnCredit
 from trl_tree.core.packing import PackedTrees
 from trl_tree.core.tree_unit import TreeUnits
-from trl_tree.trainer import metrics as tree_metrics
-from trl_tree.trainer.config import TreeConfig, TreeFlexConfig
+from trl_tree.trainer.configuration.fields import TreeConfig, TreeFlexConfig
+from trl_tree.trainer.observability import rank_metrics as tree_metrics
 
 CAP = 3.0
 
@@ -66,12 +66,7 @@ def _credit(tree, args) -> TurnCredit:
 
 def _layout(trees, args):
     """[N, 1, T] turn ids and π_old's log-probs (float64) of `trees`, and their stacked credit."""
-    flats = [flatten(tree) for tree in trees]
-    width = max(f[0].numel() for f in flats)
-    turn_ids = torch.full((len(trees), 1, width), -1)
-    old = torch.zeros(len(trees), 1, width, dtype=torch.float64)
-    for n, (ids, lp, _) in enumerate(flats):
-        turn_ids[n, 0, : ids.numel()], old[n, 0, : lp.numel()] = ids, lp
+    turn_ids, old = micro_batch_layout(trees)
     return turn_ids, old, TurnCredit.stack([_credit(tree, args) for tree in trees])
 
 
@@ -212,18 +207,6 @@ def test_no_gradient_reaches_the_old_or_the_behaviour_log_probs(configs, name, f
 # ------------------------------------------------------------------------------------------------ registration
 
 
-@pytest.fixture
-def loss_table():
-    """`methods.LOSSES` as it was before the test, whatever the test registered."""
-    before = dict(methods.LOSSES)
-    yield methods.LOSSES
-    methods.LOSSES.clear()
-    methods.LOSSES.update(before)
-
-
-_CLIP = {"epsilon": "ε", "epsilon_high": "ε_high"}
-
-
 @pytest.mark.parametrize(
     ("declaration", "message"),
     [
@@ -237,7 +220,7 @@ _CLIP = {"epsilon": "ε", "epsilon_high": "ε_high"}
             {
                 "staleness": ("behaviour",),
                 "credit_kind": methods.PathCredit,
-                "fields": {**_CLIP, **methods.STALE_CAP_FIELD},
+                "fields": {**dict.fromkeys(methods.CLIP_FIELDS, "a clip range"), **methods.STALE_CAP_FIELD},
                 "returns": ("clip_ratio",),
             },
             r"Loss 'bad' returns 'clip_ratio', so its ratio is clipped to a trust region around π_old, but declares "

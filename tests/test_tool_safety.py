@@ -241,7 +241,7 @@ def test_the_cap_is_a_config_field_carried_to_the_turn_loop(tmp_path):
     assert TreeOPSDConfig.max_tool_calls_per_turn == 8
     args = config(TreeOPSDConfig, tmp_path, max_tool_calls_per_turn=2)
     ports = TurnLoopPorts(ScriptedEngine(lambda prefix: [2], eos_ids=[2]), lambda ids, prefix: {}, lambda m: [])
-    trainer = SimpleNamespace(args=args, max_completion_length=96, turn_loop_ports=lambda engine=None: ports)
+    trainer = SimpleNamespace(args=args, max_completion_length=96, turn_loop_ports=lambda engine=None, **_: ports)
     assert TreeTrainer._build_turn_loop(trainer).settings.max_tool_calls_per_turn == 2
     with pytest.raises(ValueError, match="max_tool_calls_per_turn must be"):
         config(TreeOPSDConfig, tmp_path, max_tool_calls_per_turn=0)

@@ -45,7 +45,7 @@ from trl_tree import tree_view as tv
 from trl_tree.core.batch import LossInputs, TurnCredit
 from trl_tree.core.packing import PackedTrees, packed_token_logps
 from trl_tree.testing import calculator
-from trl_tree.trainer import tree_view_logging
+from trl_tree.trainer.observability import tree_view_logging
 
 # ------------------------------------------------------------------------------------------------------ helpers
 

@@ -82,7 +82,7 @@ def test_a_tracker_is_one_sink_class_registered_once_and_the_trainer_reaches_it_
     import contextlib
     from types import SimpleNamespace
 
-    from trl_tree.trainer.tree_view_logging import at_global_step
+    from trl_tree.trainer.observability.tree_view_logging import at_global_step
     from trl_tree.tree_view import sinks
 
     pages, pinned = [], []

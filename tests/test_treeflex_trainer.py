@@ -40,7 +40,7 @@ from trl_tree.rollout.growing.flex_harness import (
     FlexSearch,
 )
 from trl_tree.testing import ScriptedEngine, calculator
-from trl_tree.trainer.treeflex import FlexGroup, pack_groups
+from trl_tree.trainer.presets.treeflex import FlexGroup, pack_groups
 
 
 class Penalise(TreeFlexTrainer):

@@ -32,6 +32,21 @@ def test_a_renamed_method_fails_with_a_message_naming_it(monkeypatch, name):
         trl_internals.mismatches.cache_clear()
 
 
+def test_a_trl_whose_reward_gather_moved_fails_with_a_message_naming_it(monkeypatch):
+    """`rank_alone_rewards` switches the module-level `gather` that `_calculate_rewards` ends with: a TRL without it
+    (or gathering otherwise) fails the check, naming it, instead of gathering inside the rollout worker's thread."""
+    import trl.trainer.grpo_trainer as grpo
+
+    monkeypatch.delattr(grpo, "gather")
+    trl_internals.mismatches.cache_clear()
+    try:
+        problems = trl_internals.mismatches()
+        assert len(problems) == 1 and "module-level `gather`" in problems[0], problems
+    finally:
+        monkeypatch.undo()
+        trl_internals.mismatches.cache_clear()
+
+
 def test_a_changed_signature_is_reported(monkeypatch):
     monkeypatch.setattr(GRPOTrainer, "_get_tool_suffix_ids", lambda self, messages, extra: None)
     trl_internals.mismatches.cache_clear()

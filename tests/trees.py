@@ -88,6 +88,18 @@ def flatten(tree: RolloutTree):
     return torch.tensor(turn_ids), torch.tensor(old, dtype=torch.float64), spans
 
 
+def micro_batch_layout(trees: list[RolloutTree]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`trees` as one micro-batch of the trainer, one row a tree: [N, 1, T] turn ids (−1: padding) and π_old's
+    log-probs (float64, 0 on padding), each row `flatten`ed."""
+    flats = [flatten(tree) for tree in trees]
+    width = max(f[0].numel() for f in flats)
+    turn_ids = torch.full((len(trees), 1, width), -1)
+    old = torch.zeros(len(trees), 1, width, dtype=torch.float64)
+    for n, (ids, lp, _) in enumerate(flats):
+        turn_ids[n, 0, : ids.numel()], old[n, 0, : lp.numel()] = ids, lp
+    return turn_ids, old
+
+
 def perturbed(old: torch.Tensor, seed: int, scale: float) -> torch.Tensor:
     """Log-probs of a policy near the behaviour policy: old + scale · N(0, 1), reproducible from the seed."""
     gen = torch.Generator().manual_seed(seed)

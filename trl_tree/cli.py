@@ -475,7 +475,7 @@ def help_text(command: str, argv: list[str], *, full: bool = False) -> str:
 def _mark_refused_options(actions: list[argparse.Action]) -> None:
     """GRPO options that the tree trainers refuse unless left at GRPO's default (`beta`: any non-zero value), said so
     in `--help-all` with what to use instead, since their GRPO help describes an effect they do not have here."""
-    from trl_tree.trainer.config import _REJECTED_ADVICE
+    from trl_tree.trainer.configuration.fields import _REJECTED_ADVICE
 
     for action in actions:
         advice = _REJECTED_ADVICE.get(action.dest)

@@ -578,3 +578,43 @@ class ScriptedEngine:
             n, finished = _cut_at_eos(ids, self.eos_ids, budget)
             results.append(Continuation(ids[:n], [0.0] * n, entropies[:n], finished))
         return results
+
+
+# ------------------------------------------------------------------------------------------- child server processes
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a server the caller starts next)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def stop_process_group(process, waits: tuple[float, float] = (10.0, 10.0)) -> None:
+    """Stop a server started in a session of its own (`start_new_session=True`, so its process group holds its
+    children: vLLM's engine core): SIGTERM to the whole group, SIGKILL after `waits[0]` s, each wait until the server
+    is reaped and the group gone."""
+    import signal
+    import time
+
+    for sig, wait in zip((signal.SIGTERM, signal.SIGKILL), waits):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + wait
+        while (process.poll() is None or process_group_alive(process.pid)) and time.monotonic() < deadline:
+            time.sleep(0.2)  # poll() reaps the server, which killpg would see as alive until reaped
+        if not process_group_alive(process.pid):
+            break
+    process.wait(timeout=10)

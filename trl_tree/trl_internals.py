@@ -8,6 +8,8 @@ below and used only through this module:
   called, so they are checked with the parameter names TRL calls them with.
 - `CALLED`: private methods the tree trainers call, with the parameters they pass.
 - `ATTRIBUTES`: attributes set by `GRPOTrainer.__init__` that the tree trainers read or write (the accessors below).
+- `REWARD_GATHER`: the module-level `gather` that `_calculate_rewards` ends with, which a thread scoring its rank's
+  leaves alone (the rollout worker's, `rank_alone_rewards`) turns into the identity.
 - `REWARD_NAMES`: where `trl grpo` maps its short reward names (`--reward_funcs accuracy_reward`), which
   `trl-tree --reward_funcs` takes too (`grpo_reward_names`, `grpo_reward`; checked by `reward_name_problems`).
 
@@ -20,11 +22,13 @@ user's training run.
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import importlib
 import inspect
 import re
 import textwrap
+import threading
 from typing import Any
 
 TESTED_TRL = "1.16"
@@ -72,6 +76,10 @@ ATTRIBUTES: dict[str, tuple[str, str]] = {
 # the parameters, such as `get_soft_overlong_punishment`'s) stay those of the installed `trl grpo`.
 REWARD_NAMES = ("trl.scripts.grpo", "main", "reward_funcs_registry")
 
+# (module, global, method that ends by calling it): `_calculate_rewards` gathers every rank's rewards with
+# accelerate's `gather`, imported into TRL's module; `rank_alone_rewards` replaces that global by a switch.
+REWARD_GATHER = ("trl.trainer.grpo_trainer", "gather", "_calculate_rewards")
+
 
 # ----------------------------------------------------------------------------------------------------- checking
 
@@ -96,6 +104,7 @@ def mismatches() -> tuple[str, ...]:
         problems += _method_problems(classes[owner], name, params, "overridden")
     for name, (owner, params) in CALLED.items():
         problems += _method_problems(classes[owner], name, params, "called")
+    problems += _reward_gather_problems()
     sources = {owner: inspect.getsource(cls) for owner, cls in classes.items()}
     for name, (owner, use) in ATTRIBUTES.items():
         if not re.search(rf"self\.{re.escape(name)}\b[^=\n]*[^=<>!]=[^=]", sources[owner]):  # maybe a tuple's part
@@ -110,6 +119,20 @@ def _method_problems(cls, name: str, params: tuple[str, ...], role: str) -> list
     found = _parameters(method)
     if found[: len(params)] != params:
         return [f"{cls.__name__}.{name} ({role} by trl-tree) takes {found}, trl-tree expects {params}"]
+    return []
+
+
+def _reward_gather_problems() -> list[str]:
+    module_name, name, method = REWARD_GATHER
+    module = importlib.import_module(module_name)
+    if not callable(getattr(module, name, None)):
+        return [f"{module_name} no longer has a module-level `{name}` (the reward gather `rank_alone_rewards` switches)"]
+    gathering = getattr(_classes()["GRPOTrainer"], method, None)
+    if gathering is None:
+        return []  # reported as a missing `CALLED` method
+    source = inspect.getsource(gathering)
+    if not re.search(rf"(?<![\w.]){name}\(rewards_per_func\)", source):
+        return [f"GRPOTrainer.{method} no longer gathers its rewards with the module's `{name}(rewards_per_func)`"]
     return []
 
 
@@ -186,7 +209,8 @@ def last_loaded_step(trainer) -> int | None:
     return getattr(trainer, "_last_loaded_step", None)
 
 
-def set_last_loaded_step(trainer, step: int) -> None:
+def set_last_loaded_step(trainer, step: int | None) -> None:
+    """None: vLLM holds no weights of the trainer's at any step (the rollout worker pushed a published version)."""
     trainer._last_loaded_step = step
 
 
@@ -229,6 +253,43 @@ def calculate_rewards(trainer, inputs, prompts, completions, completion_ids, env
         return trainer._calculate_rewards(inputs, prompts, completions, completion_ids)
     finally:
         trainer.environments = previous
+
+
+_rank_alone = threading.local()
+
+
+@contextlib.contextmanager
+def rank_alone_rewards():
+    """Within this context, in this thread only, TRL's `_calculate_rewards` returns this rank's rewards ungathered.
+
+    The rollout worker scores the leaves of its own rank in a thread of its own, out of step with the other ranks'
+    workers: a gather there would meet the trainer threads' collectives. Each rank's reward functions see only its own
+    rows under GRPOTrainer too; the gather only moves their results, which the trainer's thread gathers for its logs
+    when it takes the batch. Other threads (the trainer's, evaluation) keep TRL's gather, so the global is swapped
+    once, for a switch that reads a thread-local flag."""
+    module_name, name, _ = REWARD_GATHER
+    module = importlib.import_module(module_name)
+    with _switch_lock:
+        if not getattr(getattr(module, name), "_trl_tree_rank_switch", False):
+            module.__dict__[name] = _gather_switch(getattr(module, name))
+    previous = getattr(_rank_alone, "on", False)
+    _rank_alone.on = True
+    try:
+        yield
+    finally:
+        _rank_alone.on = previous
+
+
+_switch_lock = threading.Lock()
+
+
+def _gather_switch(gather):
+    @functools.wraps(gather)  # sets `switched.__wrapped__`, the gather called outside the context
+    def switched(tensor, *args, **kwargs):
+        return tensor if getattr(_rank_alone, "on", False) else switched.__wrapped__(tensor, *args, **kwargs)
+
+    switched._trl_tree_rank_switch = True
+    return switched
 
 
 def tokenize_prompts(trainer, prompts: list):

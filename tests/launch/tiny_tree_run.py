@@ -108,13 +108,13 @@ def correct_answer(completions, answer, **kwargs):
 
 def build_trainer(out: str, use_lora: bool = False, max_steps: int = 2, packing: str = "tree", method="treeopsd",
                   use_tools: bool = True, warm_start_steps: int = 150, max_completion_length: int = 96,
-                  learning_rate: float = 1e-2, **config_fields):
+                  learning_rate: float = 1e-2, prompts: int = 8, **config_fields):
     """A warm-started tiny model, a calculator tool, two optimizer blocks per generation batch.
 
     `use_tools=False`: single-turn math instead: the same questions, answered directly (warm start on the question
     and the final answer, no tool schema in the prompt), with the same verifiable reward. `config_fields` go to the
     method's config (e.g. `log_completions=True`; `save_strategy="steps", save_steps=1` to checkpoint, which is off
-    by default).
+    by default). `prompts`: the dataset's size (of the 64 warm-start questions).
     """
     trainer_cls, config_cls, overrides, trainer_kwargs = METHODS[method]
     model, tok = tiny_model_and_tokenizer()
@@ -127,8 +127,8 @@ def build_trainer(out: str, use_lora: bool = False, max_steps: int = 2, packing:
     else:
         cached_warm_start(model, tok, [[c[0], c[-1]] for c in conversations], base=base, steps=warm_start_steps)
     ds = Dataset.from_dict({
-        "prompt": [c[:1] for c in conversations[:8]],
-        "answer": [c[-1]["content"].split()[-1].rstrip(".") for c in conversations[:8]],
+        "prompt": [c[:1] for c in conversations[:prompts]],
+        "answer": [c[-1]["content"].split()[-1].rstrip(".") for c in conversations[:prompts]],
     })
     peft_config = None
     if use_lora:

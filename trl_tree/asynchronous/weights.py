@@ -76,3 +76,16 @@ def load(copied: nn.Module, weights: PolicyWeights) -> None:
         )
     for name, tensor in weights.tensors.items():
         params[name].copy_(tensor)
+
+
+@torch.no_grad()
+def reset_frozen(copied: nn.Module, model: nn.Module) -> None:
+    """Write `model`'s frozen parameters (those that never travel: the base under LoRA) back into the copy.
+
+    The worker's vLLM path needs it after TRL's weight sync, which merges a LoRA adapter into the copy's base to
+    stream the merged weights and then subtracts it again: `(w + d) - d` is `w` only up to rounding, so the copy's base
+    would drift from the trainer's, one sync after another, and μ's forward with it."""
+    params = dict(copied.named_parameters())
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            params[name].copy_(p)

@@ -11,7 +11,9 @@ Stopping, on every path:
   waiting on a batch sees it within a tenth of a second;
 - `close` (the trainer stopping, normally or on an error or Ctrl-C in its own thread) sets the stop flag, which the
   engine wrapper `StoppableEngine` checks before every engine call, so a job in progress ends at its next turn
-  round; then it joins the thread. Python cannot interrupt a thread inside a C call or a tool, so `close` waits for
+  round; then it joins the thread;
+- a weight load that stalls (longer than `load_seconds`) is raised by the trainer's `take` as a TimeoutError within
+  a tenth of a second of the deadline, and `close` then reports the thread it cannot join. Python cannot interrupt a thread inside a C call or a tool, so `close` waits for
   the current engine call (and tool calls, which have `tool_timeout`), and says so if the thread outlives its wait.
 """
 
@@ -81,6 +83,8 @@ class RolloutWorker:
         load_weights: `load_weights(weights)`, called between jobs when a job's version differs from the loaded one.
         stop: the stop flag, shared with the `StoppableEngine` the worker's turn loop calls (a new one if None).
         join_seconds: how long `close` waits for the thread before reporting it still running.
+        load_seconds: how long loading one version's weights may take before the trainer's `take` gives up on the
+            worker (a weight publication that stalls: a hung copy, or a vLLM server that stopped answering).
     """
 
     def __init__(
@@ -89,8 +93,11 @@ class RolloutWorker:
         load_weights: Callable[[PolicyWeights], None],
         stop: threading.Event | None = None,
         join_seconds: float = 120.0,
+        load_seconds: float = 600.0,
     ):
         self._produce, self._load_weights, self.join_seconds = produce, load_weights, join_seconds
+        self.load_seconds = load_seconds
+        self._loading_since: float | None = None  # set by the thread while it loads weights
         self._jobs: queue.Queue[RolloutJob | None] = queue.Queue()
         self._finished: queue.Queue[Finished | BaseException] = queue.Queue()
         self._stop = threading.Event() if stop is None else stop
@@ -126,6 +133,7 @@ class RolloutWorker:
             try:
                 got = self._finished.get(timeout=_POLL_SECONDS)
             except queue.Empty:
+                self._raise_if_load_stalled()
                 if not self._thread.is_alive():
                     self._raise_if_failed()
                     raise RuntimeError(
@@ -159,7 +167,9 @@ class RolloutWorker:
                     return
                 started = time.perf_counter()
                 if job.weights.version != self._loaded_version:
+                    self._loading_since = time.perf_counter()
                     self._load_weights(job.weights)
+                    self._loading_since = None
                     self._loaded_version = job.weights.version
                 result = self._produce(job.item)
                 self._finished.put(Finished(job, result, started - idle_from, time.perf_counter() - started))
@@ -170,6 +180,17 @@ class RolloutWorker:
                 return
             self.error = error
             self._finished.put(error)
+
+    def _raise_if_load_stalled(self) -> None:
+        since = self._loading_since
+        if since is not None and time.perf_counter() - since > self.load_seconds:
+            self._stop.set()  # the thread, if the load ever returns, ends before its next job
+            raise TimeoutError(
+                f"The rollout worker has been loading published weights for more than {self.load_seconds:.0f} s: the "
+                "weight publication stalled (a copy that does not return, or a generation server that stopped "
+                "answering). Training stops here; check the server or the worker's device, then resume from the last "
+                "checkpoint."
+            )
 
     def _raise_if_failed(self) -> None:
         if self.error is not None:

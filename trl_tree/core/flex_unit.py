@@ -2,7 +2,7 @@
 
 A task's K complete searches (`trl_tree.rollout.growing.flex_harness`) laid out for training: each causal block a
 one-trajectory `RolloutTree` whose prompt is its context, turns numbered group-wide, and the group packed as one row
-per block so that a group travels whole through TRL's splits (the design decisions are `trl_tree.trainer.treeflex`'s
+per block so that a group travels whole through TRL's splits (the design decisions are `trl_tree.trainer.presets.treeflex`'s
 docstring). `FlexUnits` grows, packs and records behaviour for `trl_tree.core.pipeline` as `TreeUnits` does for trees.
 """
 

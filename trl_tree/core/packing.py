@@ -551,7 +551,9 @@ def _score(head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float,
     for start in range(0, max(hidden.shape[0], 1), chunk):
         args = (head, hidden[start : start + chunk], targets[start : start + chunk], temperature, compute_entropy)
         if torch.is_grad_enabled():
-            lp, ent = checkpoint(_score_chunk, *args, use_reentrant=False)
+            # nothing in a chunk is random: no generator state to replay (the replay would rewind the global
+            # generator under a rollout worker sampling from it, trl_tree.asynchronous.random_state)
+            lp, ent = checkpoint(_score_chunk, *args, use_reentrant=False, preserve_rng_state=False)
         else:
             lp, ent = _score_chunk(*args)
         logps.append(lp)

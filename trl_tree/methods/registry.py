@@ -446,7 +446,7 @@ def turn_credit(unit, args) -> TurnCredit:
 
 
 CORE_CLASSES = {
-    "TreeConfig": "trl_tree.trainer.config:TreeConfig",
+    "TreeConfig": "trl_tree.trainer.configuration.fields:TreeConfig",
     "TreeTrainer": "trl_tree.trainer.base:TreeTrainer",
 }
 

@@ -19,8 +19,16 @@ the batch, merged into the trainer's metrics when the batch is taken (the traine
 by its logging in the other thread). Evaluation, which generates in the trainer's thread with the trainer's model,
 takes turns with the worker (`generation_turn`): they share the environments and TRL's reward-log buffers.
 
-Served: one process, the HF engine or a custom engine, every tree sampler, credit and loss. Refused, with why:
-several processes, vLLM, TreeFlex's searches.
+Served: one process or several (DDP, DeepSpeed ZeRO-1/2), the HF engine or a custom engine, every tree sampler,
+credit and loss; vLLM in server mode on one process (`trl_tree.trainer.async_vllm`: generation through the server,
+each published version pushed to it by TRL's weight sync between the worker's jobs). Refused, with why: sharded
+weights (ZeRO-3, FSDP), vLLM colocated (nothing to overlap) or on several processes, TreeFlex's searches.
+
+On several processes each rank's worker grows that rank's share, as the synchronous trainer's ranks do, out of step
+with the other ranks: its policy copy's forward has no collective, its turn loop votes with itself, and its scoring
+keeps TRL's reward gather to its own rank (`trl_internals.rank_alone_rewards`, `rank_metrics.RankAlone`). Every
+reduction over ranks then happens in the trainers' threads, in step: the π_old forward, the batch's logs, and the
+merge of what each worker's scoring logged (`_log`).
 
 Resume (`checkpoint_state`, `restore`; written by `trl_tree.trainer.resume`): the batch being trained is saved as in
 a synchronous run; the batches admitted ahead (in flight) are not, but the weights they were admitted with are, with
@@ -39,6 +47,7 @@ import logging
 import threading
 import time
 from collections import defaultdict, deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,7 +59,9 @@ from ..core import pipeline
 from ..core.packing import PackedTrees, unwrap_model
 from ..core.tree_unit import TreeUnits
 from ..rollout.generating.engine import HFEngine, rollout_session
-from . import engine_ports, resume
+from ..rollout.generating.vllm_engine import VLLMEngine
+from . import async_vllm, engine_ports, resume
+from .observability import rank_metrics as tree_metrics
 from .scoring import LeafScorer
 
 logger = logging.getLogger(__name__)
@@ -60,16 +71,31 @@ def unsupported(trainer) -> str | None:
     """Why this trainer cannot grow its trees in a rollout worker, or None."""
     from .base import TreeTrainer
 
-    if trainer.accelerator.num_processes > 1:
+    if _sharded(trainer):
         return (
-            f"it runs on {trainer.accelerator.num_processes} processes: the rollout worker serves one process so "
-            "far (each rank's worker would run the generation collectives, the reward gather and the any-rank-active "
-            "vote, from its own thread, out of step with the other ranks)"
+            "its weights are sharded over the ranks (DeepSpeed ZeRO-3 or FSDP): the rollout worker grows each rank's "
+            "share with a full copy of the policy, with no collective in its forward, and a sharded model has no "
+            "full copy to take; ZeRO-1/2 and DDP keep full weights on every rank and are served"
         )
-    if trainer.use_vllm:
+    if trainer.use_vllm and trainer.args.vllm_mode != "server":
         return (
-            "it generates with vLLM: the worker's vLLM path (server mode with TRL's VLLMClient and its weight sync) "
-            "is not built yet, and colocate mode shares the trainer's GPU and weights, so it has nothing to overlap"
+            f"it generates with vLLM in {trainer.args.vllm_mode!r} mode, which shares the trainer's GPU and weights, "
+            "so it has nothing to overlap (vllm_mode=\"server\", generation on a server of its own, is served)"
+        )
+    if trainer.use_vllm and trainer.accelerator.num_processes > 1:
+        return (
+            f"it generates through a vLLM server on {trainer.accelerator.num_processes} processes: TRL's "
+            "VLLMGeneration gathers every rank's prompts to the main process, which alone holds the client, and "
+            "broadcasts the completions back, collectives that each rank's worker would run from its own thread, out "
+            "of step with the other ranks; the worker's vLLM server path serves one process"
+        )
+    dropout = random_state.active_dropout(unwrap_model(trainer.model))
+    if trainer.args.gradient_checkpointing and dropout:
+        return (
+            f"it trains with activation (gradient) checkpointing and active dropout ({', '.join(dropout[:3])}): the "
+            "backward replays the forward's dropout by rewinding the global random generator, which the worker samples "
+            "from at the same time, so its samples would repeat and depend on timing (without dropout the replay is "
+            "turned off). Set the dropout to 0 or gradient_checkpointing=False"
         )
     if type(trainer).rollout_unit is not TreeTrainer.rollout_unit:
         return (
@@ -77,6 +103,13 @@ def unsupported(trainer) -> str | None:
             "by its harness): the rollout worker grows trees of a tree sampler only"
         )
     return None
+
+
+def _sharded(trainer) -> bool:
+    """Whether the trained model's parameters are sharded over the ranks (DeepSpeed ZeRO-3, FSDP)."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    return bool(is_deepspeed_zero3_enabled() or getattr(trainer, "is_fsdp_enabled", False))
 
 
 def use_rollout_worker(trainer, max_staleness: int) -> AsyncRollouts:
@@ -112,6 +145,7 @@ class _Produced:
     extra: dict[str, list]
     next_sampler: dict[str, Any]
     next_random: dict[str, Any]
+    weight_push_seconds: float = 0.0  # pushing its version to the vLLM server (server mode; 0 when it held it)
 
 
 class AsyncRollouts:
@@ -130,6 +164,12 @@ class AsyncRollouts:
         self._next_sampler: dict | None = None
         self._next_random: dict | None = None
         self._restored_weights: deque[weights.PolicyWeights] = deque()
+        self._restore_checkpointing: Callable[[], None] = lambda: None  # set by a worker session (`_start`)
+        # the vLLM server's weights (server mode: `async_vllm`), the version in the policy copy, and the seconds spent
+        # pushing since the last batch was produced (worker thread only)
+        self.served: async_vllm.ServedPolicy | None = None
+        self._copy_version: int | None = None
+        self._push_seconds = 0.0
 
     # ------------------------------------------------------------------ the trainer's side
 
@@ -172,11 +212,16 @@ class AsyncRollouts:
         worker, self.worker = self.worker, None
         self.reader, self._admitted = None, deque()
         self._next_sampler, self._next_random, self._restored_weights = None, None, deque()
-        if worker is not None:
-            try:
-                worker.close()
-            finally:
-                self.turn_loop.close()
+        restore_checkpointing, self._restore_checkpointing = self._restore_checkpointing, lambda: None
+        if worker is None:
+            restore_checkpointing()
+            return
+        try:
+            worker.close()
+        finally:
+            self.turn_loop.close()
+            restore_checkpointing()
+            self.served, self._copy_version = None, None  # a next session pushes its first version again
 
     def checkpoint_state(self) -> dict[str, Any] | None:
         """What a checkpoint needs to regenerate the batches in flight as the uninterrupted run grows them: the
@@ -233,6 +278,8 @@ class AsyncRollouts:
                 upcoming = item
             elif position is None:
                 break
+            elif (current + offset) * self.generate_every >= self.trainer.state.max_steps:
+                break  # the run ends before that batch would train: growing it would only spend the cores
             else:
                 upcoming = self.reader.peek(position + offset * self.generate_every)
                 if upcoming is None:  # the epoch ends: the next one starts the pipeline again
@@ -272,11 +319,16 @@ class AsyncRollouts:
         """The batch's generation metrics (as a synchronous batch's), what its growing logged, and `async/*`."""
         trainer = self.trainer
         metrics = trl_internals.metrics(trainer, "train")
-        for name, values in produced.metrics.items():
-            metrics[name].extend(values)
+        accelerator = trainer.accelerator
+        # what each rank's worker scoring logged for its rank alone, reduced over the ranks now, in step (names
+        # sorted so every rank reduces them in one order; a rank whose reward functions logged nothing counts none)
+        for name in sorted(set(tree_metrics.gather_objects(accelerator, list(produced.metrics)))):
+            metrics[name].append(tree_metrics.mean_over_ranks(accelerator, produced.metrics.get(name, [])))
         logs = trl_internals.completion_logs(trainer)
-        for column, values in produced.extra.items():
-            logs["extra"][column].extend(values)
+        leaves = len(produced.result.scores.weighted)
+        for column in sorted(set(tree_metrics.gather_objects(accelerator, list(produced.extra)))):
+            values = produced.extra.get(column, [None] * leaves)
+            logs["extra"][column].extend(tree_metrics.gather_objects(accelerator, values))
         if trainer._tree_view is not None:  # its pages show the version that sampled the batch and its staleness
             trainer._tree_view.note_rows(item, policy=(finished.job.weights.version, staleness))
         trainer._log_generation("train", produced.result)
@@ -288,12 +340,16 @@ class AsyncRollouts:
         metrics["async/generation_time"].append(finished.seconds)
         metrics["async/queue_depth"].append(float(ready))
         metrics["async/weight_publication_time"].append(published.seconds if published is not None else 0.0)
+        if self.served is not None:
+            metrics["async/weight_push_time"].append(produced.weight_push_seconds)
 
     # ------------------------------------------------------------------ the worker's side
 
     def _start(self) -> None:
         """A worker session: the policy copy, the worker's engine, turn loop, sampler and scorer, and the thread."""
         trainer = self.trainer
+        # the trainer's backward must not rewind the generator the worker samples from (`random_state`)
+        self._restore_checkpointing = random_state.checkpointing_leaves_rng_alone(trainer.model)
         self.policy = weights.policy_copy(trainer.model)
         engine = trainer.generation_engine
         if isinstance(engine, HFEngine):  # generation on the copy; another engine object (scripted) is used as is
@@ -304,27 +360,42 @@ class AsyncRollouts:
                 unwrapped_for_generation=lambda: contextlib.nullcontext(self.policy),
             )
             engine = HFEngine(ports, with_scores=trainer.needs_entropies)
+        elif isinstance(engine, VLLMEngine):  # server mode (`unsupported`): the versions reach the server by push
+            self.served = async_vllm.ServedPolicy(trainer, self.policy)
+            engine = VLLMEngine(self.served.ports(), with_scores=trainer.needs_entropies)
         stop = threading.Event()  # set by `close`: the engine refuses new calls, so a job ends at its next round
         self.engine = StoppableEngine(engine, stop)
-        self.turn_loop = trainer._build_turn_loop(self.engine)  # its tool pool is the worker's; closed with it
+        # its tool pool is the worker's, closed with it; out of step with the other ranks, it votes alone
+        self.turn_loop = trainer._build_turn_loop(self.engine, rank_alone=True)
         self.sampler = trainer.build_sampler(self.turn_loop)
         if self._next_sampler is not None:  # resumed: where the uninterrupted run's worker sampler was
             resume.load_sampler_state(self.sampler, self._next_sampler)
         self.scorer = LeafScorer(
-            accelerator=trainer.accelerator,
+            accelerator=tree_metrics.RankAlone(trainer.accelerator.device),
             reward_weights=trainer.reward_weights,
-            calculate_rewards=lambda *rows: trl_internals.calculate_rewards(trainer, *rows),
+            calculate_rewards=self._rank_alone_rewards,
             aggregation=trainer.multi_objective_aggregation,
             pending_logs=lambda: trl_internals.pending_reward_logs(trainer),
             completion_logs=lambda: {"extra": self._buffers[1]},
             metrics=lambda mode: self._buffers[0],
         )
-        self.worker = RolloutWorker(self._produce, lambda published: weights.load(self.policy, published), stop)
+        self.worker = RolloutWorker(self._produce, self._load, stop)
+
+    def _load(self, published: weights.PolicyWeights) -> None:
+        """The worker's `load` hook, between jobs: the job's published version into the policy copy and, in vLLM
+        server mode, from the copy to the server (never the trainer's live model, which moves on meanwhile)."""
+        weights.load(self.policy, published)
+        self._copy_version = published.version
+        if self.served is not None:
+            with self.lock:  # evaluation's engine pushes the trainer's weights under the same lock
+                self._push_seconds += self.served.push(published.version)
 
     def _produce(self, item) -> _Produced:
         """One generation batch on the worker's thread: the ordinary pipeline with the worker's ports."""
         trainer = self.trainer
         with self.lock:
+            if self.served is not None:  # again if evaluation pushed the trainer's weights since `_load`
+                self._push_seconds += self.served.push(self._copy_version)
             self._buffers = (defaultdict(list), defaultdict(list))
             unit = TreeUnits(
                 self.sampler,
@@ -344,7 +415,13 @@ class AsyncRollouts:
             result = pipeline.generation_batch(unit, ports, item, trainer.args.steps_per_generation)
             # deep-copied: a sampler's state_dict() may hand out its live objects
             next_sampler = copy.deepcopy(resume.sampler_state(self.sampler))
-            return _Produced(result, *self._buffers, next_sampler, random_state.capture())
+            pushed, self._push_seconds = self._push_seconds, 0.0
+            return _Produced(result, *self._buffers, next_sampler, random_state.capture(), pushed)
+
+    def _rank_alone_rewards(self, *rows):
+        """TRL's reward computation on this rank's leaves, ungathered (the other ranks' workers are elsewhere)."""
+        with trl_internals.rank_alone_rewards():
+            return trl_internals.calculate_rewards(self.trainer, *rows)
 
     def _behaviour_logps(self, packed: PackedTrees) -> torch.Tensor:
         """μ's log-probs: the policy copy's packed forward, under the trainer's autocast (the copy's forward is its

@@ -41,15 +41,17 @@ from ..core.tree_unit import TreeUnits
 from ..rollout.generating.engine import HFEngine, rollout_session
 from ..rollout.growing.samplers import TreeRoot
 from ..rollout.growing.turn_loop import SamplerSettings, TurnLoop, TurnLoopPorts
-from . import async_rollouts, collaborators, components, engine_ports, model_card, prompt_loading, resume
-from . import metrics as tree_metrics
-from .config import TreeConfig, TreeTrainerConfig
+from . import async_rollouts, collaborators, engine_ports, prompt_loading, resume
+from .configuration import tree_budget
+from .configuration.fields import TreeConfig, TreeTrainerConfig
 from .environments import hide_fork
-from .generation_logging import GenerationLogging
+from .observability import model_card
+from .observability import rank_metrics as tree_metrics
+from .observability.generation_logging import GenerationLogging
+from .observability.tree_view_logging import TreeViewRecorder
 from .prompts import check_dataset_prompts, warn_unseen_tools
 from .run_lock import holds_output_dir
 from .scoring import check_completion_formats, guarded_reward_funcs
-from .tree_view_logging import TreeViewRecorder
 
 
 class TreeTrainer(GenerationLogging, GRPOTrainer):
@@ -95,7 +97,7 @@ class TreeTrainer(GenerationLogging, GRPOTrainer):
         # budget is per_device_train_batch_size / G trees (GRPO's micro-batch holds the same prompts, G times each).
         trl_internals.set_train_batch_size(self, args.trees_per_micro_batch)
         self.add_callback(resume.TrainBatchSizeInState())  # the state records the arguments' batch size, not trees
-        components.check_enough_prompts(args, self.train_dataset)
+        tree_budget.check_enough_prompts(args, self.train_dataset)
         self._resize_completion_logs(args.prompts_per_generation * args.leaves_per_tree)
         if self.environment_factories is not None:
             self.tools = hide_fork(self.tools, trl_internals.environment_tools_by_name(self))
@@ -107,7 +109,7 @@ class TreeTrainer(GenerationLogging, GRPOTrainer):
         self.sampler = self.build_sampler(self._turn_loop)
         self.root_environments = collaborators.root_environments(self, self._turn_loop.run_call)
         self.environment_pool = self.root_environments.pool
-        self.accelerator.print(components.effective_batch(args, type(self).__name__))
+        self.accelerator.print(tree_budget.effective_batch(args, type(self).__name__))
         self.prompt_renderer.warn_if_budget_exceeds_positions()
         self._check_dataset_prompt_lengths(self.train_dataset)
         evals = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"": self.eval_dataset}
@@ -158,15 +160,19 @@ class TreeTrainer(GenerationLogging, GRPOTrainer):
         (`trl_tree.methods.needs_entropies`)."""
         return methods.needs_entropies(self.args)
 
-    def _build_turn_loop(self, engine=None) -> TurnLoop:
+    def _build_turn_loop(self, engine=None, *, rank_alone: bool = False) -> TurnLoop:
         """The turn loop the sampler grows trees with; `engine` (the rollout worker's) instead of this trainer's."""
         settings = SamplerSettings.from_config(self.args, max_completion_length=self.max_completion_length)
-        return TurnLoop(self.turn_loop_ports(engine), settings)
+        return TurnLoop(self.turn_loop_ports(engine, rank_alone=rank_alone), settings)
 
-    def turn_loop_ports(self, engine=None) -> TurnLoopPorts:
+    def turn_loop_ports(self, engine=None, *, rank_alone: bool = False) -> TurnLoopPorts:
         """The turn loop's narrow view of this trainer, built here only: the generation backend (this trainer's,
         looked up per call, or `engine`), TRL's action parsing and observation rendering, the vote across ranks on
-        whether any still has work, and GRPOTrainer's event loop for async tools."""
+        whether any still has work, and GRPOTrainer's event loop for async tools.
+
+        The vote keeps every rank calling the engine until all are done, which a forward with collectives (ZeRO-3,
+        FSDP) needs. `rank_alone`: a loop that runs out of step with the other ranks (the rollout worker's, whose
+        engine is a plain policy copy with no collective in its forward) votes with itself alone."""
         return TurnLoopPorts(
             engine=_EngineProxy(self) if engine is None else engine,
             parse=self._parse_action,
@@ -174,7 +180,7 @@ class TreeTrainer(GenerationLogging, GRPOTrainer):
             observation_ids=functools.partial(
                 trl_internals.tool_suffix_ids, self, special_tokens=self.args.observation_special_tokens
             ),
-            any_active=self._any_rank_active,
+            any_active=bool if rank_alone else self._any_rank_active,
             event_loop=getattr(self, "async_loop", None),  # GRPOTrainer starts it when a tool is async
         )
 

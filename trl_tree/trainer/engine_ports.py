@@ -14,7 +14,7 @@ import contextlib
 from .. import trl_internals
 from ..rollout.generating.engine import HFPorts
 from ..rollout.generating.vllm_engine import VLLMPorts
-from .quiet import without_trl_checkpointing_warnings
+from .configuration.quiet import without_trl_checkpointing_warnings
 
 
 @contextlib.contextmanager

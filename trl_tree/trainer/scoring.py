@@ -12,14 +12,16 @@ file so that the trainer module is the adapter from GRPOTrainer to the pipeline 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from trl.data_utils import is_conversational
+from trl.trainer.utils import nanstd
 
 from ..core import pipeline
 from ..rewards import completion_format_problem, dataset_is_conversational, guard_reward_func
-from . import components
-from . import metrics as tree_metrics
+from .configuration.checks import MULTI_OBJECTIVE_AGGREGATIONS
+from .observability import rank_metrics as tree_metrics
 
 
 def check_completion_formats(owner: str, reward_funcs, datasets: list[tuple[str, object]]) -> None:
@@ -38,6 +40,26 @@ def check_completion_formats(owner: str, reward_funcs, datasets: list[tuple[str,
 def guarded_reward_funcs(funcs: list, names: list[str]) -> list:
     """Each reward function wrapped by `rewards.guard_reward_func` (its values checked, named in errors)."""
     return [guard_reward_func(f, n) for f, n in zip(funcs, names)]
+
+
+def aggregate_leaf_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor, mode: str) -> torch.Tensor:
+    """One tree's leaf rewards [K] from its reward functions' outputs [K, F] (NaN: the function returned None), by
+    GRPO's `multi_objective_aggregation` with the tree's K leaves as the group:
+
+        sum_then_normalize   R_k = Σ_f w_f r_kf                                  (normalised later, over the tree)
+        normalize_then_sum   R_k = Σ_f w_f (r_kf − mean_f) / (std_f + 1e-4)      mean, sample std over the K leaves
+
+    NaNs are skipped (nanmean / nansum, as GRPO). GRPO then normalises the summed rewards over the whole batch; a tree
+    standardises them over its own leaves (`leaf_advantages`) instead.
+    """
+    weights = weights.to(rewards_per_func)
+    if mode == "sum_then_normalize":
+        return (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
+    if mode == "normalize_then_sum":
+        mean = torch.nanmean(rewards_per_func, dim=0, keepdim=True)
+        std = nanstd(rewards_per_func, dim=0, keepdim=True) if len(rewards_per_func) > 1 else torch.zeros_like(mean)
+        return ((rewards_per_func - mean) / (std + 1e-4) * weights.unsqueeze(0)).nansum(dim=1)
+    raise ValueError(f"multi_objective_aggregation must be one of {MULTI_OBJECTIVE_AGGREGATIONS}; got {mode!r}.")
 
 
 @dataclasses.dataclass
@@ -111,7 +133,7 @@ class LeafScorer:
         unscored = torch.isnan(per_func).all(dim=1)
         weights, mode = self.reward_weights.cpu(), self.multi_objective_aggregation
         return [
-            _rewards_for_credit(components.aggregate_leaf_rewards(rows, weights, mode).masked_fill(none, float("nan")))
+            _rewards_for_credit(aggregate_leaf_rewards(rows, weights, mode).masked_fill(none, float("nan")))
             for rows, none in zip(torch.split(per_func, sizes), torch.split(unscored, sizes))
         ]
 
@@ -127,14 +149,13 @@ class LeafScorer:
         of all ranks into `_metrics`, each extra column (one value per leaf) into the completions table. Values of the
         rows that pad a rank for `_calculate_rewards` are dropped. Column and metric names are sorted so every rank
         gathers them in the same order."""
-        from accelerate.utils import gather_object
-
+        gather = functools.partial(tree_metrics.gather_objects, self.accelerator)
         pending_metrics, pending_extra = self._pending_logs()
-        for column in sorted(set(gather_object(list(pending_extra)))):
+        for column in sorted(set(gather(list(pending_extra)))):
             values = pending_extra.get(column, [None] * num_rows)[:num_rows]
-            self._completion_logs()["extra"][column].extend(gather_object(values))
+            self._completion_logs()["extra"][column].extend(gather(values))
         pending_extra.clear()
-        for name in sorted(set(gather_object(list(pending_metrics)))):
+        for name in sorted(set(gather(list(pending_metrics)))):
             self._metric_buffers(mode)[name].append(
                 tree_metrics.mean_over_ranks(self.accelerator, pending_metrics.get(name, []))
             )

@@ -14,7 +14,7 @@ The package, by job, so that a page can be rendered again from what a run saved 
 
 - `records.py`, the **page data**, plain JSON (`tree_record`, `flex_record`, `page_data`): texts already decoded and
   cut (`text.py`), numbers as floats. The trainer writes it to `output_dir/tree_view/step_XXXXXX.json`, one per
-  generation batch (`trl_tree.trainer.tree_view_logging`);
+  generation batch (`trl_tree.trainer.observability.tree_view_logging`);
 - `facts.py`, what the page derives from it (reward spread, best and worst leaf, each turn's credit sign, what the
   update did to it and in which direction), computed when a page is rendered, so older files get it too; pure Python;
 - `checks.py`, saved data as untrusted input (below);

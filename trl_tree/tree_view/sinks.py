@@ -1,6 +1,6 @@
 """Where a page goes besides its file: the trackers that take HTML, one class per tracker behind a small protocol
 (`TrackerSink`), registered by the name `report_to` uses. Adding a tracker is one class and one `register_sink`;
-the trainer (`trainer/tree_view_logging.py`) knows only `log_page_to_trackers` and `sinks_for`.
+the trainer (`trainer/observability/tree_view_logging.py`) knows only `log_page_to_trackers` and `sinks_for`.
 
 Each sink logs the page under `TRACKER_KEY` at the trainer's global step and, through `filed_at`, files the other
 logs of one `TreeTrainer.log` call there too (transformers' callbacks and TRL's completions table log without a
