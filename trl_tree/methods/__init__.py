@@ -25,7 +25,7 @@ The package is the machinery and the catalogue, which importing it registers:
 - `sampler_entries`, `credit_entries`, `loss_entries` (with the credit kinds the losses read), `method_entries`:
   every registration, by job.
 Everything that depends on the choice reads this table: config validation (`TreeConfig`), the sampler budget
-arithmetic (`trainer.components`), the generation engine's entropies (`TreeTrainer.needs_entropies`), the model
+arithmetic (`trainer.configuration.tree_budget`), the generation engine's entropies (`TreeTrainer.needs_entropies`), the model
 card's hyperparameter rows (`trainer.model_card`), the trainer's credit and loss. The named methods (`METHODS`) are
 presets of the three with their own config and trainer classes, which `trl_tree`'s exports, the command line and the
 test launchers list from here.

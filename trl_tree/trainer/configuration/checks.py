@@ -4,7 +4,7 @@ The config module reads as the documented list of options (what `--help` and `Tr
 must obey, and the wording of the error a wrong value raises, live here as plain functions of a config, so they can
 be read, tested and reused (the CLI, evaluation scripts) without the dataclass machinery. `__post_init__` calls them,
 each with the config as its argument: the composition (components, sampler kind, the method table's own field checks,
-ending with the budget of `config_budget`), the rollout fields, the generation kwargs and packing, and the GRPO options
+ending with the budget of `resolution`), the rollout fields, the generation kwargs and packing, and the GRPO options
 a tree trainer maps (`max_tool_calling_iterations`) or refuses. The per-class hooks (`_check_composition`,
 `_check_sampler_kind`, `_default_budget`) stay methods that delegate here, since overriding them is how a config class
 customises its checks.

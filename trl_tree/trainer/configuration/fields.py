@@ -29,7 +29,7 @@ from ... import methods
 from ...rollout.acting.tools import MAX_OBSERVATION_CHARS
 from . import checks, resolution
 
-# The allowed values, with the checks that enforce them (`config_checks`); re-exported for existing importers
+# The allowed values, with the checks that enforce them (`checks`); re-exported for existing importers
 PACKING_LAYOUTS = checks.PACKING_LAYOUTS
 MALFORMED_TOOL_CALL_POLICIES = checks.MALFORMED_TOOL_CALL_POLICIES
 ANCHOR_RULES = methods.ANCHOR_RULES  # the init_expand sampler's own (`methods.Sampler.check`)

@@ -3,7 +3,7 @@
 G (`num_generations`) and the sampler's budget field determine each other, and the batch sizes count trajectories of
 that budget, as GRPO counts completions: these functions derive whichever is unset, rewrite a GRPO batch layout a
 tree cannot take into the one that trains the same prompts per step, and refuse, with the settings that would work,
-what no layout can hold. `__post_init__` (through the composition checks of `config_checks`) calls them, each with the
+what no layout can hold. `__post_init__` (through the composition checks of `checks`) calls them, each with the
 config as its argument; the arithmetic itself (a tree's cost, the settings that reach a G) is
 `trl_tree.trainer.configuration.tree_budget`'.
 """

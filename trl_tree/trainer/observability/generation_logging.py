@@ -1,7 +1,7 @@
 """The generation metrics of the tree trainers, under GRPOTrainer's names (docs/design.md §2, "Layers").
 
 A mixin of `TreeTrainer`: what one generation batch (`trl_tree.core.pipeline.GenerationBatch`) logs, reduced over the
-ranks (`trainer.metrics`), the completions table of `log_completions` (its buffer sized for a tree batch, the rows
+ranks (`rank_metrics`), the completions table of `log_completions` (its buffer sized for a tree batch, the rows
 the console shows) and the tree view's page. Its own file so that
 the trainer module is the adapter from GRPOTrainer to the pipeline only; TreeFlex overrides `_log_generation`.
 """
