@@ -54,8 +54,10 @@ import pytest
 import torch
 
 from tests import golden_float64
-from tests.launch.tiny_tree_run import CONFIGURATIONS, build_trainer, uncovered
+from tests.launch.tiny_tree_run import CONFIGURATIONS, build_trainer, components, uncovered
+from trl_tree import methods
 from trl_tree.testing import kernel_fingerprint
+from trl_tree.trainer.async_rollouts import use_rollout_worker
 
 RECORD = Path(__file__).parent / "data" / "golden_training.json"
 
@@ -66,9 +68,12 @@ def _machine() -> dict:
             "kernels": f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}"}
 
 
-def two_steps(name: str, out: str, **config_fields) -> dict:
-    """The losses and parameter digests of two optimizer steps of configuration `name`."""
+def two_steps(name: str, out: str, through_worker: bool = False, **config_fields) -> dict:
+    """The losses and parameter digests of two optimizer steps of configuration `name`; `through_worker`: its
+    generation batch grown by the rollout worker in lockstep (max_staleness 0, docs/design.md §9)."""
     trainer = build_trainer(out, max_steps=2, method=name, **config_fields)
+    if through_worker:
+        use_rollout_worker(trainer, 0)
     losses: list[float] = []
     compute_loss = trainer.compute_loss
 
@@ -206,6 +211,16 @@ def test_two_training_steps_match_the_record(tmp_path, record, name):
     got = two_steps(name, str(tmp_path))
     assert len(got["digests"]) == 2 and len(got["losses"]) >= 2
     assert got == record[name], f"{name}: training changed; if that is intended, rerun with --update and say why"
+
+
+@pytest.mark.parametrize("name", [n for n in CONFIGURATIONS if methods.SAMPLERS[components(n)["sampler"]].unit == "tree"])
+def test_the_rollout_worker_at_staleness_0_trains_the_record(tmp_path, name):
+    """Asynchronous rollouts at max_staleness 0 (the worker's own policy copy, turn loop, sampler and scorer; π_old
+    recomputed by the trainer) train the golden record's bits, for every configuration that grows trees (TreeFlex is
+    refused). On a machine without a record the synchronous run computed here stands in for it."""
+    records = [r for r in json.loads(RECORD.read_text())["records"] if r["fingerprint"] == _machine()["fingerprint"]]
+    want = records[0]["runs"][name] if records else two_steps(name, str(tmp_path / "sync"))
+    assert two_steps(name, str(tmp_path / "worker"), through_worker=True) == want
 
 
 def test_one_tool_call_at_a_time_trains_as_the_concurrent_default(tmp_path, record):
