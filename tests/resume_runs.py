@@ -115,6 +115,15 @@ def count_generations(trainer) -> list[int]:
         return original(inputs, num_chunks)
 
     trainer._generate_micro_batches = spy
+    rollouts = trainer._async_rollouts  # with a rollout worker the trainer takes its batches from it instead
+    if rollouts is not None:
+        take = rollouts.micro_batches
+
+        def spy_taken(item):
+            steps.append(trainer._step)
+            return take(item)
+
+        rollouts.micro_batches = spy_taken
     return steps
 
 

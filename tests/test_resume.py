@@ -284,10 +284,11 @@ def test_sampler_state_of_another_configuration_is_an_error():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["treeopsd", "treeflex"])
+@pytest.mark.parametrize("method", ["treeopsd", "treeopsd_async", "treeflex"])
 def test_two_processes_resume_exactly(tmp_path, method):
     """Each rank saves and restores its own state file (its own buffer and sampler generators) and the resumed run
-    equals the uninterrupted one on every rank."""
+    equals the uninterrupted one on every rank; "treeopsd_async": at max_staleness 1, each rank's rollout worker with
+    the second generation batch in flight at the checkpoint (its weights and the worker's state saved per rank)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1", "CI": "true"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "-m", "tests.launch.tiny_resume_run", str(tmp_path), method]

@@ -4,12 +4,14 @@ Runs tests/test_resume.py's setting on every rank: the uninterrupted run, then a
 the two optimizer blocks of the first generation batch).
 
 Usage, from the repository root (it imports tests/test_resume.py's helpers):
-    accelerate launch --multi_gpu --num_processes 2 -m tests.launch.tiny_resume_run OUT [treeopsd | treeflex]
+    accelerate launch --multi_gpu --num_processes 2 -m tests.launch.tiny_resume_run OUT
+        [treeopsd | treeopsd_async | treeflex]
 Writes OUT/resume-rank{r}.json per rank: the world size, whether this rank's resume-state file was saved, the steps
 at which each run generated, and whether the resumed run's parameters, rewards and losses equal the uninterrupted
 run's.
 """
 
+import functools
 import gc
 import json
 import os
@@ -24,7 +26,12 @@ from trl_tree.trainer import resume
 
 def main():
     out = Path(sys.argv[1])
-    make = flex_trainer if "treeflex" in sys.argv[2:] else tree_trainer
+    if "treeflex" in sys.argv[2:]:
+        make = flex_trainer
+    elif "treeopsd_async" in sys.argv[2:]:  # the rollout worker one batch ahead: a batch in flight at checkpoint 1
+        make = functools.partial(tree_trainer, max_staleness=1)
+    else:
+        make = tree_trainer
     full, full_params, full_generations = train(make, out / "full")
     checkpoint = out / "full" / "checkpoint-1"
     rank = full.accelerator.process_index
