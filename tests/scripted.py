@@ -8,6 +8,7 @@ log-probability (`credit_and_logp_change`) with the check that it follows the cr
 
 import dataclasses
 import json
+import threading
 
 import torch
 from datasets import Dataset
@@ -309,3 +310,13 @@ def untooled_trainer(output_dir):
     model, tok = tiny()
     return TreeOPSDTrainer(model=model, reward_funcs=contains_answer, args=config(TreeOPSDConfig, output_dir),
                            train_dataset=arithmetic_dataset(1), processing_class=tok)
+
+
+def threads_left(before: set) -> list[str]:
+    """Threads started since `before` that still run, but for the process-wide ones tqdm and transformers' telemetry
+    start once on first use."""
+    return [
+        t.name
+        for t in threading.enumerate()
+        if t not in before and t.name != "tqdm_monitor" and "_telemetry_worker" not in t.name
+    ]

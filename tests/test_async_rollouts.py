@@ -18,7 +18,7 @@ from transformers.trainer_pt_utils import safe_globals
 
 from tests.launch.tiny_tree_run import CONFIGURATIONS, build_trainer, components
 from tests.resume_runs import questions, sampled_trainer
-from tests.scripted import contains_answer, tiny
+from tests.scripted import contains_answer, threads_left, tiny
 from trl_tree import TreeFlexConfig, TreeFlexTrainer, TreeOPSDConfig, methods
 from trl_tree.asynchronous import pacing, weights
 from trl_tree.asynchronous.worker import RolloutJob, RolloutWorker, StoppableEngine
@@ -72,15 +72,6 @@ def _worker_threads():
     return [t for t in threading.enumerate() if t.name == "trl-tree-rollout-worker"]
 
 
-def _threads_left(before: set) -> list[str]:
-    """Threads started since `before` that still run, but for the process-wide ones tqdm and transformers' telemetry
-    start once on first use."""
-    return [
-        t.name
-        for t in threading.enumerate()
-        if t not in before and t.name != "tqdm_monitor" and "_telemetry_worker" not in t.name
-    ]
-
 
 def test_worker_at_staleness_0_reproduces_the_synchronous_run_bit_for_bit(tmp_path):
     """The worker path in lockstep (each batch admitted when its weights exist, sampled by the worker's own policy
@@ -92,7 +83,7 @@ def test_worker_at_staleness_0_reproduces_the_synchronous_run_bit_for_bit(tmp_pa
     assert len(losses) == len(sync_losses) and all(torch.equal(a, b) for a, b in zip(losses, sync_losses))
     assert all(torch.equal(params[n], sync_params[n]) for n in sync_params)
     assert _logged(trainer, "async/staleness_max") == [0.0] * (STEPS // 2)  # logged once per generation batch
-    assert not _threads_left(threads) and not _worker_threads()
+    assert not threads_left(threads) and not _worker_threads()
 
 
 def test_staleness_1_samples_each_batch_with_the_weights_one_batch_old_and_reproduces_itself(tmp_path):
@@ -149,7 +140,7 @@ def test_a_fault_in_the_worker_stops_training_with_the_workers_own_error(tmp_pat
     with pytest.raises(Boom, match="the reward server is down") as caught:
         _run(tmp_path, "boom", max_staleness=1, reward=reward)
     assert any("rollout worker" in note for note in caught.value.__notes__)
-    assert not _threads_left(threads) and not _worker_threads()
+    assert not threads_left(threads) and not _worker_threads()
 
 
 def test_the_trainer_stopping_stops_the_worker(tmp_path):
@@ -163,7 +154,7 @@ def test_the_trainer_stopping_stops_the_worker(tmp_path):
     threads = set(threading.enumerate())
     with pytest.raises(KeyboardInterrupt):
         _run(tmp_path, "interrupted", max_staleness=2, callbacks=[Interrupt()])
-    assert not _threads_left(threads) and not _worker_threads()
+    assert not threads_left(threads) and not _worker_threads()
 
 
 class StopAfterCheckpoint(TrainerCallback):

@@ -17,16 +17,13 @@ from pathlib import Path
 import torch
 
 from tests.launch.tiny_tree_run import build_trainer
+from tests.scripted import threads_left
 from trl_tree.trainer.async_rollouts import use_rollout_worker
 
 STEPS = 6  # three generation batches of E = 2 optimizer blocks (steps_per_generation = 2)
 # one epoch holds the three batches (a new epoch starts the worker's pipeline afresh: docs/design.md §9)
 PROMPTS = 16
 
-
-def _threads_left(before: set) -> list[str]:
-    return [t.name for t in threading.enumerate()
-            if t not in before and t.name != "tqdm_monitor" and "_telemetry_worker" not in t.name]
 
 
 def run(out: Path, name: str, max_staleness: int | None) -> dict:
@@ -49,7 +46,7 @@ def run(out: Path, name: str, max_staleness: int | None) -> dict:
     after = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     logged = {key: [e[key] for e in trainer.state.log_history if key in e]
               for key in ("async/staleness_max", "async/policy_version", "reward")}
-    return {"losses": losses, "params": after, "logged": logged, "threads_left": _threads_left(threads),
+    return {"losses": losses, "params": after, "logged": logged, "threads_left": threads_left(threads),
             "all_changed": all(not torch.equal(before[n], after[n]) for n in before)}
 
 

@@ -319,16 +319,10 @@ class AsyncRollouts:
         """The batch's generation metrics (as a synchronous batch's), what its growing logged, and `async/*`."""
         trainer = self.trainer
         metrics = trl_internals.metrics(trainer, "train")
-        accelerator = trainer.accelerator
-        # what each rank's worker scoring logged for its rank alone, reduced over the ranks now, in step (names
-        # sorted so every rank reduces them in one order; a rank whose reward functions logged nothing counts none)
-        for name in sorted(set(tree_metrics.gather_objects(accelerator, list(produced.metrics)))):
-            metrics[name].append(tree_metrics.mean_over_ranks(accelerator, produced.metrics.get(name, [])))
-        logs = trl_internals.completion_logs(trainer)
-        leaves = len(produced.result.scores.weighted)
-        for column in sorted(set(tree_metrics.gather_objects(accelerator, list(produced.extra)))):
-            values = produced.extra.get(column, [None] * leaves)
-            logs["extra"][column].extend(tree_metrics.gather_objects(accelerator, values))
+        # what each rank's worker scoring logged for its rank alone, reduced over the ranks now, in step
+        tree_metrics.flush_logs_over_ranks(trainer.accelerator, produced.metrics, produced.extra,
+                                           len(produced.result.scores.weighted), metrics,
+                                           trl_internals.completion_logs(trainer)["extra"])
         if trainer._tree_view is not None:  # its pages show the version that sampled the batch and its staleness
             trainer._tree_view.note_rows(item, policy=(finished.job.weights.version, staleness))
         trainer._log_generation("train", produced.result)

@@ -12,7 +12,6 @@ file so that the trainer module is the adapter from GRPOTrainer to the pipeline 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 from trl.data_utils import is_conversational
@@ -149,17 +148,9 @@ class LeafScorer:
         of all ranks into `_metrics`, each extra column (one value per leaf) into the completions table. Values of the
         rows that pad a rank for `_calculate_rewards` are dropped. Column and metric names are sorted so every rank
         gathers them in the same order."""
-        gather = functools.partial(tree_metrics.gather_objects, self.accelerator)
         pending_metrics, pending_extra = self._pending_logs()
-        for column in sorted(set(gather(list(pending_extra)))):
-            values = pending_extra.get(column, [None] * num_rows)[:num_rows]
-            self._completion_logs()["extra"][column].extend(gather(values))
-        pending_extra.clear()
-        for name in sorted(set(gather(list(pending_metrics)))):
-            self._metric_buffers(mode)[name].append(
-                tree_metrics.mean_over_ranks(self.accelerator, pending_metrics.get(name, []))
-            )
-        pending_metrics.clear()
+        tree_metrics.flush_logs_over_ranks(self.accelerator, pending_metrics, pending_extra, num_rows,
+                                           self._metric_buffers(mode), self._completion_logs()["extra"])
 
 
 def _as_text(messages: list[dict]) -> str:

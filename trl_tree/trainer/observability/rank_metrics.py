@@ -40,6 +40,21 @@ def gather_objects(accelerator, values: list) -> list:
     return gather_object(list(values))
 
 
+def flush_logs_over_ranks(accelerator, pending_metrics: dict, pending_extra: dict, num_rows: int, metrics: dict,
+                          extra: dict) -> None:
+    """What reward functions passed to TRL's `log_metric` / `log_extra` (`pending_metrics`: name -> values,
+    `pending_extra`: column -> one value per row), flushed as GRPOTrainer's generation step flushes them: each metric
+    the mean of every rank's values into `metrics`, each column every rank's first `num_rows` values (None where a
+    rank logged none) into `extra`. Names are sorted so every rank gathers them in one order; both dicts are emptied."""
+    for column in sorted(set(gather_objects(accelerator, list(pending_extra)))):
+        values = pending_extra.get(column, [None] * num_rows)[:num_rows]
+        extra[column].extend(gather_objects(accelerator, values))
+    pending_extra.clear()
+    for name in sorted(set(gather_objects(accelerator, list(pending_metrics)))):
+        metrics[name].append(mean_over_ranks(accelerator, pending_metrics.get(name, [])))
+    pending_metrics.clear()
+
+
 def max_over_ranks(accelerator, value: int) -> int:
     if accelerator.num_processes == 1:
         return value
