@@ -54,8 +54,10 @@ import torch
 from bench_learning import MODEL_DEFAULTS
 from common import (
     Budget,
+    HeldOutKL,
     build_trainer,
     environment,
+    held_out_examples,
     load_model,
     lora_config,
     make_task,
@@ -186,29 +188,6 @@ def clip_fraction(inputs: LossInputs, epsilon_low: float, epsilon_high: float) -
     ratio = torch.exp(inputs.logps.double() - inputs.old_logps.double())
     low, high = losses.clip_indicators(ratio, inputs.credit.A[inputs.turn_ids].double(), epsilon_low, epsilon_high)
     return float((low | high).double().mean())
-
-
-class HeldOutKL:
-    """Teacher-forced KL(π_old ‖ π_θ) per assistant token on fixed held-out trajectories: π_old's log-softmax at
-    those tokens is stored once, and each call compares the current model's with it (exact, over the vocabulary)."""
-
-    def __init__(self, model, examples: list[tuple[list[int], list[int]]], temperature: float):
-        self.examples = [(torch.tensor(ids).unsqueeze(0), torch.tensor(mask, dtype=torch.bool)) for ids, mask in examples]
-        self.temperature = temperature
-        self.reference = [self._log_softmax(model, ids, mask) for ids, mask in self.examples]
-
-    @torch.no_grad()
-    def _log_softmax(self, model, ids: Tensor, mask: Tensor) -> Tensor:
-        logits = model(input_ids=ids.to(model.device)).logits[0, :-1].float() / self.temperature
-        return torch.log_softmax(logits[mask[1:].to(logits.device)], dim=-1).cpu()  # position t predicts token t+1
-
-    def __call__(self, model) -> float:
-        total, tokens = 0.0, 0
-        for (ids, mask), old in zip(self.examples, self.reference):
-            new = self._log_softmax(model, ids, mask)
-            total += float((old.exp() * (old - new)).sum())
-            tokens += old.shape[0]
-        return total / max(tokens, 1)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -344,21 +323,6 @@ def train_blocks(trainer, base_args, trees, method: str, lr: float, schedule: st
               f"{last['past_fraction']:.2f}  |s| {last['abs_s_mean']:.4f} (max {last['abs_s_max']:.3f})  KL "
               f"{last['heldout_kl']:.2e}  clip {last['clip_fraction']:.3f}", flush=True)
     return points
-
-
-def held_out_examples(task, tokenizer, count: int) -> list[tuple[list[int], list[int]]]:
-    """Scripted trajectories (one search per hop, then the answer, with the real BM25 observations) of the first
-    `count` held-out questions, as token ids and the mask of the assistant's tokens."""
-    from trl.chat_template_utils import get_training_chat_template
-
-    from trl_tree.envs import scripted_search_conversation
-    from trl_tree.envs.synthetic import synthetic_splits
-    from trl_tree.testing import assistant_token_mask
-
-    _, test = synthetic_splits(len(task.train_rows), len(task.test_rows))  # the world make_task built
-    template = get_training_chat_template(tokenizer)
-    return [assistant_token_mask(tokenizer, scripted_search_conversation(e, search=task.tools[0]), task.tools, template)
-            for e in test[:count]]
 
 
 def main(argv=None):

@@ -61,12 +61,14 @@ from common import (
     TASK_LIMITS,
     TASK_SIZES,
     BatchMeter,
+    HeldOutKL,
     add_budget_arguments,
     budget_from_args,
     build_trainer,
     cache_root,
     environment,
     fill_task_defaults,
+    held_out_examples,
     load_model,
     lora_config,
     make_task,
@@ -176,6 +178,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "the policy of batch max(0, j - S) while the trainer trains (TreeConfig.max_staleness). 0 "
                         "(default): synchronous, as every table before it. With S > 0 the table is --output's name + "
                         "_sS (FILE_sS.json, its runs in FILE_sS.runs/). Not for grpo (TRL's GRPOTrainer is synchronous)")
+    p.add_argument("--drift_trajectories", type=int, default=8, metavar="K",
+                   help="search task: at every evaluation, the drift from the warm start, KL(warm start || policy) per "
+                        "assistant token teacher-forced on K scripted held-out trajectories (`heldout_kl`; the "
+                        "stability map's measure, which uses 8). 0: not measured")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 1 seed, 1 generation batch of 2 prompts, 2 test questions, no warm start")
     p.add_argument("--tree_view", default=None, metavar="DIR",
@@ -220,7 +226,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 class HeldOutEvaluation(TrainerCallback):
     """Greedy EM / F1 / format rate and the task's own reward (`reward`: F1 ≥ 0.3 for search, the exact final number
     for the calculator) on the held-out questions, before training and every `every` generation batches, against the
-    rollout tokens sampled so far (read from the `BatchMeter`).
+    rollout tokens sampled so far (read from the `BatchMeter`); with `drift_examples`, the drift from the model it
+    first evaluates (the warm start): `heldout_kl`, KL(warm start ‖ policy) per assistant token on those scripted
+    held-out trajectories (`HeldOutKL`, the stability map's measure), 0 at the first point by definition.
 
     With a rollout worker (max_staleness > 0) an evaluation takes its turn between the worker's batches
     (`generation_turn`: the wait counts as training, not evaluation), and with `defer_final` the last point is taken
@@ -228,8 +236,9 @@ class HeldOutEvaluation(TrainerCallback):
     at its next engine call instead of sharing the cores with the final evaluation."""
 
     def __init__(self, trainer, meter: BatchMeter, task, settings, every_steps: int, token_budget: int | None = None,
-                 start_path: str | None = None, defer_final: bool = False):
+                 start_path: str | None = None, defer_final: bool = False, drift_examples: list | None = None):
         self.trainer, self.meter, self.task, self.settings = trainer, meter, task, settings
+        self.drift_examples, self.drift = drift_examples, None
         self.start_path = start_path  # the untrained model's folder: its evaluation is shared by every method and seed
         self.every_steps = every_steps
         self.token_budget = token_budget
@@ -255,11 +264,20 @@ class HeldOutEvaluation(TrainerCallback):
                  "leaves": sum(b.leaves for b in batches),
                  **heldout_metrics(model, self.trainer.processing_class, self.task, self.settings,
                                    cached_as=self.start_path if generation_batches == 0 else None),
+                 **self._drift(model),
                  "eval_seconds": time.perf_counter() - start, "train_cpu_seconds": train_cpu}
         self.eval_cpu += time.process_time() - start_cpu
         self.curve.append(point)
         print(f"  batch {generation_batches:>3}  tokens {point['rollout_tokens']:>7}  EM {point['exact_match']:.3f}  "
               f"F1 {point['f1']:.3f}  format {point['format_rate']:.2f}  reward {point['reward']:.3f}", flush=True)
+
+    def _drift(self, model) -> dict:
+        if not self.drift_examples:
+            return {}
+        if self.drift is None:  # the first point: the reference is the model as it is now (its KL to itself is 0)
+            self.drift = HeldOutKL(model, self.drift_examples, self.trainer.temperature)
+            return {"heldout_kl": 0.0}
+        return {"heldout_kl": self.drift(model)}
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.evaluate(0)
@@ -321,6 +339,14 @@ def heldout_metrics(model, tokenizer, task, settings, cached_as: str | None = No
     return metrics
 
 
+def drift_examples(args, task, tokenizer) -> list | None:
+    """The scripted held-out trajectories drift is measured on (`--drift_trajectories`); None where there are none
+    (the calculator has no scripted search to teacher-force)."""
+    if args.task != "search" or not args.drift_trajectories:
+        return None
+    return held_out_examples(task, tokenizer, args.drift_trajectories)
+
+
 def agent_settings(args):
     """The held-out agent's limits: training's turn and token limits."""
     from trl_tree.envs.agent_eval import AgentSettings
@@ -355,7 +381,7 @@ def run(method: str, seed: int, model_path: str, task, args) -> dict:
         evaluation = HeldOutEvaluation(trainer, meter, task, agent_settings(args),
                                        every_steps=args.eval_every * args.blocks,
                                        token_budget=args.rollout_token_budget, start_path=model_path,
-                                       defer_final=bool(staleness))
+                                       defer_final=bool(staleness), drift_examples=drift_examples(args, task, tokenizer))
         trainer.add_callback(evaluation)
         started, started_cpu = time.perf_counter(), time.process_time()
         trainer.train()
@@ -416,6 +442,7 @@ def run_file(output: str, method: str, seed: int) -> Path:
 # the parameters for an update of 1e-3, rounding; each run file still records it in its config)
 NOT_RESULT_ARGUMENTS = {"methods", "seeds", "output", "plot", "threads", "gradient_checkpointing", "report_only",
                         "check_warm_start",
+                        "drift_trajectories",  # a measurement: eval-mode forwards that draw nothing (HeldOutKL)
                         "tree_view",  # the pages cost one no-grad forward a batch and change no sample or step
                         "grpo_micro_batch",
                         "equivalent_warm_starts"}  # which tables a run may join, not how it trains

@@ -13,7 +13,8 @@
 - **Measurements.** `BatchMeter` measures a trainer per generation batch without touching library code: it wraps the
   trainer instance's generation phase, its loss (`compute_loss`) and its token sampler, and times the optimizer steps
   with `TrainerCallback` events. `PeakMemory` gives the peak memory of a batch (and of its generation and training
-  phases apart).
+  phases apart). `HeldOutKL` measures drift: KL per token from a reference policy on scripted held-out
+  trajectories (`held_out_examples`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 from transformers import TrainerCallback
 
 from trl_tree import methods, trl_internals
@@ -404,6 +406,58 @@ def matched_sampler_fields(method: str, budget: Budget) -> dict[str, int]:
 # ---------------------------------------------------------------------------------------------------------------------
 # Measurements
 # ---------------------------------------------------------------------------------------------------------------------
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Drift: how far a policy has moved, teacher-forced on held-out trajectories (the stability map and the learning runs)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def held_out_examples(task, tokenizer, count: int) -> list[tuple[list[int], list[int]]]:
+    """Scripted trajectories (one search per hop, then the answer, with the real BM25 observations) of the first
+    `count` held-out questions, as token ids and the mask of the assistant's tokens."""
+    from trl.chat_template_utils import get_training_chat_template
+
+    from trl_tree.envs import scripted_search_conversation
+    from trl_tree.envs.synthetic import synthetic_splits
+    from trl_tree.testing import assistant_token_mask
+
+    _, test = synthetic_splits(len(task.train_rows), len(task.test_rows))  # the world make_task built
+    template = get_training_chat_template(tokenizer)
+    return [assistant_token_mask(tokenizer, scripted_search_conversation(e, search=task.tools[0]), task.tools, template)
+            for e in test[:count]]
+
+
+class HeldOutKL:
+    """Teacher-forced KL(π_old ‖ π_θ) per assistant token on fixed held-out trajectories: π_old's log-softmax at
+    those tokens is stored once, and each call compares the current model's with it (exact, over the vocabulary).
+
+    π_old is whatever `model` is at construction: the batch's θ_old in the stability map, the warm start in a
+    learning run (its drift). The forwards run in eval mode (the model's mode is put back) and draw nothing from
+    torch's generator, so measuring changes no sample or step of the run measured."""
+
+    def __init__(self, model, examples: list[tuple[list[int], list[int]]], temperature: float):
+        self.examples = [(torch.tensor(ids).unsqueeze(0), torch.tensor(mask, dtype=torch.bool)) for ids, mask in examples]
+        self.temperature = temperature
+        self.reference = [self._log_softmax(model, ids, mask) for ids, mask in self.examples]
+
+    @torch.no_grad()
+    def _log_softmax(self, model, ids: Tensor, mask: Tensor) -> Tensor:
+        was_training = model.training
+        model.eval()
+        try:
+            logits = model(input_ids=ids.to(model.device)).logits[0, :-1].float() / self.temperature
+        finally:
+            model.train(was_training)
+        return torch.log_softmax(logits[mask[1:].to(logits.device)], dim=-1).cpu()  # position t predicts token t+1
+
+    def __call__(self, model) -> float:
+        total, tokens = 0.0, 0
+        for (ids, mask), old in zip(self.examples, self.reference):
+            new = self._log_softmax(model, ids, mask)
+            total += float((old.exp() * (old - new)).sum())
+            tokens += old.shape[0]
+        return total / max(tokens, 1)
 
 
 class PeakMemory:

@@ -550,6 +550,14 @@ def _check_paired_settings(synchronous: dict, stale: dict, where: str) -> None:
                          "a staleness cost pairs runs that differ in max_staleness alone.")
 
 
+def final_drift(runs: dict[int, dict]) -> float | None:
+    """The mean drift of `runs` at their final points: KL(warm start ‖ policy) per assistant token on scripted held-out
+    trajectories (bench_learning's `heldout_kl`, the stability map's measure after three batches instead of one);
+    None unless every run measured it (runs stored before `--drift_trajectories` existed did not)."""
+    values = [r["curve"][-1].get("heldout_kl") for r in runs.values()]
+    return statistics.fmean(values) if values and None not in values else None
+
+
 def staleness_report(results: Path, scales: dict[int, str] = SCALES, seeds: tuple[int, ...] = STALENESS_SEEDS) -> dict:
     """Per cell (method, scale, S > 0) with runs on `seeds`: the per-seed cost d_m(S) = EM(S) − EM(0), paired with
     the synchronous table of that scale (`comparison`: its paired t-interval, the exact two-sided sign-flip p, the
@@ -577,6 +585,7 @@ def staleness_report(results: Path, scales: dict[int, str] = SCALES, seeds: tupl
                     "stale": {**method_summary(stale), **efficiency(stale)},
                     "synchronous": {**method_summary(sync), **efficiency(sync)} if sync else None,
                     "staleness_mean": statistics.fmean(a["staleness_mean"] for a in logged) if logged else None,
+                    "drift": final_drift(stale), "synchronous_drift": final_drift(sync) if sync else None,
                     "trainer_wait_minutes": statistics.fmean(a["trainer_wait_seconds"] for a in logged) / 60
                     if logged else None,
                     "shared_build_seeds": [s for s in sorted(sync) if sync[s].get("config", {}).get("warm_start_sha256")
@@ -618,15 +627,15 @@ def staleness_markdown(report: dict) -> str:
     lines = ["| method | scale × 2e-4 | S | pairs (of the plan's) | EM at S per seed | EM at 0, same seeds | "
              "d = EM(S) − EM(0) per seed | mean d [95 % paired t] | exact sign-flip p, two-sided, paired | collapsed "
              "(S / 0) | McNemar p, paired | below the warm start (S / 0) | rollout tokens (S / 0) | train wall min "
-             "(S / 0) | staleness mean | trainer wait min | same warm-start build |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "(S / 0) | drift, KL to the warm start (S / 0) | staleness mean | trainer wait min | same warm-start build |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in report["cells"]:
         stale, sync, cost = c["stale"], c["synchronous"], c["cost"]
         label = f"{len(c['paired_seeds'])} of {n}" + ("" if c["complete"] else ", incomplete")
         em = ", ".join(f"{stale['exact_match'][s]:.3f}" for s in stale["seeds"])
         if cost is None:
             lines.append(f"| {c['method']} | {c['scale']}× | {c['max_staleness']} | {label} | {em} | no synchronous run "
-                         "on these seeds | — | — | — | — | — | — | — | — | — | — | — |")
+                         "on these seeds | — | — | — | — | — | — | — | — | — | — | — | — |")
             continue
         lines.append(
             f"| {c['method']} | {c['scale']}× | {c['max_staleness']} | {label} | {em} | "
@@ -635,6 +644,7 @@ def staleness_markdown(report: dict) -> str:
             f"{_p(cost['sign_flip_p'])} | {cost['collapsed_counts'][0]} / {cost['collapsed_counts'][1]} | "
             f"{_p(cost['collapse_mcnemar_p'])} | {stale['below_start_count']} / {sync['below_start_count']} | "
             f"{_both(stale, sync, 'rollout_tokens', ',.0f')} | {_both(stale, sync, 'train_wall_minutes', '.1f')} | "
+            f"{_number(c['drift'], '.3g')} / {_number(c['synchronous_drift'], '.3g')} | "
             f"{_number(c['staleness_mean'], '.2f')} | {_number(c['trainer_wait_minutes'], '.1f')} | "
             f"{','.join(map(str, c['shared_build_seeds'])) or 'none'} |")
     text = "\n".join(lines) + "\n"

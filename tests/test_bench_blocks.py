@@ -54,6 +54,20 @@ def test_held_out_kl_is_zero_at_the_reference_and_positive_once_the_policy_moves
     assert kl(model) > 1e-4
 
 
+def test_measuring_drift_draws_nothing_and_leaves_the_models_mode(bench_blocks):
+    """The learning runs measure their drift between training steps (bench_learning's `heldout_kl`): the measure must
+    not change what the run samples next (torch's generator) nor how it trains (the model's train mode)."""
+    from trl_tree.testing import tiny_model_path
+
+    model, _ = bench_blocks.load_model(tiny_model_path(), attention_dropout=0.5)
+    ids = list(range(3, 23))
+    model.train()
+    kl = bench_blocks.HeldOutKL(model, [(ids, [0] * 10 + [1] * 10)], temperature=1.0)
+    before = torch.get_rng_state()
+    assert kl(model) == 0.0  # eval mode: no dropout, so the same forward twice
+    assert torch.equal(torch.get_rng_state(), before) and model.training
+
+
 def test_the_quick_run_writes_every_block_of_every_schedule_method_and_rate_and_reuses_its_runs(tmp_path):
     output = tmp_path / "blocks.json"
     command = [sys.executable, str(ROOT / "benchmarks" / "bench_blocks.py"), "--quick", "--output", str(output)]

@@ -324,12 +324,15 @@ def test_the_safe_range_sets_the_maps_kl_beside_what_the_learning_runs_did(stats
     assert "**no**" in stats.safe_range_markdown(list(rows.values()))
 
 
-def _stale_run(folder: Path, method: str, seed: int, em128: int, staleness: int = 0, **config):
-    """A run file of `method` and `seed` with final EM em128/128 (exact in binary: paired differences are exact)."""
+def _stale_run(folder: Path, method: str, seed: int, em128: int, staleness: int = 0, drift: float | None = None,
+               **config):
+    """A run file of `method` and `seed` with final EM em128/128 (exact in binary: paired differences are exact)
+    and, if given, its final drift (`heldout_kl`)."""
     folder.mkdir(exist_ok=True)
+    final = {"exact_match": em128 / 128, "format_rate": 1.0, **({} if drift is None else {"heldout_kl": drift})}
     run = {"method": method, "seed": seed, "heldout_before": 44 / 128, "rollout_tokens": 23_000,
            "config": {"max_staleness": staleness, "blocks": 4, "warm_start_sha256": "a" * 16, **config},
-           "curve": [{"exact_match": 44 / 128}, {"exact_match": em128 / 128, "format_rate": 1.0}]}
+           "curve": [{"exact_match": 44 / 128}, final]}
     if staleness:
         run["async"] = {"staleness_mean": 2 / 3, "trainer_wait_seconds": 60.0}
     (folder / f"{method}-seed{seed}.json").write_text(json.dumps(run))
@@ -350,7 +353,7 @@ def test_staleness_costs_pair_each_seed_with_the_synchronous_run_of_its_rate(sta
     d_treeopsd, interaction = [0, -1, -2, 0, -1], [9, 3, -1, 5, 2]  # in 128ths
     for seed, (opsd, po) in enumerate(zip([64, 66, 60, 70, 62], [56, 52, 58, 54, 50])):
         _stale_run(tmp_path / "sync_hi.runs", "treeopsd", seed, opsd)
-        _stale_run(stale_hi, "treeopsd", seed, opsd + d_treeopsd[seed], staleness=1)
+        _stale_run(stale_hi, "treeopsd", seed, opsd + d_treeopsd[seed], staleness=1, drift=0.01 * (seed + 1))
         _stale_run(tmp_path / "sync_lo.runs", "treepo", seed, po)
         _stale_run(stale_lo, "treepo", seed, po + d_treeopsd[seed] - interaction[seed], staleness=1)
     _stale_run(stale_hi, "treeopsd", 7, 0, staleness=1)  # not one of the plan's seeds: left out
@@ -371,6 +374,9 @@ def test_staleness_costs_pair_each_seed_with_the_synchronous_run_of_its_rate(sta
     assert not cells["treeopsd", 4, 2]["complete"] and cells["treeopsd", 4, 2]["paired_seeds"] == [0, 1, 2]
     assert cells["flat_grpo", 4, 1]["cost"] is None
     assert cells["treeopsd", 4, 1]["staleness_mean"] == pytest.approx(2 / 3)
+    # drift: the stale arm's mean final KL to the warm start; none for an arm whose runs did not measure it
+    assert cells["treeopsd", 4, 1]["drift"] == pytest.approx(0.03) and cells["treeopsd", 4, 1]["synchronous_drift"] is None
+    assert cells["treepo", 1, 1]["drift"] is None
     assert cells["treeopsd", 4, 1]["shared_build_seeds"] == [0, 1, 2, 3, 4]
 
     primary = report["interactions"]["treeopsd@4x - treepo@1x at S=1"]
@@ -383,6 +389,7 @@ def test_staleness_costs_pair_each_seed_with_the_synchronous_run_of_its_rate(sta
     text = stats.staleness_markdown(report)
     assert "| treeopsd@4x - treepo@1x at S=1 | primary |" in text and "3 of 5, incomplete" in text
     assert "no synchronous run on these seeds" in text
+    assert "| 0.03 / — |" in text  # drift, S / 0
 
     # both arms in one setting: a stale run trained otherwise than its synchronous pair is refused, naming the field
     _stale_run(stale_lo, "treepo", 4, 50, staleness=1, blocks=2)

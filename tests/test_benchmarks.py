@@ -104,6 +104,10 @@ def test_bench_learning_quick_writes_curves_and_a_summary_per_method(tmp_path, t
             assert isinstance(result["summary"][method][key], float)
         assert len(curve[-1]["per_question"]["exact_match"]) == len(curve[-1]["per_question"]["reward"]) == 2
         assert curve[-1]["train_cpu_seconds"] >= curve[0]["train_cpu_seconds"] >= 0
+        if task == "search":  # drift from the warm start (the run's first point), on scripted held-out trajectories
+            assert curve[0]["heldout_kl"] == 0.0 and curve[-1]["heldout_kl"] >= 0.0
+        else:  # the calculator has no scripted search to teacher-force
+            assert "heldout_kl" not in curve[-1]
     assert set(result["paired_differences"]) == {"treeopsd - treepo", "treeopsd - grpo", "treepo - grpo"}
 
 
