@@ -20,7 +20,11 @@ Variants, each one run of its own in this process, in this order:
 - `sync_t1`, `sync_t2`: the synchronous trainer at 1 and at 2 intra-op torch threads; the faster is "sync";
 - `async_s1` (and `async_s2`, ... with `--staleness 1,2`): the rollout worker at that `max_staleness`, at 1 torch
   thread: the worker's thread and the trainer's thread each compute on one core, the cores split between producer and
-  trainer.
+  trainer;
+- `async_s1_process` (with `--rollout_generation thread,process` or `process`): the same, the worker's generation in
+  a child process (`TreeConfig.rollout_generation="process"`: the copy's weights in shared memory, one torch thread
+  in the child), so generation no longer shares the trainer's interpreter lock. Its child starts (5-15 s) inside the
+  first batch, which `--warmup` leaves out.
 Columns (per generation batch, the mean over the batches after the warm-up): wall seconds (between the starts of
 consecutive batches), the speedup over the faster sync, the ratio to the limit, the process's CPU seconds over wall
 seconds (cores kept busy), generated tokens, π_old's forward in the trainer's thread; for sync its generation and
@@ -112,6 +116,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="the first batches left out (the pipeline filling up)")
     p.add_argument("--prompts", type=int, default=4, help=f"prompts (trees) per generation batch, a multiple of E={E}")
     p.add_argument("--staleness", default="1", help="the asynchronous variants' max_staleness, comma-separated")
+    p.add_argument("--rollout_generation", default="thread",
+                   help="where the asynchronous variants' worker generates, comma-separated: thread (async_sS) and/or "
+                        "process (async_sS_process: TreeConfig.rollout_generation, generation in a child process)")
     p.add_argument("--sync_threads", default=None,
                    help="torch threads of the synchronous variants, comma-separated; 1 is needed (the limit) "
                         "(default 1,2; --quick: 1)")
@@ -129,6 +136,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not 0 <= args.warmup < args.batches:
         p.error(f"--warmup {args.warmup} must leave at least one of the --batches {args.batches} measured.")
     args.staleness = _integers(p, "--staleness", args.staleness, minimum=1)
+    args.rollout_generation = [g.strip() for g in args.rollout_generation.split(",") if g.strip()]
+    if not args.rollout_generation or set(args.rollout_generation) - {"thread", "process"}:
+        p.error(f"--rollout_generation takes thread, process or both (comma-separated); got {args.rollout_generation}")
     if args.sync_threads is None:  # two OpenMP threads on cores that other jobs share can be many times slower
         args.sync_threads = "1" if args.quick else "1,2"
     text, args.sync_threads = args.sync_threads, _integers(p, "--sync_threads", args.sync_threads, minimum=1)
@@ -178,14 +188,17 @@ def task_and_model(settings) -> tuple:
     return task, path
 
 
-def build(settings, task, model_path: str, output_dir: str, max_staleness: int = 0):
-    """The learning benchmark's trainer (`bench_learning.run`'s construction), at `max_staleness`."""
+def build(settings, task, model_path: str, output_dir: str, max_staleness: int = 0, rollout_generation: str = "thread"):
+    """The learning benchmark's trainer (`bench_learning.run`'s construction), at `max_staleness`, its worker
+    generating in its thread or in a child process (`rollout_generation`)."""
     random.seed(SEED)
     torch.manual_seed(SEED)
     budget = budget_from_args(settings, generation_batches=settings.generation_batches, seed=SEED)
     model, tokenizer = load_model(model_path)
     peft = lora_config(settings.lora_rank) if settings.lora_rank else None
     staleness = {"max_staleness": max_staleness} if max_staleness else {}
+    if rollout_generation != "thread":
+        staleness["rollout_generation"] = rollout_generation
     trainer = build_trainer(METHOD, model, tokenizer, task, budget, output_dir, peft_config=peft,
                             gradient_checkpointing=settings.gradient_checkpointing, **staleness)
     trainer.remove_callback(PrinterCallback)
@@ -236,10 +249,10 @@ def timed_pi_old(clock: BatchStarts):
 
 
 def run_variant(name: str, threads: int, max_staleness: int, settings, task, model_path: str, warmup: int,
-                out: Path) -> dict:
+                out: Path, rollout_generation: str = "thread") -> dict:
     """One run; its steady-state seconds per batch, phases (sync) or waits (async)."""
     torch.set_num_threads(threads)
-    trainer = build(settings, task, model_path, str(out / name), max_staleness)
+    trainer = build(settings, task, model_path, str(out / name), max_staleness, rollout_generation)
     meter = BatchMeter(trainer, memory=PeakMemory(interval=1.0))  # its RSS sampler wakes once a second, no more
     clock = BatchStarts(E)
     trainer.add_callback(clock)
@@ -260,6 +273,7 @@ def run_variant(name: str, threads: int, max_staleness: int, settings, task, mod
         "variant": name,
         "torch_threads": threads,
         "max_staleness": max_staleness,
+        "rollout_generation": rollout_generation if max_staleness else None,
         "seconds_per_batch": mean(intervals),
         "intervals": intervals,
         "cores_busy": cpu / wall,  # the process's CPU seconds per wall second over the whole run
@@ -302,7 +316,9 @@ def steady_bound(row: dict, sync_seconds: float, limit: float) -> None:
 
 def measure_variants(args, settings, task, model_path: str, out: Path) -> dict:
     rows = [run_variant(f"sync_t{n}", n, 0, settings, task, model_path, args.warmup, out) for n in args.sync_threads]
-    rows += [run_variant(f"async_s{s}", 1, s, settings, task, model_path, args.warmup, out) for s in args.staleness]
+    rows += [run_variant(f"async_s{s}" + ("" if where == "thread" else f"_{where}"), 1, s, settings, task,
+                         model_path, args.warmup, out, where)
+             for s in args.staleness for where in args.rollout_generation]
     sync = {row["torch_threads"]: row for row in rows if row["max_staleness"] == 0}
     best = min(sync.values(), key=lambda row: row["seconds_per_batch"])
     one = sync[1]

@@ -220,7 +220,27 @@ def parse_args(argv=None) -> argparse.Namespace:
                 "trl-tree's own loop, which takes --max_staleness).")
     if args.output:
         args.output = staleness_output(args.output, args.max_staleness)
+    if args.check_warm_start and (problem := check_file_problem(args.check_warm_start, args.output)):
+        p.error(problem)
     return args
+
+
+def check_file_problem(path: str, output: str | None) -> str | None:
+    """Why `--check_warm_start FILE` must not be written (None if it may): the check writes FILE whole, so FILE must
+    be a new file or an earlier check's, never --output's table or any other result it would erase."""
+    if output and Path(path).resolve() == Path(output).resolve():
+        return (f"--check_warm_start {path} is --output, the table the check reads its runs from; writing the check "
+                "there would erase the table. Name a file of its own, e.g. --check_warm_start warm_start_check.json.")
+    if not Path(path).is_file():
+        return None
+    try:
+        earlier = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        earlier = None
+    if not (isinstance(earlier, dict) and {"heldout_point", "warm_start_sha256", "runs"} <= set(earlier)):
+        return (f"--check_warm_start {path}: that file exists and is not an earlier warm-start check (the check "
+                "writes FILE whole, and would erase what it holds). Name a new file, or an earlier check's.")
+    return None
 
 
 class HeldOutEvaluation(TrainerCallback):

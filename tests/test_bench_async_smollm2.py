@@ -9,17 +9,20 @@ from tests.test_benchmarks import ROOT, run_benchmark
 
 def test_smollm2_setting_quick_compares_sync_with_the_worker_against_the_limit(tmp_path):
     result = run_benchmark("bench_async.py", "--setting", "smollm2", "--quick", "--staleness", "1,2", "--batches", "3",
-                           tmp_path=tmp_path)
+                           "--rollout_generation", "thread,process", tmp_path=tmp_path)
     assert result["setting"] == "smollm2" and result["settings"]["blocks"] == 4
     rows = {row["variant"]: row for row in result["rows"]}
-    assert list(rows) == ["sync_t1", "async_s1", "async_s2"]  # --quick: the synchronous run at one thread only
+    # --quick: the synchronous run at one thread only; each staleness with the worker's generation in its thread and
+    # in a child process
+    assert list(rows) == ["sync_t1", "async_s1", "async_s1_process", "async_s2", "async_s2_process"]
+    assert [rows[v]["rollout_generation"] for v in rows] == [None, "thread", "process", "thread", "process"]
     assert result["sync"] == "sync_t1" and result["limit_seconds"] > 0
     assert result["limit_seconds"] == max(rows["sync_t1"]["generation_seconds"], rows["sync_t1"]["training_seconds"])
     for row in rows.values():
         assert row["speedup"] > 0 and row["over_limit"] > 0 and row["generated_tokens"] > 0
         assert len(row["intervals"]) == result["settings"]["batches"]
-    for s in (1, 2):
-        row = rows[f"async_s{s}"]
+    for s, where in ((1, ""), (2, ""), (1, "_process"), (2, "_process")):
+        row = rows[f"async_s{s}{where}"]
         # batch j is sampled by the policy of batch max(0, j - s): staleness min(j, s), s at the third batch
         assert row["torch_threads"] == 1 and row["staleness_max"] == s
         for column in ("trainer_wait", "producer_wait", "weight_publication_seconds", "worker_generation_seconds"):

@@ -389,6 +389,22 @@ def test_bench_learning_at_max_staleness_1_trains_stale_batches_into_a_table_of_
     assert json.loads((tmp_path / "learning_s1.json").read_text())["config"]["max_staleness"] == 1
 
 
+def test_the_warm_start_check_never_writes_over_a_table_or_any_other_result(bench_learning, tmp_path, capsys):
+    """`--check_warm_start FILE` writes FILE whole: a table's file (--output's or another's) is refused before the
+    warm start is built, naming the file; a new file or an earlier check's is accepted."""
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"config": {}, "runs": {"treeopsd": []}, "summary": {}}))
+    for check in (table, tmp_path / "other_table.json"):
+        check.write_text(table.read_text())
+        with pytest.raises(SystemExit):
+            bench_learning.parse_args(["--quick", "--output", str(table), "--check_warm_start", str(check)])
+        assert f"--check_warm_start {check}" in capsys.readouterr().err and check.read_text() == table.read_text()
+    check = ["--quick", "--output", str(table), "--check_warm_start", str(tmp_path / "check.json")]
+    assert bench_learning.parse_args(check).check_warm_start  # a new file
+    (tmp_path / "check.json").write_text(json.dumps({"heldout_point": {}, "warm_start_sha256": "a" * 16, "runs": []}))
+    assert bench_learning.parse_args(check).check_warm_start  # an earlier check's
+
+
 def test_max_staleness_names_its_table_refuses_trls_grpo_and_reads_older_runs_as_synchronous(bench_learning,
                                                                                              tmp_path, capsys):
     quick = ["--quick", "--methods", "treeopsd", "--output", str(tmp_path / "t.json")]

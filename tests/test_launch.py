@@ -41,8 +41,16 @@ use_cpu: true
 """
 
 
-def _launch(tmp_path, launch_args, *script_args, timeout=600):
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "torch_ext"), "OMP_NUM_THREADS": "1",
+@pytest.fixture(scope="module")
+def torch_extensions(tmp_path_factory):
+    """One build folder for this module's launches: DeepSpeed's CPU backend JIT-compiles its shm_comm op into
+    TORCH_EXTENSIONS_DIR (tens of seconds), kept apart from the user's cache, built once rather than once a test."""
+    return tmp_path_factory.mktemp("torch_ext")
+
+
+def _launch(tmp_path, launch_args, *script_args, timeout=600, extensions=None):
+    extensions = extensions or tmp_path / "torch_ext"
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions), "OMP_NUM_THREADS": "1",
            "TRL_EXPERIMENTAL_SILENCE": "1", "CI": "true"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch_args, "-m", "tests.launch.tiny_tree_run",
            str(tmp_path / "out"), *script_args]
@@ -90,11 +98,11 @@ def test_lora(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_zero_on_cpu(tmp_path, stage):
+def test_deepspeed_zero_on_cpu(tmp_path, stage, torch_extensions):
     import deepspeed  # noqa: F401 - CI installs the deepspeed extra (.ci/run): missing, this fails instead of skipping
     config = tmp_path / "ds.yaml"
     config.write_text(DEEPSPEED.format(stage=stage, processes=2))
-    _check(_launch(tmp_path, ["--config_file", str(config)]), world=2)
+    _check(_launch(tmp_path, ["--config_file", str(config)], extensions=torch_extensions), world=2)
 
 
 FSDP2 = ROOT / "trl_tree" / "accelerate_configs" / "fsdp2.yaml"

@@ -55,13 +55,34 @@ def policy_copy(model: nn.Module) -> nn.Module:
     A forward patched on an instance (TRL's fused LM head, accelerate's mixed-precision wrapper) is a closure over
     the *original* module's bound forward, which `deepcopy` does not copy: the copy would silently run the trainer's
     weights. Those patches are removed from the copy, which runs its class's own forward; the caller applies the
-    trainer's autocast around it (what accelerate's patch adds)."""
+    trainer's autocast around it (what accelerate's patch adds).
+
+    Gradient checkpointing with an adapter makes transformers hook the input embeddings
+    (`enable_input_require_grads`) so that a backward reaches the adapter through checkpointed layers. The copy runs
+    no backward, so those hooks are removed too: they change no value, and as closures they would keep the copy from
+    being sent to a generation process (`rollout_generation="process"`)."""
     copied = copy.deepcopy(model)
     for module in copied.modules():
         module.__dict__.pop("forward", None)
+        _drop_require_grads_hooks(module)
     copied.requires_grad_(False)
     copied.train(model.training)  # the same mode as the trainer's forwards of π_old, so μ and π_old compute alike
     return copied
+
+
+# what transformers' `enable_input_require_grads` registers on the input embeddings, and where it keeps the handles
+_REQUIRE_GRADS_HOOK = "make_inputs_require_grads"
+_REQUIRE_GRADS_HANDLES = ("_require_grads_hooks", "_require_grads_hook")
+
+
+def _drop_require_grads_hooks(module: nn.Module) -> None:
+    for key, hook in list(module._forward_hooks.items()):
+        if getattr(hook, "__name__", None) == _REQUIRE_GRADS_HOOK:
+            del module._forward_hooks[key]
+            module._forward_hooks_with_kwargs.pop(key, None)
+            module._forward_hooks_always_called.pop(key, None)
+    for name in _REQUIRE_GRADS_HANDLES:
+        module.__dict__.pop(name, None)
 
 
 @torch.no_grad()

@@ -21,8 +21,13 @@ takes turns with the worker (`generation_turn`): they share the environments and
 
 Served: one process or several (DDP, DeepSpeed ZeRO-1/2), the HF engine or a custom engine, every tree sampler,
 credit and loss; vLLM in server mode on one process (`trl_tree.trainer.async_vllm`: generation through the server,
-each published version pushed to it by TRL's weight sync between the worker's jobs). Refused, with why: sharded
-weights (ZeRO-3, FSDP), vLLM colocated (nothing to overlap) or on several processes, TreeFlex's searches.
+each published version pushed to it by TRL's weight sync between the worker's jobs). The HF engine's generation in
+the worker's thread, or (`rollout_generation="process"`: one process, CPU) in a child process
+(`trl_tree.rollout.generating.engine_process`) that maps the policy copy in shared memory, which `_load` writes in
+place, and draws from the worker's generator state, handed over with each call: bit for bit what the thread trains,
+without sharing the interpreter lock with training. Refused, with why: sharded weights (ZeRO-3, FSDP), vLLM
+colocated (nothing to overlap) or on several processes, TreeFlex's searches; generation in a process with vLLM,
+several processes, a custom engine or a GPU (`unsupported_process`).
 
 On several processes each rank's worker grows that rank's share, as the synchronous trainer's ranks do, out of step
 with the other ranks: its policy copy's forward has no collective, its turn loop votes with itself, and its scoring
@@ -55,12 +60,14 @@ import torch
 from .. import trl_internals
 from ..asynchronous import pacing, random_state, weights
 from ..asynchronous.worker import RolloutJob, RolloutWorker, StoppableEngine
-from ..core import pipeline
+from ..core import pipeline, tree_attention
 from ..core.packing import PackedTrees, unwrap_model
 from ..core.tree_unit import TreeUnits
 from ..rollout.generating.engine import HFEngine, rollout_session
+from ..rollout.generating.engine_process import ProcessEngine
 from ..rollout.generating.vllm_engine import VLLMEngine
 from . import async_vllm, engine_ports, resume
+from .configuration.checks import ROLLOUT_GENERATIONS
 from .observability import rank_metrics as tree_metrics
 from .scoring import LeafScorer
 
@@ -105,6 +112,54 @@ def unsupported(trainer) -> str | None:
     return None
 
 
+def unsupported_process(trainer) -> str | None:
+    """Why this trainer's rollout worker cannot generate in a child process (`rollout_generation="process"`), or
+    None. Read again when the worker session starts: a trainer's engine may be swapped after it is built."""
+    if trainer.use_vllm:
+        return (
+            "it generates with vLLM, whose server is a process of its own already: the child process serves the "
+            "HF engine's generation"
+        )
+    if trainer.accelerator.num_processes > 1:
+        return (
+            f"it runs on {trainer.accelerator.num_processes} processes: a generation process per rank is not built "
+            "(one process is served)"
+        )
+    engine = trainer.generation_engine
+    if not isinstance(engine, HFEngine):
+        return (
+            f"its generation engine is a {type(engine).__name__}, not an HFEngine: a custom engine is called as it "
+            "is, from the worker's thread; only the HF engine is rebuilt in a child process"
+        )
+    if trainer.accelerator.device.type != "cpu":
+        return (
+            f"it trains on {trainer.accelerator.device}: the generation process serves a CPU policy copy (on a GPU, "
+            "generation on the device already takes most of its Python off the interpreter; handing the device's "
+            "generator and streams to a child is not built)"
+        )
+    return None
+
+
+def _refuse_process(reason: str) -> ValueError:
+    return ValueError(
+        f"rollout_generation=\"process\" (the rollout worker's generation in a child process) cannot serve this run: "
+        f"{reason}. Use rollout_generation=\"thread\"."
+    )
+
+
+def _child_autocast(trainer):
+    """The trainer's autocast (`accelerator.autocast()`, the HF ports' `precision`) as a factory a child process can
+    unpickle: `torch.autocast` with the settings accelerate would use, or no autocast."""
+    from accelerate.utils import get_mixed_precision_context_manager
+
+    handler = trainer.accelerator.autocast_handler
+    context = get_mixed_precision_context_manager(trainer.accelerator.native_amp, handler)
+    if not isinstance(context, torch.autocast):
+        return contextlib.nullcontext
+    kwargs = handler.to_kwargs() if handler is not None else {}
+    return functools.partial(torch.autocast, device_type=context.device, dtype=context.fast_dtype, **kwargs)
+
+
 def _sharded(trainer) -> bool:
     """Whether the trained model's parameters are sharded over the ranks (DeepSpeed ZeRO-3, FSDP)."""
     from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
@@ -112,18 +167,24 @@ def _sharded(trainer) -> bool:
     return bool(is_deepspeed_zero3_enabled() or getattr(trainer, "is_fsdp_enabled", False))
 
 
-def use_rollout_worker(trainer, max_staleness: int) -> AsyncRollouts:
-    """Grow `trainer`'s generation batches in a rollout worker, at most `max_staleness` versions ahead. The trainer
-    does this itself when `args.max_staleness` > 0; tests call it with 0 to run the worker path in lockstep."""
+def use_rollout_worker(trainer, max_staleness: int, generation: str | None = None) -> AsyncRollouts:
+    """Grow `trainer`'s generation batches in a rollout worker, at most `max_staleness` versions ahead, generating in
+    its thread or in a child process (`generation`, default the trainer's `rollout_generation`). The trainer does
+    this itself when `args.max_staleness` > 0; tests call it with 0 to run the worker path in lockstep."""
     if not isinstance(max_staleness, int) or isinstance(max_staleness, bool) or max_staleness < 0:
         raise ValueError(f"max_staleness must be an int >= 0, got {max_staleness!r}.")
+    generation = getattr(trainer.args, "rollout_generation", "thread") if generation is None else generation
+    if generation not in ROLLOUT_GENERATIONS:
+        raise ValueError(f"rollout_generation must be one of {ROLLOUT_GENERATIONS}; got {generation!r}.")
     reason = unsupported(trainer)
     if reason is not None:
         raise ValueError(
             f"max_staleness={max_staleness} (asynchronous rollouts) cannot serve this run: {reason}. "
             "Use max_staleness=0."
         )
-    trainer._async_rollouts = AsyncRollouts(trainer, max_staleness)
+    if generation == "process" and (reason := unsupported_process(trainer)) is not None:
+        raise _refuse_process(reason)
+    trainer._async_rollouts = AsyncRollouts(trainer, max_staleness, generation)
     return trainer._async_rollouts
 
 
@@ -151,8 +212,8 @@ class _Produced:
 class AsyncRollouts:
     """One trainer's asynchronous rollouts; a worker session lasts one `train()` call (`close` ends it)."""
 
-    def __init__(self, trainer, max_staleness: int):
-        self.trainer, self.max_staleness = trainer, max_staleness
+    def __init__(self, trainer, max_staleness: int, generation: str = "thread"):
+        self.trainer, self.max_staleness, self.generation = trainer, max_staleness, generation
         self.generate_every = trainer.args.steps_per_generation * trainer.num_iterations
         self.lock = threading.Lock()
         self.reader: pacing.ReadAhead | None = None
@@ -165,6 +226,7 @@ class AsyncRollouts:
         self._next_random: dict | None = None
         self._restored_weights: deque[weights.PolicyWeights] = deque()
         self._restore_checkpointing: Callable[[], None] = lambda: None  # set by a worker session (`_start`)
+        self.generation_process: ProcessEngine | None = None  # generation="process": the session's child
         # the vLLM server's weights (server mode: `async_vllm`), the version in the policy copy, and the seconds spent
         # pushing since the last batch was produced (worker thread only)
         self.served: async_vllm.ServedPolicy | None = None
@@ -207,21 +269,27 @@ class AsyncRollouts:
         return batches
 
     def close(self) -> None:
-        """End the worker session: stop and join the worker, close its turn loop's tool pool, forget what was
-        admitted and restored (idempotent; a later `train()` without resume starts the worker's sampler afresh)."""
+        """End the worker session: stop and join the worker, close its turn loop's tool pool and its generation
+        process, forget what was admitted and restored (idempotent; a later `train()` without resume starts the
+        worker's sampler afresh)."""
         worker, self.worker = self.worker, None
+        process, self.generation_process = self.generation_process, None
         self.reader, self._admitted = None, deque()
         self._next_sampler, self._next_random, self._restored_weights = None, None, deque()
         restore_checkpointing, self._restore_checkpointing = self._restore_checkpointing, lambda: None
-        if worker is None:
-            restore_checkpointing()
-            return
         try:
-            worker.close()
+            if worker is not None:
+                try:
+                    worker.close()  # the thread first: it may be waiting on the generation process
+                finally:
+                    self.turn_loop.close()
         finally:
-            self.turn_loop.close()
-            restore_checkpointing()
-            self.served, self._copy_version = None, None  # a next session pushes its first version again
+            try:
+                if process is not None:  # also when the session failed to start after starting it
+                    process.close()
+            finally:
+                restore_checkpointing()
+                self.served, self._copy_version = None, None  # a next session pushes its first version again
 
     def checkpoint_state(self) -> dict[str, Any] | None:
         """What a checkpoint needs to regenerate the batches in flight as the uninterrupted run grows them: the
@@ -342,6 +410,8 @@ class AsyncRollouts:
     def _start(self) -> None:
         """A worker session: the policy copy, the worker's engine, turn loop, sampler and scorer, and the thread."""
         trainer = self.trainer
+        if self.generation == "process" and (reason := unsupported_process(trainer)) is not None:
+            raise _refuse_process(reason)  # the engine swapped since the trainer was built (a custom one)
         # the trainer's backward must not rewind the generator the worker samples from (`random_state`)
         self._restore_checkpointing = random_state.checkpointing_leaves_rng_alone(trainer.model)
         self.policy = weights.policy_copy(trainer.model)
@@ -354,6 +424,12 @@ class AsyncRollouts:
                 unwrapped_for_generation=lambda: contextlib.nullcontext(self.policy),
             )
             engine = HFEngine(ports, with_scores=trainer.needs_entropies)
+            if self.generation == "process":  # the copy in shared memory, generated with in a child (`_load` in place)
+                # the copy's attention may be the tree kernel (`packing.attend_tree_rows_by_chains`): registered there
+                self.generation_process = ProcessEngine(
+                    engine, precision=_child_autocast(trainer), setup=tree_attention.register
+                )
+                engine = self.generation_process
         elif isinstance(engine, VLLMEngine):  # server mode (`unsupported`): the versions reach the server by push
             self.served = async_vllm.ServedPolicy(trainer, self.policy)
             engine = VLLMEngine(self.served.ports(), with_scores=trainer.needs_entropies)

@@ -31,6 +31,8 @@ from .resolution import resolve_branches, resolve_budget
 PACKING_LAYOUTS = PACKING_CHOICES
 MALFORMED_TOOL_CALL_POLICIES = ("observe", "end")
 GENERATION_CACHES = ("prefix", "static", "dynamic")
+# where the rollout worker generates (`async_rollouts`): in its thread, or in a child process (`engine_process`)
+ROLLOUT_GENERATIONS = ("thread", "process")
 
 _GRPO_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
 # GRPO options without an effect on any tree trainer, and what to use instead (`unused_grpo_options`)
@@ -214,6 +216,23 @@ def check_tree_fields(config) -> None:
             f"generation_cache must be one of {GENERATION_CACHES}; got {config.generation_cache!r}: 'prefix' reuses "
             "earlier turns' keys and values within a rollout, 'static' preallocates the KV cache of each generate "
             "call, 'dynamic' grows it token by token."
+        )
+
+
+def check_rollout_generation(config) -> None:
+    """`rollout_generation` names a place the rollout worker generates in, and "process" has a worker to serve.
+    What else it cannot serve (vLLM, several processes, a custom engine, a GPU) is refused by the trainer
+    (`trl_tree.trainer.async_rollouts.unsupported_process`), which knows the run."""
+    if config.rollout_generation not in ROLLOUT_GENERATIONS:
+        raise ValueError(
+            f"rollout_generation must be one of {ROLLOUT_GENERATIONS}; got {config.rollout_generation!r}: 'thread' "
+            "generates in the rollout worker's thread, 'process' in a child process."
+        )
+    if config.rollout_generation == "process" and config.max_staleness == 0:
+        raise ValueError(
+            "rollout_generation=\"process\" (the rollout worker's generation in a child process) cannot serve this "
+            "run: max_staleness=0 has no rollout worker (the trainer generates in its own thread). Set "
+            "max_staleness >= 1, or use rollout_generation=\"thread\"."
         )
 
 

@@ -227,6 +227,15 @@ class TreeTrainerConfig(GRPOConfig):
             π_old, and nothing is dropped. The HF engine, a custom engine or vLLM in server mode (each version
             pushed to the server by TRL's weight sync between the worker's jobs), tree samplers; what it cannot
             serve (vLLM colocated, TreeFlex, ...) is refused with why (`trl_tree.trainer.async_rollouts.unsupported`).
+        rollout_generation (`str`, defaults to `"thread"`): where the rollout worker (max_staleness > 0) runs its HF
+            engine's generation. `"thread"`: in the worker's thread. `"process"`: in a child process
+            (`trl_tree.rollout.generating.engine_process`), the worker's policy copy in shared memory, written in
+            place between batches, and torch's generator state handed over with each call, so it trains bit for bit
+            what `"thread"` trains. On a CPU a thread shares the interpreter lock with training (SmolLM2's generation
+            measured 13 % slower beside training in a thread, not slower in a process: benchmarks/README.md, section
+            11). Refused with why where it cannot serve: max_staleness=0 (no worker, by this config), and by the
+            trainer (`async_rollouts.unsupported_process`) vLLM (its server generates), several processes, a custom
+            engine, a GPU.
         Rejected when set to anything but GRPOConfig's default, all named in one error with what to use instead
         (`TreeTrainerConfig.unused_grpo_options`): loss_type, scale_rewards, delta, importance_sampling_level, beta,
         num_iterations, top_entropy_quantile, entropy_coef, use_adaptive_entropy, off_policy_mask_threshold,
@@ -309,6 +318,11 @@ class TreeTrainerConfig(GRPOConfig):
         default=0, metadata={"help": "Generation batches a rollout worker grows ahead of the trainer, each sampled by "
                              "weights at most this many generation batches old (0: synchronous)."}
     )
+    rollout_generation: str = field(
+        default="thread", metadata={"help": "thread | process: where the rollout worker (max_staleness > 0) generates "
+                                   "with the HF engine: in its thread, or in a child process (CPU, one process; "
+                                   "no interpreter lock shared with training)."}
+    )
 
     default_max_turns: ClassVar[int] = 5
     maps_tool_calling_iterations: ClassVar[bool] = True  # TreeFlex's max_turns is per segment, not per trajectory
@@ -320,6 +334,7 @@ class TreeTrainerConfig(GRPOConfig):
             raise TypeError("TreeTrainerConfig is the shared base: use TreeConfig (or a preset) or TreeFlexConfig.")
         if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
             raise ValueError(f"max_staleness must be an int >= 0 (0: synchronous), got {self.max_staleness!r}.")
+        checks.check_rollout_generation(self)
         check_generations_fit(self)  # before the budget arithmetic derives the sampler's budget field from a G no
         # tree could hold
         self._check_composition()
