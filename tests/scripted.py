@@ -320,3 +320,17 @@ def threads_left(before: set) -> list[str]:
         for t in threading.enumerate()
         if t not in before and t.name != "tqdm_monitor" and "_telemetry_worker" not in t.name
     ]
+
+
+def recording_losses(trainer) -> list:
+    """The list each loss `trainer` computes from now on is appended to (detached clones), for runs compared bit for
+    bit or checked finite."""
+    losses, compute_loss = [], trainer.compute_loss
+
+    def record(*args, **kwargs):
+        loss = compute_loss(*args, **kwargs)
+        losses.append(loss.detach().clone())
+        return loss
+
+    trainer.compute_loss = record
+    return losses

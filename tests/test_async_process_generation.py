@@ -21,7 +21,7 @@ from transformers import GenerationConfig, TrainerCallback
 
 from tests.launch.tiny_tree_run import build_trainer
 from tests.resume_runs import sampled_trainer
-from tests.scripted import threads_left, tiny
+from tests.scripted import recording_losses, threads_left, tiny
 from trl_tree import TreeOPSDConfig
 from trl_tree.asynchronous import weights
 from trl_tree.rollout.generating import engine_process
@@ -202,19 +202,6 @@ def test_engines_a_child_cannot_run_are_refused_before_it_starts():
 STEPS = 6  # three generation batches of E = 2 blocks: at staleness 1 sampled by versions 0, 0, 1
 
 
-def _recording_losses(trainer) -> list:
-    """The list each loss `trainer` computes is appended to, detached."""
-    losses, compute_loss = [], trainer.compute_loss
-
-    def record(*args, **kwargs):
-        loss = compute_loss(*args, **kwargs)
-        losses.append(loss.detach().clone())
-        return loss
-
-    trainer.compute_loss = record
-    return losses
-
-
 def _train(tmp_path, name, generation=None, max_staleness=None, **changes):
     """A `build_trainer` run of `STEPS` steps: synchronous (`max_staleness` None), through the worker in lockstep
     (0), or at that staleness; `generation` where the worker generates. Returns its losses, final trainable
@@ -225,7 +212,7 @@ def _train(tmp_path, name, generation=None, max_staleness=None, **changes):
     trainer = build_trainer(str(tmp_path / name), max_steps=STEPS, **fields, **changes)
     if max_staleness == 0:
         use_rollout_worker(trainer, 0, generation)
-    losses = _recording_losses(trainer)
+    losses = recording_losses(trainer)
     trainer.train()
     params = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     versions = [e["async/policy_version"] for e in trainer.state.log_history if "async/policy_version" in e]
@@ -289,17 +276,17 @@ def test_a_resumed_run_trains_bit_for_bit_what_the_uninterrupted_run_trains(tmp_
     trains the uninterrupted run's losses and parameters, bit for bit; no child is left by the interrupted run."""
     fields = dict(max_steps=STEPS, max_staleness=1, rollout_generation="process", save_strategy="steps", save_steps=1)
     full = build_trainer(str(tmp_path / "full"), **fields)
-    full_losses = _recording_losses(full)
+    full_losses = recording_losses(full)
     full.train()
     children = set(_children())
     stopping = build_trainer(str(tmp_path / "stopped"), **fields)
     stopping.add_callback(_StopAfterCheckpoint())
-    losses = _recording_losses(stopping)
+    losses = recording_losses(stopping)
     with pytest.raises(KeyboardInterrupt):
         stopping.train()
     assert set(_children()) <= children
     resumed = build_trainer(str(tmp_path / "stopped"), **fields)
-    resumed_losses = _recording_losses(resumed)
+    resumed_losses = recording_losses(resumed)
     resumed.train(resume_from_checkpoint=True)
     losses = losses[:3] + resumed_losses
     assert len(losses) == len(full_losses) == STEPS and all(torch.equal(a, b) for a, b in zip(losses, full_losses))

@@ -18,7 +18,7 @@ from transformers.trainer_pt_utils import safe_globals
 
 from tests.launch.tiny_tree_run import CONFIGURATIONS, build_trainer, components
 from tests.resume_runs import questions, sampled_trainer
-from tests.scripted import contains_answer, threads_left, tiny
+from tests.scripted import contains_answer, recording_losses, threads_left, tiny
 from trl_tree import TreeFlexConfig, TreeFlexTrainer, TreeOPSDConfig, methods
 from trl_tree.asynchronous import pacing, weights
 from trl_tree.asynchronous.worker import RolloutJob, RolloutWorker, StoppableEngine
@@ -275,8 +275,7 @@ def test_every_tree_configuration_trains_at_staleness_1(tmp_path, name):
     model: its second batch is sampled one version back, its behaviour log-probs travel beside π_old, and its losses
     are finite. (TreeFlex, whose harness grows searches, is refused: `test_bad_max_staleness_and_unserved...`.)"""
     trainer = build_trainer(str(tmp_path), method=name, max_steps=4, prompts=8, max_staleness=1)
-    losses, compute_loss = [], trainer.compute_loss
-    trainer.compute_loss = lambda *a, **k: losses.append(compute_loss(*a, **k)) or losses[-1]
+    losses = recording_losses(trainer)
     trainer.train()
     assert _logged(trainer, "async/staleness_max") == [0.0, 1.0]
     assert len(losses) == 4 and all(torch.isfinite(x) for x in losses)

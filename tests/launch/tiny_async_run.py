@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from tests.launch.tiny_tree_run import build_trainer
-from tests.scripted import threads_left
+from tests.scripted import recording_losses, threads_left
 from trl_tree.trainer.async_rollouts import use_rollout_worker
 
 STEPS = 6  # three generation batches of E = 2 optimizer blocks (steps_per_generation = 2)
@@ -32,14 +32,7 @@ def run(out: Path, name: str, max_staleness: int | None) -> dict:
     trainer = build_trainer(str(out / name), max_steps=STEPS, prompts=PROMPTS, **fields)
     if max_staleness == 0:
         use_rollout_worker(trainer, 0)
-    losses, compute_loss = [], trainer.compute_loss
-
-    def record_loss(*args, **kwargs):
-        loss = compute_loss(*args, **kwargs)
-        losses.append(loss.detach().clone())
-        return loss
-
-    trainer.compute_loss = record_loss
+    losses = recording_losses(trainer)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     threads = set(threading.enumerate())
     trainer.train()

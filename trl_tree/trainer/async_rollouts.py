@@ -67,7 +67,7 @@ from ..rollout.generating.engine import HFEngine, rollout_session
 from ..rollout.generating.engine_process import ProcessEngine
 from ..rollout.generating.vllm_engine import VLLMEngine
 from . import async_vllm, engine_ports, resume
-from .configuration.checks import ROLLOUT_GENERATIONS
+from .configuration.checks import ROLLOUT_GENERATIONS, check_choice
 from .observability import rank_metrics as tree_metrics
 from .scoring import LeafScorer
 
@@ -174,8 +174,7 @@ def use_rollout_worker(trainer, max_staleness: int, generation: str | None = Non
     if not isinstance(max_staleness, int) or isinstance(max_staleness, bool) or max_staleness < 0:
         raise ValueError(f"max_staleness must be an int >= 0, got {max_staleness!r}.")
     generation = getattr(trainer.args, "rollout_generation", "thread") if generation is None else generation
-    if generation not in ROLLOUT_GENERATIONS:
-        raise ValueError(f"rollout_generation must be one of {ROLLOUT_GENERATIONS}; got {generation!r}.")
+    check_choice("rollout_generation", generation, ROLLOUT_GENERATIONS)
     reason = unsupported(trainer)
     if reason is not None:
         raise ValueError(

@@ -90,8 +90,7 @@ def check_tree_sampler(sampler: str) -> None:
 
 def check_harness(sampler: str) -> None:
     """TreeFlexConfig's sampler is one of the built-in harnesses (`harnesses`)."""
-    if sampler not in harnesses():
-        raise ValueError(f"sampler must be one of {harnesses()}; got {sampler!r}.")
+    check_choice("sampler", sampler, harnesses())
 
 
 def check_tree_composition(config) -> None:
@@ -181,28 +180,18 @@ def check_tree_fields(config) -> None:
     check_rollout_numbers(config)
     if config.max_turns is None or config.max_turns < 1:
         raise ValueError(f"max_turns must be ≥ 1 (assistant turns per trajectory); got {config.max_turns}.")
-    if config.multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
-        raise ValueError(
-            f"multi_objective_aggregation must be one of {MULTI_OBJECTIVE_AGGREGATIONS}; got "
-            f"{config.multi_objective_aggregation!r}."
-        )
+    check_choice("multi_objective_aggregation", config.multi_objective_aggregation, MULTI_OBJECTIVE_AGGREGATIONS)
     check_tool_execution(config.tool_execution)
     check_max_concurrent_tool_calls(config.max_concurrent_tool_calls)
     check_max_tool_calls_per_turn(config.max_tool_calls_per_turn)
-    if config.malformed_tool_calls not in MALFORMED_TOOL_CALL_POLICIES:
-        raise ValueError(
-            f"malformed_tool_calls must be one of {MALFORMED_TOOL_CALL_POLICIES}; got {config.malformed_tool_calls!r}:"
-            " 'observe' answers an unparseable tool call with an error observation, 'end' ends the trajectory."
-        )
+    check_choice("malformed_tool_calls", config.malformed_tool_calls, MALFORMED_TOOL_CALL_POLICIES,
+                 "'observe' answers an unparseable tool call with an error observation, 'end' ends the trajectory.")
     check_observation_special_tokens(config.observation_special_tokens)
     if config.max_completion_length is None or config.max_completion_length < 1:
         raise ValueError("max_completion_length must be a positive number of tokens per trajectory.")
-    if config.environment_branching not in ENVIRONMENT_BRANCHING:
-        raise ValueError(
-            f"environment_branching must be one of {ENVIRONMENT_BRANCHING}; got {config.environment_branching!r}: "
-            "'fork' uses the environment's fork(), 'copy' copy.deepcopy, 'replay' re-runs the recorded tool calls "
-            "on a fresh instance, 'auto' fork(), else a copy when nothing could be shared, else replay."
-        )
+    check_choice("environment_branching", config.environment_branching, ENVIRONMENT_BRANCHING,
+                 "'fork' uses the environment's fork(), 'copy' copy.deepcopy, 'replay' re-runs the recorded tool calls "
+                 "on a fresh instance, 'auto' fork(), else a copy when nothing could be shared, else replay.")
     check_replay_divergence(config.replay_divergence)
     if config.max_turn_tokens is not None and config.max_turn_tokens < 1:
         raise ValueError(
@@ -211,23 +200,24 @@ def check_tree_fields(config) -> None:
         )
     check_chunk_tokens(config.generation_chunk_tokens)
     check_max_bytes(config.max_prefix_cache_bytes)
-    if config.generation_cache not in GENERATION_CACHES:
-        raise ValueError(
-            f"generation_cache must be one of {GENERATION_CACHES}; got {config.generation_cache!r}: 'prefix' reuses "
-            "earlier turns' keys and values within a rollout, 'static' preallocates the KV cache of each generate "
-            "call, 'dynamic' grows it token by token."
-        )
+    check_choice("generation_cache", config.generation_cache, GENERATION_CACHES,
+                 "'prefix' reuses earlier turns' keys and values within a rollout, 'static' preallocates the KV cache "
+                 "of each generate call, 'dynamic' grows it token by token.")
+
+
+def check_choice(name: str, value, choices, meaning: str = "") -> None:
+    """`value` of the field `name` is one of `choices`, else a ValueError naming all of them and, when given, what
+    each `meaning`."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}; got {value!r}" + (f": {meaning}" if meaning else "."))
 
 
 def check_rollout_generation(config) -> None:
     """`rollout_generation` names a place the rollout worker generates in, and "process" has a worker to serve.
     What else it cannot serve (vLLM, several processes, a custom engine, a GPU) is refused by the trainer
     (`trl_tree.trainer.async_rollouts.unsupported_process`), which knows the run."""
-    if config.rollout_generation not in ROLLOUT_GENERATIONS:
-        raise ValueError(
-            f"rollout_generation must be one of {ROLLOUT_GENERATIONS}; got {config.rollout_generation!r}: 'thread' "
-            "generates in the rollout worker's thread, 'process' in a child process."
-        )
+    check_choice("rollout_generation", config.rollout_generation, ROLLOUT_GENERATIONS,
+                 "'thread' generates in the rollout worker's thread, 'process' in a child process.")
     if config.rollout_generation == "process" and config.max_staleness == 0:
         raise ValueError(
             "rollout_generation=\"process\" (the rollout worker's generation in a child process) cannot serve this "
@@ -254,8 +244,7 @@ def check_generation_kwargs(config) -> None:
 
 def check_packing(config) -> None:
     """`packing` names a layout of `trl_tree.core.packing` or "auto"."""
-    if config.packing not in PACKING_LAYOUTS:
-        raise ValueError(f"packing must be one of {PACKING_LAYOUTS}; got {config.packing!r}.")
+    check_choice("packing", config.packing, PACKING_LAYOUTS)
 
 
 def unused_grpo_options(config) -> dict[str, str]:
